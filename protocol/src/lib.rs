@@ -1,0 +1,231 @@
+//! The check API between the meshlimit filter and `meshlimitd`.
+//!
+//! `POST /v1/check` takes a [`CheckRequest`] and answers a [`CheckResponse`].
+//! Both sides depend on this crate so the two cannot drift: the filter
+//! serializes what the service deserializes, field for field.
+//!
+//! A request is a batch of [`Check`]s (one per HTTP request today; many once
+//! the filter coalesces concurrent requests). Each check is decided on its
+//! own and atomically: all of its limits admit the request, or none of them
+//! consumes quota.
+//!
+//! This crate does no I/O and knows nothing of proxy-wasm or tokio.
+
+// Tests may unwrap and index: a failing test should panic loudly.
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
+use serde::{Deserialize, Serialize};
+
+/// Path of the check endpoint on `meshlimitd`.
+pub const CHECK_PATH: &str = "/v1/check";
+
+/// A batch of checks, decided independently of each other.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckRequest {
+    pub checks: Vec<Check>,
+}
+
+/// One HTTP request's worth of limits for one subject.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Check {
+    /// Who is being limited (the client id as the filter derived it, e.g.
+    /// `hdr:x-api-key:abc` or `ip:10.0.0.1`). Untrusted client input: the
+    /// service escapes or hashes it before it becomes part of a key.
+    pub subject: String,
+    /// How many units this request costs on every limit.
+    #[serde(default = "default_cost")]
+    pub cost: u64,
+    /// Every limit that applies to the request; all are decided together.
+    pub limits: Vec<Limit>,
+}
+
+fn default_cost() -> u64 {
+    1
+}
+
+/// One limit to apply to a subject.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limit {
+    /// Stable name of the limit, `rule/limit`; part of the counter's key, so
+    /// two rules never share a counter by accident.
+    pub name: String,
+    /// Requests (cost units) admitted per window.
+    pub requests: u64,
+    /// Window length in milliseconds.
+    pub window_ms: u64,
+    pub algorithm: Algorithm,
+}
+
+/// Counting algorithm of a limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Counter per aligned window; cheap, but allows up to 2x the limit
+    /// around a window edge.
+    FixedWindow,
+    /// Sorted set of admitted requests; exact.
+    SlidingWindowLog,
+    /// Current and previous window weighted by overlap; constant memory.
+    SlidingWindowCounter,
+    /// GCRA; one timestamp per key.
+    TokenBucket,
+}
+
+impl Algorithm {
+    /// Short name used in keys and logs.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow => "fw",
+            Algorithm::SlidingWindowLog => "swl",
+            Algorithm::SlidingWindowCounter => "swc",
+            Algorithm::TokenBucket => "tb",
+        }
+    }
+
+    /// The name as it appears in configuration and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindowLog => "sliding_window_log",
+            Algorithm::SlidingWindowCounter => "sliding_window_counter",
+            Algorithm::TokenBucket => "token_bucket",
+        }
+    }
+}
+
+/// Answers to a [`CheckRequest`], in the same order as its checks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckResponse {
+    pub results: Vec<CheckResult>,
+}
+
+/// The decision for one [`Check`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckResult {
+    /// True when every limit admitted the request (and all were charged).
+    pub allowed: bool,
+    /// One status per limit of the check, in the same order.
+    pub limits: Vec<LimitStatus>,
+}
+
+/// State of one limit after the decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitStatus {
+    /// Whether this limit alone would admit the request.
+    pub allowed: bool,
+    /// The limit's capacity per window.
+    pub limit: u64,
+    /// Units left in the current window after this decision.
+    pub remaining: u64,
+    /// Milliseconds until the window's quota is fully restored.
+    pub reset_after_ms: u64,
+    /// Milliseconds until a request of the same cost could be admitted by this
+    /// limit; 0 when allowed.
+    pub retry_after_ms: u64,
+}
+
+/// Body of every non-200 answer from `meshlimitd`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+impl CheckResult {
+    /// The status that headers should report: the limit with the least
+    /// remaining quota (the IETF RateLimit draft says to report the most
+    /// constraining one); on a deny, the denying limit whose retry is latest.
+    pub fn most_constraining(&self) -> Option<&LimitStatus> {
+        if self.allowed {
+            self.limits
+                .iter()
+                .min_by_key(|s| (s.remaining, std::cmp::Reverse(s.reset_after_ms)))
+        } else {
+            self.limits
+                .iter()
+                .filter(|s| !s.allowed)
+                .max_by_key(|s| s.retry_after_ms)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(allowed: bool, remaining: u64, reset: u64, retry: u64) -> LimitStatus {
+        LimitStatus {
+            allowed,
+            limit: 10,
+            remaining,
+            reset_after_ms: reset,
+            retry_after_ms: retry,
+        }
+    }
+
+    #[test]
+    fn request_round_trips_with_default_cost() {
+        let json = r#"{"checks":[{"subject":"s","limits":[{"name":"api/m","requests":5,"window_ms":60000,"algorithm":"fixed_window"}]}]}"#;
+        let req: CheckRequest = serde_json::from_str(json).unwrap();
+        assert_eq!(req.checks[0].cost, 1);
+        assert_eq!(req.checks[0].limits[0].algorithm, Algorithm::FixedWindow);
+        let again: CheckRequest =
+            serde_json::from_str(&serde_json::to_string(&req).unwrap()).unwrap();
+        assert_eq!(req, again);
+    }
+
+    #[test]
+    fn unknown_fields_and_algorithms_are_rejected() {
+        assert!(serde_json::from_str::<CheckRequest>(r#"{"checks":[],"x":1}"#).is_err());
+        let bad_algo = r#"{"checks":[{"subject":"s","limits":[{"name":"a","requests":1,"window_ms":1,"algorithm":"leaky"}]}]}"#;
+        assert!(serde_json::from_str::<CheckRequest>(bad_algo).is_err());
+    }
+
+    #[test]
+    fn all_algorithm_names_parse() {
+        for name in [
+            "fixed_window",
+            "sliding_window_log",
+            "sliding_window_counter",
+            "token_bucket",
+        ] {
+            let a: Algorithm = serde_json::from_str(&format!("\"{name}\"")).unwrap();
+            assert_eq!(a.as_str(), name);
+        }
+    }
+
+    #[test]
+    fn most_constraining_on_allow_is_least_remaining() {
+        let r = CheckResult {
+            allowed: true,
+            limits: vec![status(true, 7, 1000, 0), status(true, 2, 60000, 0)],
+        };
+        assert_eq!(r.most_constraining().unwrap().remaining, 2);
+    }
+
+    #[test]
+    fn most_constraining_on_deny_is_latest_denying_limit() {
+        let r = CheckResult {
+            allowed: false,
+            limits: vec![
+                status(true, 3, 1000, 0),
+                status(false, 0, 5000, 5000),
+                status(false, 0, 900, 900),
+            ],
+        };
+        assert_eq!(r.most_constraining().unwrap().retry_after_ms, 5000);
+    }
+}

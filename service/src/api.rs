@@ -1,0 +1,199 @@
+//! HTTP API: `POST /v1/check`, `GET /healthz`, `GET /readyz`, `GET /metrics`.
+//!
+//! Status codes are a contract with the filter: 200 is a decision, 400 and
+//! 413 are the caller's mistake (with a reason), 503 means "Redis cannot
+//! decide now, fall back". Nothing else is 5xx.
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use meshlimit_protocol::{Algorithm, CheckRequest, CheckResponse, ErrorBody, CHECK_PATH};
+use tracing::{debug, warn};
+
+use crate::limiter::Limiter;
+use crate::metrics::Metrics;
+
+/// Bounds on one call, so one caller cannot make a script or a reply huge.
+pub const MAX_CHECKS: usize = 1024;
+pub const MAX_LIMITS_PER_CHECK: usize = 32;
+pub const MAX_SUBJECT_BYTES: usize = 64 * 1024;
+const MAX_WINDOW_MS: u64 = 31 * 86_400_000;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub limiter: Limiter,
+    pub metrics: Metrics,
+}
+
+pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route(CHECK_PATH, post(check))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(ErrorBody {
+            error: message.into(),
+        }),
+    )
+        .into_response()
+}
+
+async fn check(State(state): State<AppState>, body: Bytes) -> Response {
+    // The body is read in full before anything is answered: Envoy only
+    // reuses the upstream connection of a call whose request was consumed.
+    let response = decide(&state, &body).await;
+    state.metrics.response(response.status().as_u16());
+    response
+}
+
+async fn decide(state: &AppState, body: &[u8]) -> Response {
+    let request: CheckRequest = match serde_json::from_slice(body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("malformed check request: {e}"),
+            )
+        }
+    };
+    if let Err(reason) = validate(&request) {
+        return error(StatusCode::BAD_REQUEST, reason);
+    }
+    let mut results = Vec::with_capacity(request.checks.len());
+    for check in &request.checks {
+        match state.limiter.check(check).await {
+            Ok(result) => {
+                state.metrics.decision(result.allowed);
+                results.push(result);
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot decide: answering 503 so the caller falls back");
+                return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+            }
+        }
+    }
+    debug!(checks = results.len(), "decided");
+    Json(CheckResponse { results }).into_response()
+}
+
+/// Checks what serde cannot: bounds and values.
+pub fn validate(request: &CheckRequest) -> Result<(), String> {
+    if request.checks.is_empty() {
+        return Err("checks: must contain at least one check".into());
+    }
+    if request.checks.len() > MAX_CHECKS {
+        return Err(format!("checks: at most {MAX_CHECKS} per call"));
+    }
+    for (i, check) in request.checks.iter().enumerate() {
+        if check.subject.is_empty() {
+            return Err(format!("checks[{i}].subject: must not be empty"));
+        }
+        if check.subject.len() > MAX_SUBJECT_BYTES {
+            return Err(format!(
+                "checks[{i}].subject: at most {MAX_SUBJECT_BYTES} bytes"
+            ));
+        }
+        if check.cost == 0 {
+            return Err(format!("checks[{i}].cost: must be at least 1"));
+        }
+        if check.limits.is_empty() || check.limits.len() > MAX_LIMITS_PER_CHECK {
+            return Err(format!(
+                "checks[{i}].limits: must hold 1 to {MAX_LIMITS_PER_CHECK} limits"
+            ));
+        }
+        for (j, limit) in check.limits.iter().enumerate() {
+            let at = format!("checks[{i}].limits[{j}]");
+            if limit.name.is_empty()
+                || limit.name.len() > 160
+                || !limit
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
+            {
+                return Err(format!(
+                    "{at}.name: 1 to 160 of letters, digits, '-', '_', '.', '/'"
+                ));
+            }
+            if limit.requests == 0 {
+                return Err(format!("{at}.requests: must be at least 1"));
+            }
+            if limit.window_ms == 0 || limit.window_ms > MAX_WINDOW_MS {
+                return Err(format!(
+                    "{at}.window_ms: must be between 1 and {MAX_WINDOW_MS}"
+                ));
+            }
+            if limit.algorithm != Algorithm::FixedWindow {
+                return Err(format!(
+                    "{at}.algorithm: \"{}\" is not supported yet",
+                    limit.algorithm.as_str()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    match state.limiter.ping().await {
+        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {e}")),
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshlimit_protocol::{Check, Limit};
+
+    fn request(algorithm: Algorithm, subject: &str, requests: u64) -> CheckRequest {
+        CheckRequest {
+            checks: vec![Check {
+                subject: subject.into(),
+                cost: 1,
+                limits: vec![Limit {
+                    name: "api/m".into(),
+                    requests,
+                    window_ms: 1000,
+                    algorithm,
+                }],
+            }],
+        }
+    }
+
+    #[test]
+    fn valid_requests_pass() {
+        assert!(validate(&request(Algorithm::FixedWindow, "s", 1)).is_ok());
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let e = validate(&request(Algorithm::FixedWindow, "s", 0)).unwrap_err();
+        assert_eq!(e, "checks[0].limits[0].requests: must be at least 1");
+        let e = validate(&request(Algorithm::FixedWindow, "", 1)).unwrap_err();
+        assert!(e.starts_with("checks[0].subject"));
+        let e = validate(&request(Algorithm::TokenBucket, "s", 1)).unwrap_err();
+        assert!(e.contains("not supported yet"), "{e}");
+        assert!(validate(&CheckRequest { checks: vec![] }).is_err());
+    }
+}

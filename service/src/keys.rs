@@ -1,0 +1,128 @@
+//! Redis key layout.
+//!
+//! ```text
+//! <prefix>{<tag>}:<rule>/<limit>:<algorithm>:<window_ms>
+//! ml:{e:hdr:x-api-key:alice}:api/per-minute:fw:60000
+//! ml:{h:3f1c…(64 hex)}:api/per-minute:fw:60000
+//! ```
+//!
+//! The subject is client input, so it never reaches a key as is. The tag is
+//! either `e:` + the subject percent-encoded (short, plain ids stay readable
+//! for operators) or `h:` + the SHA-256 of the subject (long or exotic ids).
+//! Percent-encoding escapes `{`, `}`, `%`, control bytes and everything
+//! outside a small safe set, so no client can end the hash tag early and
+//! choose a Redis Cluster slot; the two prefixes cannot produce the same
+//! tag; and no id makes a key longer than about 100 bytes plus the names.
+//! All keys of one subject share its tag, hence one slot, hence one script.
+
+use meshlimit_protocol::Limit;
+use sha2::{Digest, Sha256};
+
+/// Longest escaped subject kept readable; longer ones are hashed.
+const MAX_ESCAPED_LEN: usize = 64;
+
+/// The hash tag content for a subject (without the braces).
+pub fn subject_tag(subject: &str) -> String {
+    let mut escaped = String::with_capacity(subject.len().min(MAX_ESCAPED_LEN) + 2);
+    escaped.push_str("e:");
+    for b in subject.bytes() {
+        if escaped.len() > MAX_ESCAPED_LEN {
+            return hashed(subject);
+        }
+        if b.is_ascii_alphanumeric() || b"-_.:@/".contains(&b) {
+            escaped.push(char::from(b));
+        } else {
+            escaped.push_str(&format!("%{b:02X}"));
+        }
+    }
+    if escaped.len() > MAX_ESCAPED_LEN {
+        return hashed(subject);
+    }
+    escaped
+}
+
+fn hashed(subject: &str) -> String {
+    format!("h:{}", hex::encode(Sha256::digest(subject.as_bytes())))
+}
+
+/// The key of one limit's counter for one subject.
+pub fn limit_key(prefix: &str, tag: &str, limit: &Limit) -> String {
+    format!(
+        "{prefix}{{{tag}}}:{}:{}:{}",
+        limit.name,
+        limit.algorithm.short_name(),
+        limit.window_ms
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshlimit_protocol::Algorithm;
+
+    fn limit() -> Limit {
+        Limit {
+            name: "api/per-minute".into(),
+            requests: 20,
+            window_ms: 60_000,
+            algorithm: Algorithm::FixedWindow,
+        }
+    }
+
+    /// Redis Cluster's rule: the tag is between the first `{` and the next `}`.
+    fn cluster_tag(key: &str) -> &str {
+        if let Some(open) = key.find('{') {
+            if let Some(len) = key[open + 1..].find('}') {
+                if len > 0 {
+                    return &key[open + 1..open + 1 + len];
+                }
+            }
+        }
+        key
+    }
+
+    #[test]
+    fn plain_ids_stay_readable() {
+        assert_eq!(subject_tag("hdr:x-api-key:alice"), "e:hdr:x-api-key:alice");
+        assert_eq!(
+            limit_key("ml:", &subject_tag("ip:10.0.0.1"), &limit()),
+            "ml:{e:ip:10.0.0.1}:api/per-minute:fw:60000"
+        );
+    }
+
+    #[test]
+    fn braces_cannot_choose_the_slot() {
+        for id in ["a", "{a}", "x{a}y", "}{", "{", "}", "a}b{c"] {
+            let key = limit_key("ml:", &subject_tag(id), &limit());
+            assert_eq!(cluster_tag(&key), subject_tag(id), "{id}");
+            assert!(!subject_tag(id).contains(['{', '}']), "{id}");
+        }
+    }
+
+    #[test]
+    fn different_ids_never_share_a_tag() {
+        let ids = [
+            "a", "{a}", "x{a}y", "}{", "a%7B", "%7Ba%7D", "A", "a\u{1}", "a\t", "a\n", "",
+        ];
+        let tags: std::collections::HashSet<_> = ids.iter().map(|i| subject_tag(i)).collect();
+        assert_eq!(tags.len(), ids.len());
+    }
+
+    #[test]
+    fn long_ids_are_hashed_to_a_bounded_tag() {
+        let big = "z".repeat(16 * 1024);
+        let tag = subject_tag(&big);
+        assert!(tag.starts_with("h:"));
+        assert_eq!(tag.len(), 2 + 64);
+        assert_ne!(subject_tag(&"z".repeat(16 * 1024 + 1)), tag);
+        // Exactly at the boundary both sides stay distinct.
+        let edge = "q".repeat(MAX_ESCAPED_LEN - 2);
+        assert!(subject_tag(&edge).starts_with("e:"));
+        assert!(subject_tag(&format!("{edge}q")).starts_with("h:"));
+    }
+
+    #[test]
+    fn control_bytes_are_escaped() {
+        assert_eq!(subject_tag("a\u{0}b\u{7f}"), "e:a%00b%7F");
+    }
+}

@@ -1,0 +1,11 @@
+//! meshlimitd: the stateless check service behind the meshlimit filter.
+//!
+//! Any instance can answer any request: all state is in Redis, changed only
+//! by the scripts in [`script`]. See `api` for the HTTP contract and `keys`
+//! for the key layout.
+
+pub mod api;
+pub mod keys;
+pub mod limiter;
+pub mod metrics;
+pub mod script;

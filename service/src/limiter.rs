@@ -1,0 +1,181 @@
+//! Runs checks on Redis.
+
+use std::time::{Duration, Instant};
+
+use meshlimit_protocol::{Algorithm, Check, CheckResult, LimitStatus};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::Script;
+
+use crate::keys;
+use crate::metrics::Metrics;
+use crate::script;
+
+/// Why Redis could not decide a check. Every variant becomes a 503, which
+/// tells the filter to fall back.
+#[derive(Debug, thiserror::Error)]
+pub enum LimiterError {
+    #[error("redis did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("redis error: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis returned an unexpected reply: {0}")]
+    Reply(String),
+}
+
+impl LimiterError {
+    /// Label for the error metric.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LimiterError::Timeout(_) => "timeout",
+            LimiterError::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
+            LimiterError::Redis(_) => "command",
+            LimiterError::Reply(_) => "reply",
+        }
+    }
+}
+
+/// Shared, cheap-to-clone handle on Redis and the scripts.
+#[derive(Clone)]
+pub struct Limiter {
+    conn: ConnectionManager,
+    fixed_window: Script,
+    prefix: String,
+    timeout: Duration,
+    metrics: Metrics,
+}
+
+impl Limiter {
+    /// Does not touch the network: the first command connects, and a lost
+    /// connection is re-established by the manager, so meshlimitd starts
+    /// and keeps running while Redis is away.
+    pub fn new(
+        redis_url: &str,
+        prefix: String,
+        timeout: Duration,
+        metrics: Metrics,
+    ) -> Result<Self, redis::RedisError> {
+        let client = redis::Client::open(redis_url)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout.max(Duration::from_millis(100))))
+            .set_response_timeout(Some(timeout))
+            // Reconnect quickly and give up quickly: a caller waiting on a
+            // reconnect loop is a caller past the filter's timeout. The next
+            // command after a failure starts a new attempt.
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(200));
+        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+        Ok(Limiter {
+            conn,
+            fixed_window: Script::new(script::FIXED_WINDOW),
+            prefix,
+            timeout,
+            metrics,
+        })
+    }
+
+    /// Decides one check atomically (all of its limits or none).
+    pub async fn check(&self, check: &Check) -> Result<CheckResult, LimiterError> {
+        let tag = keys::subject_tag(&check.subject);
+        let mut invocation = self.fixed_window.prepare_invoke();
+        invocation.arg(check.cost);
+        for limit in &check.limits {
+            debug_assert_eq!(limit.algorithm, Algorithm::FixedWindow);
+            invocation
+                .key(keys::limit_key(&self.prefix, &tag, limit))
+                .arg(limit.requests)
+                .arg(limit.window_ms);
+        }
+        let mut conn = self.conn.clone();
+        let started = Instant::now();
+        let reply =
+            tokio::time::timeout(self.timeout, invocation.invoke_async::<Vec<i64>>(&mut conn))
+                .await;
+        self.metrics.observe_redis(started.elapsed());
+        let values = match reply {
+            Err(_) => Err(LimiterError::Timeout(self.timeout)),
+            Ok(Err(e)) => Err(LimiterError::Redis(e)),
+            Ok(Ok(values)) => Ok(values),
+        }
+        .inspect_err(|e| self.metrics.redis_error(e.kind()))?;
+        parse_reply(check, &values)
+    }
+
+    /// Round trip to Redis, for readiness.
+    pub async fn ping(&self) -> Result<(), LimiterError> {
+        let mut conn = self.conn.clone();
+        let reply = tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(250)),
+            redis::cmd("PING").query_async::<String>(&mut conn),
+        )
+        .await;
+        match reply {
+            Err(_) => Err(LimiterError::Timeout(self.timeout)),
+            Ok(Err(e)) => Err(e.into()),
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+}
+
+fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterError> {
+    let expected = 1 + 3 * check.limits.len();
+    if values.len() != expected {
+        return Err(LimiterError::Reply(format!(
+            "{} values, expected {expected}",
+            values.len()
+        )));
+    }
+    let allowed = values.first() == Some(&1);
+    let limits = check
+        .limits
+        .iter()
+        .zip(values.get(1..).unwrap_or_default().chunks_exact(3))
+        .map(|(limit, v)| {
+            let (ok, remaining, reset) = (v[0] == 1, v[1].max(0) as u64, v[2].max(0) as u64);
+            LimitStatus {
+                allowed: ok,
+                limit: limit.requests,
+                remaining,
+                reset_after_ms: reset,
+                retry_after_ms: if ok { 0 } else { reset },
+            }
+        })
+        .collect();
+    Ok(CheckResult { allowed, limits })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshlimit_protocol::Limit;
+
+    fn check(n: usize) -> Check {
+        Check {
+            subject: "s".into(),
+            cost: 1,
+            limits: (0..n)
+                .map(|i| Limit {
+                    name: format!("r/l{i}"),
+                    requests: 10,
+                    window_ms: 1000,
+                    algorithm: Algorithm::FixedWindow,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn reply_maps_to_statuses() {
+        let r = parse_reply(&check(2), &[0, 1, 3, 400, 0, 0, 900]).unwrap();
+        assert!(!r.allowed);
+        assert_eq!(r.limits[0].remaining, 3);
+        assert_eq!(r.limits[0].retry_after_ms, 0);
+        assert!(!r.limits[1].allowed);
+        assert_eq!(r.limits[1].retry_after_ms, 900);
+    }
+
+    #[test]
+    fn short_replies_are_errors() {
+        assert!(parse_reply(&check(2), &[1, 1, 3]).is_err());
+    }
+}

@@ -1,0 +1,118 @@
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use meshlimitd::api::{self, AppState};
+use meshlimitd::limiter::Limiter;
+use meshlimitd::metrics::Metrics;
+use tracing::{error, info};
+
+/// meshlimitd: decides meshlimit's rate limits on Redis.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Address to listen on (port 0 picks a free port; the chosen address is logged).
+    #[arg(long, env = "MESHLIMITD_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Redis URL, e.g. redis://127.0.0.1:6379 or redis://user:pass@host:6379/0.
+    #[arg(
+        long,
+        env = "MESHLIMITD_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379"
+    )]
+    redis_url: String,
+    /// Prefix of every key meshlimitd writes (must not contain '{' or '}').
+    #[arg(long, env = "MESHLIMITD_KEY_PREFIX", default_value = "ml:")]
+    key_prefix: String,
+    /// Largest accepted request body; larger ones get 413.
+    #[arg(long, env = "MESHLIMITD_MAX_BODY_BYTES", default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Time allowed for one Redis script run before answering 503.
+    #[arg(long, env = "MESHLIMITD_REDIS_TIMEOUT_MS", default_value_t = 50)]
+    redis_timeout_ms: u64,
+    /// Log format: text or json.
+    #[arg(long, env = "MESHLIMITD_LOG_FORMAT", default_value = "text")]
+    log_format: String,
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MESHLIMITD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if args.log_format == "json" {
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    if let Err(e) = run(args).await {
+        error!("{e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    if args.key_prefix.contains(['{', '}']) {
+        return Err(
+            "--key-prefix must not contain '{' or '}' (they would pick a Redis Cluster slot)"
+                .into(),
+        );
+    }
+    let metrics = Metrics::new();
+    let limiter = Limiter::new(
+        &args.redis_url,
+        args.key_prefix.clone(),
+        Duration::from_millis(args.redis_timeout_ms.max(1)),
+        metrics.clone(),
+    )
+    .map_err(|e| format!("invalid --redis-url: {e}"))?;
+    let app = api::router(AppState { limiter, metrics }, args.max_body_bytes);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the listening address: {e}"))?;
+    info!(
+        "meshlimitd listening on {local}, redis {}",
+        redact(&args.redis_url)
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .map_err(|e| format!("server error: {e}"))?;
+    info!("meshlimitd stopped");
+    Ok(())
+}
+
+/// Hides a password in a Redis URL before it reaches a log line.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}://***@{}", &url[..scheme], &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    info!("shutting down: finishing in-flight checks");
+}

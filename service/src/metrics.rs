@@ -1,0 +1,108 @@
+//! Prometheus metrics of meshlimitd, served on `/metrics`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabel {
+    status: u16,
+}
+
+/// Handles on every metric; clones share the same series.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    decisions: Family<ResultLabel, Counter>,
+    redis_errors: Family<KindLabel, Counter>,
+    redis_latency: Histogram,
+    responses: Family<StatusLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("meshlimitd");
+        let decisions = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "decisions",
+            "Checks decided, by result (allowed or denied)",
+            decisions.clone(),
+        );
+        let redis_errors = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "redis_errors",
+            "Failed Redis calls, by kind (timeout, connection, command, reply)",
+            redis_errors.clone(),
+        );
+        // 50us .. ~100ms: loopback Redis answers in tens of microseconds;
+        // anything near the filter's timeout (20ms default) is trouble.
+        let redis_latency = Histogram::new([
+            0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1,
+        ]);
+        registry.register(
+            "redis_latency_seconds",
+            "Time of one script run on Redis",
+            redis_latency.clone(),
+        );
+        let responses = Family::<StatusLabel, Counter>::default();
+        registry.register(
+            "check_responses",
+            "Answers to /v1/check, by HTTP status",
+            responses.clone(),
+        );
+        Metrics {
+            registry: Arc::new(registry),
+            decisions,
+            redis_errors,
+            redis_latency,
+            responses,
+        }
+    }
+
+    pub fn decision(&self, allowed: bool) {
+        let result = if allowed { "allowed" } else { "denied" };
+        self.decisions.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    pub fn redis_error(&self, kind: &'static str) {
+        self.redis_errors.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    pub fn observe_redis(&self, elapsed: Duration) {
+        self.redis_latency.observe(elapsed.as_secs_f64());
+    }
+
+    pub fn response(&self, status: u16) {
+        self.responses.get_or_create(&StatusLabel { status }).inc();
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}

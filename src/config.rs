@@ -1,0 +1,723 @@
+//! Plugin configuration: the JSON in Envoy's `configuration` (or Istio's
+//! `pluginConfig`), parsed and validated once in `on_configure`.
+//!
+//! Every problem is reported as a [`ConfigError`] naming the field by its
+//! path (`rules[0].limits[1].window`), because the operator only sees one
+//! log line and must be able to fix the config from it alone.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use meshlimit_protocol::Algorithm;
+use serde::Deserialize;
+
+use crate::duration;
+
+/// A configuration the filter refuses to run with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Path of the offending field, e.g. `rules[0].limits[0].requests`.
+    pub field: String,
+    pub problem: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() || self.field == "." {
+            write!(f, "invalid meshlimit configuration: {}", self.problem)
+        } else {
+            write!(
+                f,
+                "invalid meshlimit configuration: field `{}`: {}",
+                self.field, self.problem
+            )
+        }
+    }
+}
+
+fn err(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+/// The validated configuration the filter runs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub service: ServiceConfig,
+    pub client_id: ClientIdConfig,
+    pub rules: Vec<Rule>,
+    pub failure_mode: FailureMode,
+    pub response: ResponseConfig,
+    pub local: LocalConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceConfig {
+    /// Envoy cluster of `meshlimitd` instances.
+    pub cluster: String,
+    /// `:authority` of the check call.
+    pub authority: String,
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientIdConfig {
+    /// Request headers tried in order; the first present and non-empty wins.
+    pub headers: Vec<String>,
+    pub when_missing: WhenMissing,
+    /// Proxies in front of this Envoy that append to `x-forwarded-for`.
+    pub trusted_hops: u32,
+    /// Status sent with `when_missing: reject`.
+    pub reject_status: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WhenMissing {
+    /// Refuse the request with `reject_status`.
+    Reject,
+    /// Count it in one bucket shared by every anonymous request.
+    Anonymous,
+    /// Use the client's address (`source.address` or `x-forwarded-for`).
+    ClientAddress,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    pub name: String,
+    pub path_prefix: String,
+    /// Upper-case methods; empty means any.
+    pub methods: Vec<String>,
+    pub limits: Vec<LimitConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitConfig {
+    pub name: String,
+    /// `rule/limit`: the limit's identity in keys, headers and logs.
+    pub qualified_name: String,
+    pub requests: u64,
+    pub window_ms: u64,
+    pub algorithm: Algorithm,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Enforce the same limits per Envoy from shared data.
+    Local,
+    /// Let the request through.
+    Allow,
+    /// Refuse the request with the configured deny response.
+    Deny,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HeaderStyle {
+    /// `RateLimit-Policy` and `RateLimit` per the IETF httpapi draft.
+    Draft,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
+    XRatelimit,
+    None,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseConfig {
+    pub status: u32,
+    pub body: String,
+    pub headers: HeaderStyle,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalConfig {
+    /// Shared-data slots for fallback counters (each holds a few clients).
+    pub slots: u32,
+}
+
+/// Bounds that keep a typo from becoming an outage.
+const MAX_WINDOW_MS: u64 = 31 * 86_400_000;
+const MAX_TIMEOUT_MS: u64 = 60_000;
+const MIN_SLOTS: u32 = 16;
+const MAX_SLOTS: u32 = 1 << 20;
+const MAX_NAME_LEN: usize = 64;
+
+// ---- wire shape (what serde reads) ----
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    service: RawService,
+    #[serde(default)]
+    client_id: RawClientId,
+    rules: Option<Vec<RawRule>>,
+    #[serde(default = "default_failure_mode")]
+    failure_mode: FailureMode,
+    #[serde(default)]
+    response: RawResponse,
+    #[serde(default)]
+    local: RawLocal,
+}
+
+fn default_failure_mode() -> FailureMode {
+    FailureMode::Local
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawService {
+    cluster: String,
+    authority: String,
+    timeout: String,
+}
+
+impl Default for RawService {
+    fn default() -> Self {
+        RawService {
+            cluster: "meshlimit".into(),
+            authority: "meshlimitd".into(),
+            timeout: "20ms".into(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawClientId {
+    headers: Vec<String>,
+    when_missing: WhenMissing,
+    trusted_hops: u32,
+    reject_status: u32,
+}
+
+impl Default for RawClientId {
+    fn default() -> Self {
+        RawClientId {
+            headers: Vec::new(),
+            when_missing: WhenMissing::ClientAddress,
+            trusted_hops: 0,
+            reject_status: 401,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: String,
+    #[serde(default, rename = "match")]
+    matcher: RawMatch,
+    #[serde(default)]
+    limits: Vec<RawLimit>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawMatch {
+    path_prefix: String,
+    methods: Vec<String>,
+}
+
+impl Default for RawMatch {
+    fn default() -> Self {
+        RawMatch {
+            path_prefix: "/".into(),
+            methods: Vec::new(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    name: String,
+    requests: u64,
+    window: String,
+    #[serde(default = "default_algorithm")]
+    algorithm: Algorithm,
+}
+
+fn default_algorithm() -> Algorithm {
+    Algorithm::FixedWindow
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawResponse {
+    status: u32,
+    body: String,
+    headers: HeaderStyle,
+}
+
+impl Default for RawResponse {
+    fn default() -> Self {
+        RawResponse {
+            status: 429,
+            body: "rate limit exceeded\n".into(),
+            headers: HeaderStyle::Draft,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawLocal {
+    slots: u32,
+}
+
+impl Default for RawLocal {
+    fn default() -> Self {
+        RawLocal { slots: 4096 }
+    }
+}
+
+/// Parses and validates the plugin configuration.
+pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(err(
+            "",
+            "the configuration is empty; at least `rules` is required",
+        ));
+    }
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let field = e.path().to_string();
+        let inner = e.into_inner();
+        // serde_json appends "at line L column C"; the field path says more.
+        let mut problem = inner.to_string();
+        if let Some(pos) = problem.rfind(" at line ") {
+            problem.truncate(pos);
+        }
+        err(field, problem)
+    })?;
+    validate(raw)
+}
+
+fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+    let service = validate_service(raw.service)?;
+    let client_id = validate_client_id(raw.client_id)?;
+    let raw_rules = raw
+        .rules
+        .ok_or_else(|| err("rules", "missing: at least one rule is required"))?;
+    if raw_rules.is_empty() {
+        return Err(err("rules", "must contain at least one rule"));
+    }
+    let mut rule_names = HashSet::new();
+    let mut rules = Vec::with_capacity(raw_rules.len());
+    for (i, raw_rule) in raw_rules.into_iter().enumerate() {
+        let rule = validate_rule(i, raw_rule)?;
+        if !rule_names.insert(rule.name.clone()) {
+            return Err(err(
+                format!("rules[{i}].name"),
+                format!("duplicate rule name \"{}\"", rule.name),
+            ));
+        }
+        rules.push(rule);
+    }
+    let response = validate_response(raw.response)?;
+    if !(MIN_SLOTS..=MAX_SLOTS).contains(&raw.local.slots) {
+        return Err(err(
+            "local.slots",
+            format!("must be between {MIN_SLOTS} and {MAX_SLOTS}"),
+        ));
+    }
+    Ok(Config {
+        service,
+        client_id,
+        rules,
+        failure_mode: raw.failure_mode,
+        response,
+        local: LocalConfig {
+            slots: raw.local.slots,
+        },
+    })
+}
+
+fn validate_service(raw: RawService) -> Result<ServiceConfig, ConfigError> {
+    if raw.cluster.trim().is_empty() {
+        return Err(err("service.cluster", "must not be empty"));
+    }
+    if raw.authority.trim().is_empty() {
+        return Err(err("service.authority", "must not be empty"));
+    }
+    let timeout_ms =
+        duration::parse_millis(&raw.timeout).map_err(|e| err("service.timeout", e.to_string()))?;
+    if timeout_ms == 0 || timeout_ms > MAX_TIMEOUT_MS {
+        return Err(err(
+            "service.timeout",
+            format!("must be between 1ms and {}s", MAX_TIMEOUT_MS / 1000),
+        ));
+    }
+    Ok(ServiceConfig {
+        cluster: raw.cluster,
+        authority: raw.authority,
+        timeout_ms,
+    })
+}
+
+fn validate_client_id(raw: RawClientId) -> Result<ClientIdConfig, ConfigError> {
+    let mut headers = Vec::with_capacity(raw.headers.len());
+    for (i, h) in raw.headers.iter().enumerate() {
+        let lower = h.trim().to_ascii_lowercase();
+        if lower.is_empty() || !lower.bytes().all(is_header_name_byte) {
+            return Err(err(
+                format!("client_id.headers[{i}]"),
+                format!("\"{h}\" is not a valid header name"),
+            ));
+        }
+        headers.push(lower);
+    }
+    if !(400..=499).contains(&raw.reject_status) {
+        return Err(err(
+            "client_id.reject_status",
+            "must be a 4xx status (e.g. 400 or 401)",
+        ));
+    }
+    if raw.trusted_hops > 16 {
+        return Err(err("client_id.trusted_hops", "must be at most 16"));
+    }
+    Ok(ClientIdConfig {
+        headers,
+        when_missing: raw.when_missing,
+        trusted_hops: raw.trusted_hops,
+        reject_status: raw.reject_status,
+    })
+}
+
+fn is_header_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// Names become part of Redis keys and header values: keep them plain.
+fn check_name(field: String, name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Err(err(
+            field,
+            format!("must be 1 to {MAX_NAME_LEN} characters long"),
+        ));
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+    {
+        return Err(err(
+            field,
+            format!("\"{name}\" may only contain letters, digits, '-', '_' and '.'"),
+        ));
+    }
+    Ok(())
+}
+
+fn validate_rule(i: usize, raw: RawRule) -> Result<Rule, ConfigError> {
+    check_name(format!("rules[{i}].name"), &raw.name)?;
+    if !raw.matcher.path_prefix.starts_with('/') {
+        return Err(err(
+            format!("rules[{i}].match.path_prefix"),
+            "must start with '/'",
+        ));
+    }
+    let mut methods = Vec::with_capacity(raw.matcher.methods.len());
+    for (j, m) in raw.matcher.methods.iter().enumerate() {
+        let upper = m.trim().to_ascii_uppercase();
+        if upper.is_empty() || !upper.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(err(
+                format!("rules[{i}].match.methods[{j}]"),
+                format!("\"{m}\" is not an HTTP method"),
+            ));
+        }
+        methods.push(upper);
+    }
+    if raw.limits.is_empty() {
+        return Err(err(
+            format!("rules[{i}].limits"),
+            "a rule needs at least one limit",
+        ));
+    }
+    let mut limit_names = HashSet::new();
+    let mut limits = Vec::with_capacity(raw.limits.len());
+    for (j, l) in raw.limits.into_iter().enumerate() {
+        let field = |f: &str| format!("rules[{i}].limits[{j}].{f}");
+        check_name(field("name"), &l.name)?;
+        if !limit_names.insert(l.name.clone()) {
+            return Err(err(
+                field("name"),
+                format!(
+                    "duplicate limit name \"{}\" in rule \"{}\"",
+                    l.name, raw.name
+                ),
+            ));
+        }
+        if l.requests == 0 {
+            return Err(err(field("requests"), "must be at least 1"));
+        }
+        let window_ms =
+            duration::parse_millis(&l.window).map_err(|e| err(field("window"), e.to_string()))?;
+        if window_ms == 0 || window_ms > MAX_WINDOW_MS {
+            return Err(err(field("window"), "must be between 1ms and 31d"));
+        }
+        if l.algorithm != Algorithm::FixedWindow {
+            return Err(err(
+                field("algorithm"),
+                format!(
+                    "\"{}\" is not supported yet; use \"fixed_window\"",
+                    l.algorithm.as_str()
+                ),
+            ));
+        }
+        limits.push(LimitConfig {
+            qualified_name: format!("{}/{}", raw.name, l.name),
+            name: l.name,
+            requests: l.requests,
+            window_ms,
+            algorithm: l.algorithm,
+        });
+    }
+    Ok(Rule {
+        name: raw.name,
+        path_prefix: raw.matcher.path_prefix,
+        methods,
+        limits,
+    })
+}
+
+fn validate_response(raw: RawResponse) -> Result<ResponseConfig, ConfigError> {
+    if !(400..=599).contains(&raw.status) {
+        return Err(err(
+            "response.status",
+            "must be a 4xx or 5xx status (429 is the standard one)",
+        ));
+    }
+    if raw.body.len() > 64 * 1024 {
+        return Err(err("response.body", "must be at most 64 KiB"));
+    }
+    Ok(ResponseConfig {
+        status: raw.status,
+        body: raw.body,
+        headers: raw.headers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"{"rules":[{"name":"api","limits":[{"name":"per-minute","requests":100,"window":"60s"}]}]}"#;
+
+    fn parse_str(s: &str) -> Result<Config, ConfigError> {
+        parse(s.as_bytes())
+    }
+
+    fn rejects(json: &str, field: &str, problem_part: &str) {
+        let e = parse_str(json).expect_err("config should be rejected");
+        assert_eq!(e.field, field, "wrong field in {e}");
+        assert!(
+            e.problem.contains(problem_part),
+            "problem {:?} should mention {:?}",
+            e.problem,
+            problem_part
+        );
+    }
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = parse_str(MINIMAL).unwrap();
+        assert_eq!(c.service.cluster, "meshlimit");
+        assert_eq!(c.service.authority, "meshlimitd");
+        assert_eq!(c.service.timeout_ms, 20);
+        assert_eq!(c.client_id.when_missing, WhenMissing::ClientAddress);
+        assert!(c.client_id.headers.is_empty());
+        assert_eq!(c.failure_mode, FailureMode::Local);
+        assert_eq!(c.response.status, 429);
+        assert_eq!(c.response.headers, HeaderStyle::Draft);
+        assert_eq!(c.local.slots, 4096);
+        let rule = &c.rules[0];
+        assert_eq!(rule.path_prefix, "/");
+        assert!(rule.methods.is_empty());
+        assert_eq!(rule.limits[0].window_ms, 60_000);
+        assert_eq!(rule.limits[0].qualified_name, "api/per-minute");
+        assert_eq!(rule.limits[0].algorithm, Algorithm::FixedWindow);
+    }
+
+    #[test]
+    fn full_design_example_parses() {
+        let json = r#"{
+          "service": {"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "25ms"},
+          "client_id": {"headers": ["X-Api-Key", "x-client-id"], "when_missing": "reject"},
+          "rules": [
+            {"name": "api", "match": {"path_prefix": "/api/", "methods": ["get", "POST"]},
+             "limits": [{"name": "per-minute", "requests": 100, "window": "60s", "algorithm": "fixed_window"}]}
+          ],
+          "failure_mode": "deny",
+          "response": {"status": 429, "body": "slow down\n", "headers": "x-ratelimit"},
+          "local": {"slots": 64}
+        }"#;
+        let c = parse_str(json).unwrap();
+        assert_eq!(c.client_id.headers, vec!["x-api-key", "x-client-id"]);
+        assert_eq!(c.rules[0].methods, vec!["GET", "POST"]);
+        assert_eq!(c.failure_mode, FailureMode::Deny);
+        assert_eq!(c.response.headers, HeaderStyle::XRatelimit);
+        assert_eq!(c.service.timeout_ms, 25);
+    }
+
+    #[test]
+    fn empty_config_is_rejected() {
+        assert!(parse(b"").unwrap_err().problem.contains("empty"));
+        assert!(parse(b"  \n").unwrap_err().problem.contains("empty"));
+        rejects("{}", "rules", "required");
+        rejects(r#"{"rules":[]}"#, "rules", "at least one");
+    }
+
+    #[test]
+    fn unknown_fields_are_named_with_their_path() {
+        rejects(
+            r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":1,"window":"1s","burts":3}]}]}"#,
+            "rules[0].limits[0].burts",
+            "unknown field `burts`",
+        );
+        rejects(
+            r#"{"servce":{},"rules":[]}"#,
+            "servce",
+            "unknown field `servce`",
+        );
+        rejects(
+            r#"{"service":{"timeout_ms":20},"rules":[]}"#,
+            "service.timeout_ms",
+            "unknown field `timeout_ms`",
+        );
+    }
+
+    #[test]
+    fn zero_and_negative_limits_are_rejected() {
+        rejects(
+            r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":0,"window":"1s"}]}]}"#,
+            "rules[0].limits[0].requests",
+            "at least 1",
+        );
+        rejects(
+            r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":-5,"window":"1s"}]}]}"#,
+            "rules[0].limits[0].requests",
+            "invalid value",
+        );
+    }
+
+    #[test]
+    fn bad_durations_are_rejected() {
+        rejects(
+            r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":1,"window":"60"}]}]}"#,
+            "rules[0].limits[0].window",
+            "no unit",
+        );
+        rejects(
+            r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":1,"window":"0s"}]}]}"#,
+            "rules[0].limits[0].window",
+            "between",
+        );
+        rejects(
+            r#"{"service":{"timeout":"fast"},"rules":[{"name":"api","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "service.timeout",
+            "must start with",
+        );
+    }
+
+    #[test]
+    fn rules_without_limits_and_duplicates_are_rejected() {
+        rejects(
+            r#"{"rules":[{"name":"api"}]}"#,
+            "rules[0].limits",
+            "at least one limit",
+        );
+        rejects(
+            r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]},{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "rules[1].name",
+            "duplicate rule name",
+        );
+        rejects(
+            r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"},{"name":"m","requests":2,"window":"1h"}]}]}"#,
+            "rules[0].limits[1].name",
+            "duplicate limit name",
+        );
+    }
+
+    #[test]
+    fn names_that_could_move_a_hash_slot_are_rejected() {
+        rejects(
+            r#"{"rules":[{"name":"a{b}","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "rules[0].name",
+            "may only contain",
+        );
+    }
+
+    #[test]
+    fn unsupported_algorithms_are_named() {
+        rejects(
+            r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","algorithm":"token_bucket"}]}]}"#,
+            "rules[0].limits[0].algorithm",
+            "not supported yet",
+        );
+        rejects(
+            r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","algorithm":"leaky"}]}]}"#,
+            "rules[0].limits[0].algorithm",
+            "unknown variant `leaky`",
+        );
+    }
+
+    #[test]
+    fn enum_fields_name_their_choices() {
+        rejects(
+            r#"{"failure_mode":"open","rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "failure_mode",
+            "expected one of `local`, `allow`, `deny`",
+        );
+        rejects(
+            r#"{"response":{"headers":"ietf"},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "response.headers",
+            "`draft`",
+        );
+    }
+
+    #[test]
+    fn statuses_and_headers_are_checked() {
+        rejects(
+            r#"{"response":{"status":200},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "response.status",
+            "4xx or 5xx",
+        );
+        rejects(
+            r#"{"client_id":{"reject_status":302},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "client_id.reject_status",
+            "4xx",
+        );
+        rejects(
+            r#"{"client_id":{"headers":["x api"]},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "client_id.headers[0]",
+            "not a valid header name",
+        );
+        rejects(
+            r#"{"rules":[{"name":"a","match":{"path_prefix":"api"},"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "rules[0].match.path_prefix",
+            "start with",
+        );
+    }
+
+    #[test]
+    fn malformed_json_is_reported_without_panicking() {
+        let e = parse(b"{\"rules\": [").unwrap_err();
+        assert!(e.to_string().starts_with("invalid meshlimit configuration"));
+        assert!(parse(&[0xff, 0xfe, 0x00]).is_err());
+    }
+
+    #[test]
+    fn error_line_names_the_field() {
+        let e = parse_str(
+            r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":0,"window":"1s"}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid meshlimit configuration: field `rules[0].limits[0].requests`: must be at least 1"
+        );
+    }
+}

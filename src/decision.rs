@@ -1,0 +1,434 @@
+//! From a request to a verdict, without the host.
+//!
+//! [`plan`] says what a request needs (nothing, a rejection, or a check of
+//! some limits for some subject); [`read_answer`] turns meshlimitd's answer,
+//! or the lack of one, into a [`CheckResult`] or a [`ServiceError`]; and
+//! [`verdict`] turns a result into what the client sees. The proxy-wasm glue
+//! only moves bytes between these and the host.
+
+use meshlimit_protocol::{Check, CheckRequest, CheckResponse, CheckResult, ErrorBody, Limit};
+
+use crate::client_id::{self, Identity};
+use crate::config::{Config, LimitConfig};
+use crate::headers::{self, Headers};
+use crate::host::RequestView;
+use crate::rules;
+
+/// Position of a limit in the config: `(rule index, limit index)`. Kept
+/// instead of clones so a paused request carries no copies of the config.
+pub type LimitRef = (usize, usize);
+
+/// What a request needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// No rule matches: the filter stays out of the way.
+    Pass,
+    /// No client id and `when_missing: reject`.
+    Reject(DenyResponse),
+    /// Decide these limits for this subject.
+    Check(PendingCheck),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingCheck {
+    pub subject: String,
+    pub cost: u64,
+    pub limits: Vec<LimitRef>,
+}
+
+impl PendingCheck {
+    pub fn resolve<'a>(&self, cfg: &'a Config) -> Vec<&'a LimitConfig> {
+        self.limits
+            .iter()
+            .filter_map(|&(r, l)| cfg.rules.get(r).and_then(|rule| rule.limits.get(l)))
+            .collect()
+    }
+
+    /// The body of the check call.
+    pub fn to_request(&self, cfg: &Config) -> CheckRequest {
+        CheckRequest {
+            checks: vec![Check {
+                subject: self.subject.clone(),
+                cost: self.cost,
+                limits: self
+                    .resolve(cfg)
+                    .into_iter()
+                    .map(|l| Limit {
+                        name: l.qualified_name.clone(),
+                        requests: l.requests,
+                        window_ms: l.window_ms,
+                        algorithm: l.algorithm,
+                    })
+                    .collect(),
+            }],
+        }
+    }
+}
+
+/// A response the filter sends instead of forwarding the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DenyResponse {
+    pub status: u32,
+    pub headers: Headers,
+    pub body: String,
+}
+
+/// What the client sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Forward the request; add these headers to the upstream's response.
+    Allow {
+        headers: Headers,
+    },
+    Deny(DenyResponse),
+}
+
+pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> Plan {
+    let matched: Vec<LimitRef> = rules::matching(&cfg.rules, method, path)
+        .into_iter()
+        .filter_map(|rule| cfg.rules.iter().position(|r| std::ptr::eq(r, rule)))
+        .flat_map(|ri| {
+            let n = cfg.rules.get(ri).map_or(0, |r| r.limits.len());
+            (0..n).map(move |li| (ri, li))
+        })
+        .collect();
+    if matched.is_empty() {
+        return Plan::Pass;
+    }
+    match client_id::identify(&cfg.client_id, req) {
+        Identity::Reject => Plan::Reject(DenyResponse {
+            status: cfg.client_id.reject_status,
+            headers: vec![("content-type".into(), "text/plain".into())],
+            body: format!(
+                "missing client id: send one of these headers: {}\n",
+                cfg.client_id.headers.join(", ")
+            ),
+        }),
+        Identity::Subject(subject) => Plan::Check(PendingCheck {
+            subject,
+            cost: 1,
+            limits: matched,
+        }),
+    }
+}
+
+/// Why the service's answer could not be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServiceError {
+    /// No answer within the configured timeout.
+    Timeout,
+    /// No connection to any meshlimitd (refused, reset, no healthy host).
+    Connection,
+    /// meshlimitd answered 503: it cannot reach Redis.
+    Unavailable,
+    /// Any other non-200 status.
+    BadStatus(u32),
+    /// 200 with a body that is not a valid answer to our check.
+    BadBody(String),
+}
+
+impl ServiceError {
+    /// Suffix of the stat counting this kind of error.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServiceError::Timeout => "timeout",
+            ServiceError::Connection => "connection",
+            ServiceError::Unavailable => "unavailable",
+            ServiceError::BadStatus(_) => "bad_status",
+            ServiceError::BadBody(_) => "bad_body",
+        }
+    }
+}
+
+impl std::fmt::Display for ServiceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServiceError::Timeout => f.write_str("meshlimitd did not answer in time"),
+            ServiceError::Connection => f.write_str("could not connect to meshlimitd"),
+            ServiceError::Unavailable => f.write_str("meshlimitd cannot reach Redis (503)"),
+            ServiceError::BadStatus(s) => write!(f, "meshlimitd answered status {s}"),
+            ServiceError::BadBody(why) => write!(f, "meshlimitd sent an unusable body: {why}"),
+        }
+    }
+}
+
+/// Largest answer body we will parse; anything bigger is not ours.
+pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+/// Reads meshlimitd's answer to a one-check call with `expected_limits`
+/// limits. `status` is `None` when Envoy gave no response at all (it calls
+/// back with no headers on timeout and reset); `timed_out` tells the two
+/// apart from the elapsed time.
+pub fn read_answer(
+    status: Option<u32>,
+    body: Option<&[u8]>,
+    expected_limits: usize,
+    timed_out: bool,
+) -> Result<CheckResult, ServiceError> {
+    let body = body.unwrap_or_default();
+    match status {
+        None if timed_out => return Err(ServiceError::Timeout),
+        None => return Err(ServiceError::Connection),
+        Some(200) => {}
+        Some(504) => return Err(ServiceError::Timeout),
+        Some(503) => {
+            // meshlimitd's own 503 carries a JSON error; Envoy's local reply
+            // for a failed connection does not.
+            return Err(if serde_json::from_slice::<ErrorBody>(body).is_ok() {
+                ServiceError::Unavailable
+            } else {
+                ServiceError::Connection
+            });
+        }
+        Some(other) => return Err(ServiceError::BadStatus(other)),
+    }
+    if body.is_empty() {
+        return Err(ServiceError::BadBody("empty body".into()));
+    }
+    if body.len() > MAX_ANSWER_BYTES {
+        return Err(ServiceError::BadBody(format!("{} bytes", body.len())));
+    }
+    let answer: CheckResponse =
+        serde_json::from_slice(body).map_err(|e| ServiceError::BadBody(e.to_string()))?;
+    let mut results = answer.results.into_iter();
+    let (Some(result), None) = (results.next(), results.next()) else {
+        return Err(ServiceError::BadBody("expected exactly one result".into()));
+    };
+    if result.limits.len() != expected_limits {
+        return Err(ServiceError::BadBody(format!(
+            "expected {expected_limits} limit statuses, got {}",
+            result.limits.len()
+        )));
+    }
+    if result.allowed != result.limits.iter().all(|l| l.allowed) {
+        return Err(ServiceError::BadBody(
+            "overall decision contradicts the limits".into(),
+        ));
+    }
+    Ok(result)
+}
+
+/// What the client sees for a decided check.
+pub fn verdict(cfg: &Config, limits: &[&LimitConfig], result: &CheckResult) -> Verdict {
+    let mut hdrs = headers::rate_limit_headers(cfg.response.headers, limits, result);
+    if result.allowed {
+        return Verdict::Allow { headers: hdrs };
+    }
+    let retry_ms = result
+        .most_constraining()
+        .map_or(1000, |s| s.retry_after_ms);
+    hdrs.push((
+        "retry-after".into(),
+        headers::retry_after_secs(retry_ms).to_string(),
+    ));
+    Verdict::Deny(deny_response(cfg, hdrs))
+}
+
+/// The configured deny, for `failure_mode: deny` (nothing is known about the
+/// quota, so only a short `Retry-After`).
+pub fn failure_deny(cfg: &Config) -> Verdict {
+    Verdict::Deny(deny_response(cfg, vec![("retry-after".into(), "1".into())]))
+}
+
+fn deny_response(cfg: &Config, mut hdrs: Headers) -> DenyResponse {
+    hdrs.push(("content-type".into(), "text/plain".into()));
+    DenyResponse {
+        status: cfg.response.status,
+        headers: hdrs,
+        body: cfg.response.body.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config;
+    use crate::host::fake::FakeRequest;
+    use meshlimit_protocol::LimitStatus;
+
+    fn cfg(extra: &str) -> Config {
+        config::parse(
+            format!(
+                r#"{{{extra}"rules":[
+                {{"name":"api","match":{{"path_prefix":"/api/","methods":["GET"]}},
+                  "limits":[{{"name":"per-minute","requests":20,"window":"60s"}},{{"name":"per-hour","requests":100,"window":"1h"}}]}},
+                {{"name":"all","limits":[{{"name":"burst","requests":50,"window":"1s"}}]}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn keyed() -> Config {
+        cfg(r#""client_id":{"headers":["x-api-key"],"when_missing":"reject"},"#)
+    }
+
+    #[test]
+    fn every_limit_of_every_matching_rule_is_in_one_check() {
+        let c = keyed();
+        let req = FakeRequest::default().with_header("x-api-key", b"A");
+        let Plan::Check(p) = plan(&c, &req, "GET", "/api/items") else {
+            panic!("expected a check")
+        };
+        assert_eq!(p.limits, vec![(0, 0), (0, 1), (1, 0)]);
+        let body = p.to_request(&c);
+        assert_eq!(body.checks.len(), 1);
+        let names: Vec<_> = body.checks[0]
+            .limits
+            .iter()
+            .map(|l| l.name.as_str())
+            .collect();
+        assert_eq!(names, ["api/per-minute", "api/per-hour", "all/burst"]);
+        assert_eq!(body.checks[0].subject, "hdr:x-api-key:A");
+        assert_eq!(body.checks[0].limits[0].window_ms, 60_000);
+    }
+
+    #[test]
+    fn unmatched_requests_pass_and_missing_ids_are_rejected() {
+        let c = cfg(r#""client_id":{"headers":["x-api-key"],"when_missing":"reject"},"#);
+        let only_api = config::parse(
+            br#"{"client_id":{"headers":["x-api-key"],"when_missing":"reject"},"rules":[{"name":"api","match":{"path_prefix":"/api/"},"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            plan(&only_api, &FakeRequest::default(), "GET", "/health"),
+            Plan::Pass
+        );
+        let Plan::Reject(r) = plan(&c, &FakeRequest::default(), "GET", "/api/x") else {
+            panic!("expected a rejection")
+        };
+        assert_eq!(r.status, 401);
+        assert!(r.body.contains("x-api-key"));
+    }
+
+    fn status(allowed: bool, limit: u64, remaining: u64, reset: u64) -> LimitStatus {
+        LimitStatus {
+            allowed,
+            limit,
+            remaining,
+            reset_after_ms: reset,
+            retry_after_ms: if allowed { 0 } else { reset },
+        }
+    }
+
+    fn body(results: &str) -> Vec<u8> {
+        format!(r#"{{"results":[{results}]}}"#).into_bytes()
+    }
+
+    #[test]
+    fn answers_are_read_and_checked() {
+        let ok = body(
+            r#"{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":500,"retry_after_ms":0}]}"#,
+        );
+        let r = read_answer(Some(200), Some(&ok), 1, false).unwrap();
+        assert!(r.allowed);
+        assert_eq!(r.limits[0].remaining, 19);
+        assert!(matches!(
+            read_answer(Some(200), Some(&ok), 2, false),
+            Err(ServiceError::BadBody(_))
+        ));
+    }
+
+    #[test]
+    fn every_kind_of_failure_is_classified() {
+        use ServiceError::*;
+        assert_eq!(read_answer(None, None, 1, true), Err(Timeout));
+        assert_eq!(read_answer(None, None, 1, false), Err(Connection));
+        assert_eq!(read_answer(Some(504), None, 1, false), Err(Timeout));
+        assert_eq!(
+            read_answer(
+                Some(503),
+                Some(b"upstream connect error or disconnect/reset before headers"),
+                1,
+                false
+            ),
+            Err(Connection)
+        );
+        assert_eq!(
+            read_answer(Some(503), Some(br#"{"error":"redis down"}"#), 1, false),
+            Err(Unavailable)
+        );
+        assert_eq!(
+            read_answer(Some(400), Some(b"{}"), 1, false),
+            Err(BadStatus(400))
+        );
+        for bad in [
+            &b""[..],
+            b"not json",
+            b"{\"results\":[]}",
+            b"[1,2]",
+            &[0xff; 10],
+        ] {
+            assert!(
+                matches!(read_answer(Some(200), Some(bad), 1, false), Err(BadBody(_))),
+                "{bad:?}"
+            );
+        }
+        let huge = vec![b' '; MAX_ANSWER_BYTES + 1];
+        assert!(matches!(
+            read_answer(Some(200), Some(&huge), 1, false),
+            Err(BadBody(_))
+        ));
+        let contradiction = body(
+            r#"{"allowed":true,"limits":[{"allowed":false,"limit":1,"remaining":0,"reset_after_ms":1,"retry_after_ms":1}]}"#,
+        );
+        assert!(matches!(
+            read_answer(Some(200), Some(&contradiction), 1, false),
+            Err(BadBody(_))
+        ));
+    }
+
+    #[test]
+    fn deny_carries_status_retry_after_and_headers() {
+        let c = keyed();
+        let limits = vec![&c.rules[0].limits[0]];
+        let result = CheckResult {
+            allowed: false,
+            limits: vec![status(false, 20, 0, 41_200)],
+        };
+        let Verdict::Deny(d) = verdict(&c, &limits, &result) else {
+            panic!("expected deny")
+        };
+        assert_eq!(d.status, 429);
+        assert_eq!(d.body, "rate limit exceeded\n");
+        let get = |n: &str| {
+            d.headers
+                .iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(get("retry-after").as_deref(), Some("42"));
+        assert_eq!(
+            get("ratelimit").as_deref(),
+            Some("\"api/per-minute\";r=0;t=42")
+        );
+        assert_eq!(
+            get("ratelimit-policy").as_deref(),
+            Some("\"api/per-minute\";q=20;w=60")
+        );
+    }
+
+    #[test]
+    fn allow_carries_headers_for_the_response() {
+        let c = keyed();
+        let limits = vec![&c.rules[0].limits[0], &c.rules[0].limits[1]];
+        let result = CheckResult {
+            allowed: true,
+            limits: vec![status(true, 20, 5, 1000), status(true, 100, 2, 2000)],
+        };
+        let Verdict::Allow { headers } = verdict(&c, &limits, &result) else {
+            panic!("expected allow")
+        };
+        assert!(headers.contains(&("ratelimit".into(), "\"api/per-hour\";r=2;t=2".into())));
+    }
+
+    #[test]
+    fn failure_deny_uses_the_configured_response() {
+        let c = cfg(r#""response":{"status":503,"body":"busy\n"},"#);
+        let Verdict::Deny(d) = failure_deny(&c) else {
+            panic!("expected deny")
+        };
+        assert_eq!((d.status, d.body.as_str()), (503, "busy\n"));
+        assert!(d.headers.contains(&("retry-after".into(), "1".into())));
+    }
+}

@@ -1,0 +1,392 @@
+//! The proxy-wasm glue: moves bytes between Envoy and the host-independent
+//! decision logic, and nothing else.
+//!
+//! Every hostcall goes through `proxy_wasm::hostcalls` (which returns
+//! `Result`), never through the SDK's trait helpers, which `unwrap()`: a
+//! panic would trap the VM and break every later request on this worker.
+
+use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use log::{error, info, warn};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+
+use crate::config::{self, Config, FailureMode};
+use crate::decision::{self, DenyResponse, PendingCheck, Plan, ServiceError, Verdict};
+use crate::headers::Headers;
+use crate::host::{RequestView, SharedStore, StoreError};
+use crate::local::{self, LocalLimiter};
+use crate::stats;
+use crate::throttle::LogThrottle;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { worker: None }) });
+}}
+
+/// Interval between two log lines about the same kind of trouble.
+const LOG_EVERY_MS: u64 = 10_000;
+
+/// Metric ids, defined once per configuration.
+struct Metrics {
+    allowed: Option<u32>,
+    denied: Option<u32>,
+    fallback_allowed: Option<u32>,
+    fallback_denied: Option<u32>,
+    fallback_uncounted: Option<u32>,
+    rejected_no_client_id: Option<u32>,
+    service_errors: Vec<(&'static str, Option<u32>)>,
+}
+
+fn counter(name: &str) -> Option<u32> {
+    match hostcalls::define_metric(MetricType::Counter, name) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            warn!("cannot define stat {name}: {e:?}");
+            None
+        }
+    }
+}
+
+fn bump(metric: Option<u32>) {
+    if let Some(id) = metric {
+        let _ = hostcalls::increment_metric(id, 1);
+    }
+}
+
+impl Metrics {
+    fn define() -> Self {
+        Metrics {
+            allowed: counter(stats::REQUESTS_ALLOWED),
+            denied: counter(stats::REQUESTS_DENIED),
+            fallback_allowed: counter(stats::FALLBACK_ALLOWED),
+            fallback_denied: counter(stats::FALLBACK_DENIED),
+            fallback_uncounted: counter(stats::FALLBACK_UNCOUNTED),
+            rejected_no_client_id: counter(stats::REJECTED_NO_CLIENT_ID),
+            service_errors: stats::SERVICE_ERROR_KINDS
+                .iter()
+                .map(|kind| (*kind, counter(&stats::service_error(kind))))
+                .collect(),
+        }
+    }
+
+    fn service_error(&self, kind: &str) {
+        if let Some((_, id)) = self.service_errors.iter().find(|(k, _)| *k == kind) {
+            bump(*id);
+        }
+    }
+}
+
+/// What every stream of this worker shares: the configuration and the
+/// worker's counters and log throttles.
+struct Worker {
+    config: Config,
+    metrics: Metrics,
+    fallback_log: LogThrottle,
+    error_log: LogThrottle,
+}
+
+struct Root {
+    worker: Option<Rc<Worker>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(bytes) => bytes.unwrap_or_default(),
+            Err(e) => {
+                error!("cannot read the plugin configuration: {e:?}");
+                return false;
+            }
+        };
+        match config::parse(&bytes) {
+            Ok(config) => {
+                info!(
+                    "configured {} rule(s), service cluster \"{}\", failure_mode {:?}",
+                    config.rules.len(),
+                    config.service.cluster,
+                    config.failure_mode
+                );
+                self.worker = Some(Rc::new(Worker {
+                    config,
+                    metrics: Metrics::define(),
+                    fallback_log: LogThrottle::new(LOG_EVERY_MS),
+                    error_log: LogThrottle::new(LOG_EVERY_MS),
+                }));
+                true
+            }
+            Err(e) => {
+                // One line naming the field; Envoy then refuses the config.
+                error!("{e}");
+                false
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // The SDK panics on None, so an unconfigured plugin gets a stream
+        // that does nothing (Envoy does not send traffic to it anyway).
+        Some(Box::new(Stream {
+            worker: self.worker.clone(),
+            in_flight: None,
+            response_headers: Vec::new(),
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// A check sent to meshlimitd whose answer this stream waits for.
+struct InFlight {
+    check: PendingCheck,
+    started_ms: u64,
+}
+
+struct Stream {
+    worker: Option<Rc<Worker>>,
+    in_flight: Option<InFlight>,
+    /// RateLimit headers to add to the upstream's response.
+    response_headers: Headers,
+}
+
+fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn request_header_text(name: &str) -> String {
+    match hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name) {
+        Ok(Some(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
+        _ => String::new(),
+    }
+}
+
+/// The request, as the decision logic sees it.
+struct HostRequest;
+
+impl RequestView for HostRequest {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn source_address(&self) -> Option<String> {
+        hostcalls::get_property(vec!["source", "address"])
+            .ok()
+            .flatten()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    }
+}
+
+/// proxy-wasm shared data (one per VM id, shared by all workers).
+struct HostStore;
+
+impl SharedStore for HostStore {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+        hostcalls::get_shared_data(key).map_err(|_| StoreError::Failed)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        hostcalls::set_shared_data(key, Some(value), cas).map_err(|e| match e {
+            Status::CasMismatch => StoreError::CasMismatch,
+            _ => StoreError::Failed,
+        })
+    }
+}
+
+fn fresh_seed() -> (u64, u64) {
+    use std::hash::BuildHasher;
+    // RandomState draws its keys from WASI random_get.
+    let state = std::collections::hash_map::RandomState::new();
+    (
+        state.hash_one(0x6d65_7368_u64),
+        state.hash_one(0x6c69_6d69_u64),
+    )
+}
+
+impl Context for Stream {
+    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _: usize) {
+        let (Some(worker), Some(in_flight)) = (self.worker.clone(), self.in_flight.take()) else {
+            return;
+        };
+        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+        // Read one byte more than we accept, so an oversized body is seen
+        // as oversized rather than as truncated JSON.
+        let want = body_size.min(decision::MAX_ANSWER_BYTES + 1);
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, want)
+            .ok()
+            .flatten();
+        let elapsed = now_ms().saturating_sub(in_flight.started_ms);
+        let timed_out = elapsed + 1 >= worker.config.service.timeout_ms;
+        let limits = in_flight.check.resolve(&worker.config);
+        let verdict = match decision::read_answer(status, body.as_deref(), limits.len(), timed_out)
+        {
+            Ok(result) => {
+                bump(if result.allowed {
+                    worker.metrics.allowed
+                } else {
+                    worker.metrics.denied
+                });
+                decision::verdict(&worker.config, &limits, &result)
+            }
+            Err(e) => self.fallback(&worker, &in_flight.check, &e),
+        };
+        self.apply(verdict, true);
+    }
+}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        let Some(worker) = self.worker.clone() else {
+            return Action::Continue;
+        };
+        let method = request_header_text(":method");
+        let path = request_header_text(":path");
+        match decision::plan(&worker.config, &HostRequest, &method, &path) {
+            Plan::Pass => Action::Continue,
+            Plan::Reject(deny) => {
+                bump(worker.metrics.rejected_no_client_id);
+                self.send(&deny);
+                Action::Pause
+            }
+            Plan::Check(check) => self.ask_service(&worker, check),
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        for (name, value) in std::mem::take(&mut self.response_headers) {
+            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value);
+        }
+        Action::Continue
+    }
+}
+
+impl Stream {
+    fn ask_service(&mut self, worker: &Worker, check: PendingCheck) -> Action {
+        let service = &worker.config.service;
+        let body = match serde_json::to_vec(&check.to_request(&worker.config)) {
+            Ok(body) => body,
+            Err(e) => {
+                let verdict = self.fallback(worker, &check, &ServiceError::BadBody(e.to_string()));
+                return self.apply(verdict, false);
+            }
+        };
+        let dispatched = hostcalls::dispatch_http_call(
+            &service.cluster,
+            vec![
+                (":method", "POST"),
+                (":path", meshlimit_protocol::CHECK_PATH),
+                (":authority", &service.authority),
+                ("content-type", "application/json"),
+            ],
+            Some(&body),
+            vec![],
+            Duration::from_millis(service.timeout_ms),
+        );
+        match dispatched {
+            Ok(_token) => {
+                self.in_flight = Some(InFlight {
+                    check,
+                    started_ms: now_ms(),
+                });
+                Action::Pause
+            }
+            Err(e) => {
+                // Typically an unknown cluster: the config names a cluster
+                // Envoy does not have.
+                if let Some(skipped) = worker.error_log.allow(now_ms()) {
+                    warn!(
+                        "cannot dispatch to cluster \"{}\": {e:?} ({skipped} similar lines suppressed)",
+                        service.cluster
+                    );
+                }
+                let verdict = self.fallback(worker, &check, &ServiceError::Connection);
+                self.apply(verdict, false)
+            }
+        }
+    }
+
+    /// Decides without meshlimitd, as `failure_mode` says, and says so in
+    /// the stats and (at most once per interval) in the log.
+    fn fallback(&self, worker: &Worker, check: &PendingCheck, why: &ServiceError) -> Verdict {
+        worker.metrics.service_error(why.kind());
+        let config = &worker.config;
+        let verdict = match config.failure_mode {
+            FailureMode::Allow => Verdict::Allow {
+                headers: Vec::new(),
+            },
+            FailureMode::Deny => decision::failure_deny(config),
+            FailureMode::Local => {
+                let limits = check.resolve(config);
+                let seed = local::shared_seed(&HostStore, fresh_seed()).unwrap_or((0, 0));
+                let decided = LocalLimiter::new(config.local.slots, seed).check(
+                    &HostStore,
+                    &check.subject,
+                    &limits,
+                    check.cost,
+                    now_ms(),
+                );
+                if decided.degraded {
+                    bump(worker.metrics.fallback_uncounted);
+                }
+                decision::verdict(config, &limits, &decided.result)
+            }
+        };
+        let allowed = matches!(verdict, Verdict::Allow { .. });
+        bump(if allowed {
+            worker.metrics.fallback_allowed
+        } else {
+            worker.metrics.fallback_denied
+        });
+        if let Some(skipped) = worker.fallback_log.allow(now_ms()) {
+            warn!(
+                "{why}; deciding by failure_mode {:?} (this one: {}; {skipped} fallback decisions since the last line)",
+                config.failure_mode,
+                if allowed { "allowed" } else { "denied" }
+            );
+        }
+        verdict
+    }
+
+    /// Carries out a verdict. `resume` says the request was paused.
+    fn apply(&mut self, verdict: Verdict, resume: bool) -> Action {
+        match verdict {
+            Verdict::Allow { headers } => {
+                self.response_headers = headers;
+                if resume {
+                    let _ = hostcalls::resume_http_request();
+                }
+                Action::Continue
+            }
+            Verdict::Deny(deny) => {
+                self.send(&deny);
+                Action::Pause
+            }
+        }
+    }
+
+    fn send(&self, deny: &DenyResponse) {
+        let headers: Vec<(&str, &str)> = deny
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        if let Err(e) =
+            hostcalls::send_http_response(deny.status, headers, Some(deny.body.as_bytes()))
+        {
+            warn!("cannot send the {} response: {e:?}", deny.status);
+        }
+    }
+}

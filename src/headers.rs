@@ -1,0 +1,177 @@
+//! Rate-limit response headers.
+//!
+//! `draft` follows the IETF httpapi RateLimit draft: `RateLimit-Policy`
+//! lists every limit that applied (`"name";q=<quota>;w=<window s>`) and
+//! `RateLimit` reports the most constraining one (`"name";r=<remaining>;
+//! t=<seconds to reset>`). `x-ratelimit` is the older de-facto trio.
+//! Every deny carries `Retry-After` whatever the style.
+
+use meshlimit_protocol::{CheckResult, LimitStatus};
+
+use crate::config::{HeaderStyle, LimitConfig};
+
+pub type Headers = Vec<(String, String)>;
+
+/// Whole seconds, rounded up: a client that waits the advertised time must
+/// not be refused for having waited a few milliseconds too little.
+pub fn ceil_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// `Retry-After` seconds for a deny (never 0: "retry now" would invite a
+/// hot loop).
+pub fn retry_after_secs(ms: u64) -> u64 {
+    ceil_secs(ms).max(1)
+}
+
+/// Headers describing `result`, whose statuses are in the order of `limits`.
+pub fn rate_limit_headers(
+    style: HeaderStyle,
+    limits: &[&LimitConfig],
+    result: &CheckResult,
+) -> Headers {
+    let Some(top) = most_constraining(limits, result) else {
+        return Vec::new();
+    };
+    let (name, status) = top;
+    match style {
+        HeaderStyle::None => Vec::new(),
+        HeaderStyle::XRatelimit => vec![
+            ("x-ratelimit-limit".into(), status.limit.to_string()),
+            ("x-ratelimit-remaining".into(), status.remaining.to_string()),
+            (
+                "x-ratelimit-reset".into(),
+                ceil_secs(status.reset_after_ms).to_string(),
+            ),
+        ],
+        HeaderStyle::Draft => {
+            let policy = limits
+                .iter()
+                .map(|l| {
+                    format!(
+                        "\"{}\";q={};w={}",
+                        l.qualified_name,
+                        l.requests,
+                        ceil_secs(l.window_ms)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            vec![
+                ("ratelimit-policy".into(), policy),
+                (
+                    "ratelimit".into(),
+                    format!(
+                        "\"{}\";r={};t={}",
+                        name,
+                        status.remaining,
+                        ceil_secs(status.reset_after_ms)
+                    ),
+                ),
+            ]
+        }
+    }
+}
+
+fn most_constraining<'a>(
+    limits: &[&'a LimitConfig],
+    result: &'a CheckResult,
+) -> Option<(&'a str, &'a LimitStatus)> {
+    let top = result.most_constraining()?;
+    let index = result.limits.iter().position(|s| std::ptr::eq(s, top))?;
+    let limit = limits.get(index)?;
+    Some((limit.qualified_name.as_str(), top))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshlimit_protocol::Algorithm;
+
+    fn limit(name: &str, requests: u64, window_ms: u64) -> LimitConfig {
+        LimitConfig {
+            name: name.into(),
+            qualified_name: format!("api/{name}"),
+            requests,
+            window_ms,
+            algorithm: Algorithm::FixedWindow,
+        }
+    }
+
+    fn st(allowed: bool, limit: u64, remaining: u64, reset: u64, retry: u64) -> LimitStatus {
+        LimitStatus {
+            allowed,
+            limit,
+            remaining,
+            reset_after_ms: reset,
+            retry_after_ms: retry,
+        }
+    }
+
+    #[test]
+    fn draft_lists_policies_and_reports_least_remaining() {
+        let (a, b) = (
+            limit("per-second", 10, 1000),
+            limit("per-hour", 1000, 3_600_000),
+        );
+        let result = CheckResult {
+            allowed: true,
+            limits: vec![st(true, 10, 9, 400, 0), st(true, 1000, 3, 1_800_001, 0)],
+        };
+        let h = rate_limit_headers(HeaderStyle::Draft, &[&a, &b], &result);
+        assert_eq!(
+            h,
+            vec![
+                (
+                    "ratelimit-policy".to_string(),
+                    "\"api/per-second\";q=10;w=1, \"api/per-hour\";q=1000;w=3600".to_string()
+                ),
+                (
+                    "ratelimit".to_string(),
+                    "\"api/per-hour\";r=3;t=1801".to_string()
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn x_ratelimit_style() {
+        let a = limit("m", 20, 60_000);
+        let result = CheckResult {
+            allowed: false,
+            limits: vec![st(false, 20, 0, 12_500, 12_500)],
+        };
+        let h = rate_limit_headers(HeaderStyle::XRatelimit, &[&a], &result);
+        assert_eq!(
+            h,
+            vec![
+                ("x-ratelimit-limit".to_string(), "20".to_string()),
+                ("x-ratelimit-remaining".to_string(), "0".to_string()),
+                ("x-ratelimit-reset".to_string(), "13".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn none_style_and_empty_results_render_nothing() {
+        let a = limit("m", 20, 60_000);
+        let result = CheckResult {
+            allowed: true,
+            limits: vec![st(true, 20, 1, 1, 0)],
+        };
+        assert!(rate_limit_headers(HeaderStyle::None, &[&a], &result).is_empty());
+        let empty = CheckResult {
+            allowed: true,
+            limits: vec![],
+        };
+        assert!(rate_limit_headers(HeaderStyle::Draft, &[&a], &empty).is_empty());
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_is_never_zero() {
+        assert_eq!(retry_after_secs(0), 1);
+        assert_eq!(retry_after_secs(1), 1);
+        assert_eq!(retry_after_secs(1000), 1);
+        assert_eq!(retry_after_secs(1001), 2);
+    }
+}

@@ -1,0 +1,25 @@
+//! Names of the Envoy stats the filter defines. Envoy shows them under
+//! `wasmcustom.` in its stats (e.g. `wasmcustom.meshlimit.requests_denied`).
+
+/// Decisions made from meshlimitd's answer.
+pub const REQUESTS_ALLOWED: &str = "meshlimit.requests_allowed";
+pub const REQUESTS_DENIED: &str = "meshlimit.requests_denied";
+/// Decisions made without meshlimitd (`failure_mode` at work).
+pub const FALLBACK_ALLOWED: &str = "meshlimit.fallback_allowed";
+pub const FALLBACK_DENIED: &str = "meshlimit.fallback_denied";
+/// Local fallback decisions admitted uncounted because shared data failed.
+pub const FALLBACK_UNCOUNTED: &str = "meshlimit.fallback_uncounted";
+/// Requests refused for lack of a client id.
+pub const REJECTED_NO_CLIENT_ID: &str = "meshlimit.rejected_no_client_id";
+/// Failed calls to meshlimitd, one stat per [`crate::decision::ServiceError`] kind.
+pub const SERVICE_ERROR_KINDS: [&str; 5] = [
+    "timeout",
+    "connection",
+    "unavailable",
+    "bad_status",
+    "bad_body",
+];
+
+pub fn service_error(kind: &str) -> String {
+    format!("meshlimit.service_errors.{kind}")
+}

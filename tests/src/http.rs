@@ -1,0 +1,126 @@
+//! A minimal HTTP/1.1 client over a raw socket. Raw on purpose: the tests
+//! send header bytes that HTTP libraries refuse to produce (control bytes,
+//! obs-text, 16 KiB values), and must see exactly what Envoy answers.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Response {
+    /// First value of a header (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Sends one request on a fresh connection (`Connection: close`).
+pub fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> std::io::Result<Response> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(10)))?;
+    let mut req = Vec::with_capacity(256 + body.len());
+    req.extend_from_slice(
+        format!("{method} {path} HTTP/1.1\r\nhost: meshlimit.test\r\n").as_bytes(),
+    );
+    for (k, v) in headers {
+        req.extend_from_slice(k.as_bytes());
+        req.extend_from_slice(b": ");
+        req.extend_from_slice(v);
+        req.extend_from_slice(b"\r\n");
+    }
+    req.extend_from_slice(
+        format!(
+            "content-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
+    req.extend_from_slice(body);
+    stream.write_all(&req)?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    parse(&raw)
+}
+
+pub fn get(addr: &str, path: &str, headers: &[(&str, &[u8])]) -> std::io::Result<Response> {
+    request(addr, "GET", path, headers, b"")
+}
+
+fn bad(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
+}
+
+fn parse(raw: &[u8]) -> std::io::Result<Response> {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| bad("no end of headers"))?;
+    let head = String::from_utf8_lossy(&raw[..split]);
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().ok_or_else(|| bad("empty response"))?;
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("bad status line"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
+    if chunked {
+        body = dechunk(&body);
+    }
+    Ok(Response {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = data.windows(2).position(|w| w == b"\r\n") {
+        let size =
+            usize::from_str_radix(String::from_utf8_lossy(&data[..eol]).trim(), 16).unwrap_or(0);
+        if size == 0 || data.len() < eol + 2 + size {
+            break;
+        }
+        out.extend_from_slice(&data[eol + 2..eol + 2 + size]);
+        data = &data[(eol + 4 + size).min(data.len())..];
+    }
+    out
+}
+
+/// `name: value` lines of an Envoy admin `/stats` page, as numbers.
+pub fn envoy_stats(admin: &str, filter: &str) -> Vec<(String, u64)> {
+    let path = format!("/stats?filter={filter}");
+    match get(admin, &path, &[]) {
+        Ok(r) => r
+            .body
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .filter_map(|(k, v)| Some((k.to_string(), v.trim().parse().ok()?)))
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}

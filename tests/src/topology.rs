@@ -1,0 +1,351 @@
+//! The demo and test topology: clients -> front Envoy (round robin) ->
+//! replica Envoys running meshlimit.wasm -> upstream, with the replicas
+//! asking meshlimitd, which keeps the counters in Redis.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use crate::http::{self, Response};
+use crate::procs::{wait_until, Proc, TempDir};
+use crate::render::{self, indent_block, render, PLUGIN_CONFIG_INDENT};
+use crate::tools;
+
+/// Fixed ports; each topology has its own loopback address, so these never
+/// collide between topologies.
+pub const FRONT_PORT: u16 = 10000;
+pub const UPSTREAM_PORT: u16 = 10010;
+pub const REDIS_PORT: u16 = 16379;
+pub const MESHLIMITD_PORT: u16 = 18080;
+const ADMIN_BASE: u16 = 19900;
+
+pub struct TopologyOptions {
+    /// JSON plugin configuration for every replica.
+    pub plugin_config: String,
+    /// Number of replica Envoys (each with the filter).
+    pub replicas: usize,
+    /// Whether to start the round-robin front Envoy.
+    pub front: bool,
+    /// Worker threads per replica (2 exercises shared data across workers).
+    pub replica_workers: u32,
+    /// Whether to start meshlimitd (and Redis) at all.
+    pub start_service: bool,
+}
+
+impl Default for TopologyOptions {
+    fn default() -> Self {
+        TopologyOptions {
+            plugin_config: default_plugin_config(),
+            replicas: 2,
+            front: true,
+            replica_workers: 2,
+            start_service: true,
+        }
+    }
+}
+
+/// `envoy/plugin-config.json`, the configuration the demo runs.
+pub fn default_plugin_config() -> String {
+    render::template("plugin-config.json")
+}
+
+/// A loopback address no other topology of any test process uses.
+fn unique_host() -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let pid = std::process::id();
+    format!("127.{}.{}.{}", 20 + pid % 200, (n / 200) % 256, 2 + n % 200)
+}
+
+pub struct Topology {
+    pub host: String,
+    pub dir: TempDir,
+    pub options: TopologyOptions,
+    redis: Option<Proc>,
+    meshlimitd: Option<Proc>,
+    upstream: Option<Proc>,
+    replicas: Vec<Proc>,
+    front: Option<Proc>,
+}
+
+impl Topology {
+    pub fn start(options: TopologyOptions) -> Topology {
+        let host = unique_host();
+        let mut t = Topology {
+            dir: TempDir::new("topology"),
+            host,
+            options,
+            redis: None,
+            meshlimitd: None,
+            upstream: None,
+            replicas: Vec::new(),
+            front: None,
+        };
+        if t.options.start_service {
+            t.start_redis();
+            t.start_meshlimitd();
+        }
+        let upstream = t.start_envoy("upstream", &t.upstream_config(), 1);
+        t.upstream = Some(upstream);
+        for i in 1..=t.options.replicas {
+            let config = t.replica_config(i);
+            let replica =
+                t.start_envoy(&format!("replica-{i}"), &config, t.options.replica_workers);
+            t.replicas.push(replica);
+        }
+        if t.options.front {
+            let front = t.start_envoy("front", &t.front_config(), 1);
+            t.front = Some(front);
+        }
+        t
+    }
+
+    // ---- addresses ----
+
+    pub fn addr(&self, port: u16) -> String {
+        format!("{}:{port}", self.host)
+    }
+
+    /// Where clients send requests: the front, or the only replica.
+    pub fn entry(&self) -> String {
+        if self.options.front {
+            self.addr(FRONT_PORT)
+        } else {
+            self.replica_addr(1)
+        }
+    }
+
+    pub fn replica_addr(&self, i: usize) -> String {
+        self.addr(FRONT_PORT + i as u16)
+    }
+
+    pub fn replica_admin(&self, i: usize) -> String {
+        self.addr(ADMIN_BASE + i as u16)
+    }
+
+    pub fn meshlimitd_addr(&self) -> String {
+        self.addr(MESHLIMITD_PORT)
+    }
+
+    // ---- configs ----
+
+    fn base_vars(&self, admin_port: u16, listen_port: u16) -> BTreeMap<&'static str, String> {
+        BTreeMap::from([
+            ("ADMIN_HOST", self.host.clone()),
+            ("ADMIN_PORT", admin_port.to_string()),
+            ("LISTEN_HOST", self.host.clone()),
+            ("LISTEN_PORT", listen_port.to_string()),
+        ])
+    }
+
+    pub fn upstream_config(&self) -> String {
+        render(
+            &render::template("upstream.yaml"),
+            &self.base_vars(ADMIN_BASE + 10, UPSTREAM_PORT),
+        )
+    }
+
+    pub fn replica_config(&self, i: usize) -> String {
+        self.replica_config_with(i, &self.options.plugin_config)
+    }
+
+    pub fn replica_config_with(&self, i: usize, plugin_config: &str) -> String {
+        let mut vars = self.base_vars(ADMIN_BASE + i as u16, FRONT_PORT + i as u16);
+        vars.extend([
+            ("REPLICA_NAME", format!("replica-{i}")),
+            ("WASM_PATH", tools::wasm().display().to_string()),
+            (
+                "PLUGIN_CONFIG",
+                indent_block(plugin_config, PLUGIN_CONFIG_INDENT),
+            ),
+            ("MESHLIMITD_DISCOVERY", "STATIC".into()),
+            ("MESHLIMITD_HOST", self.host.clone()),
+            ("MESHLIMITD_PORT", MESHLIMITD_PORT.to_string()),
+            ("UPSTREAM_DISCOVERY", "STATIC".into()),
+            ("UPSTREAM_HOST", self.host.clone()),
+            ("UPSTREAM_PORT", UPSTREAM_PORT.to_string()),
+        ]);
+        render(&render::template("replica.yaml"), &vars)
+    }
+
+    pub fn front_config(&self) -> String {
+        let mut vars = self.base_vars(ADMIN_BASE, FRONT_PORT);
+        vars.extend([
+            ("REPLICA_DISCOVERY", "STATIC".into()),
+            ("REPLICA_1_HOST", self.host.clone()),
+            ("REPLICA_1_PORT", (FRONT_PORT + 1).to_string()),
+            ("REPLICA_2_HOST", self.host.clone()),
+            ("REPLICA_2_PORT", (FRONT_PORT + 2).to_string()),
+        ]);
+        render(&render::template("front.yaml"), &vars)
+    }
+
+    // ---- processes ----
+
+    fn start_envoy(&self, name: &str, config: &str, workers: u32) -> Proc {
+        let path = self.dir.path().join(format!("{name}.yaml"));
+        write(&path, config);
+        let mut proc = Proc::spawn(
+            name,
+            Command::new(tools::envoy())
+                .arg("-c")
+                .arg(&path)
+                .args(["--disable-hot-restart", "--log-level", "info"])
+                .args(["--concurrency", &workers.to_string()]),
+            self.dir.path(),
+        );
+        let admin = match name {
+            "front" => self.addr(ADMIN_BASE),
+            "upstream" => self.addr(ADMIN_BASE + 10),
+            _ => {
+                let i: u16 = name.trim_start_matches("replica-").parse().unwrap_or(1);
+                self.addr(ADMIN_BASE + i)
+            }
+        };
+        wait_until(&mut proc, "ready", Duration::from_secs(30), || {
+            http::get(&admin, "/ready", &[]).is_ok_and(|r| r.status == 200)
+        });
+        proc
+    }
+
+    pub fn start_redis(&mut self) {
+        let mut proc = Proc::spawn(
+            "redis",
+            Command::new(tools::redis_server())
+                .args(["--bind", &self.host, "--port", &REDIS_PORT.to_string()])
+                .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+                .arg("--dir")
+                .arg(self.dir.path()),
+            self.dir.path(),
+        );
+        let addr = self.addr(REDIS_PORT);
+        wait_until(&mut proc, "answering PING", Duration::from_secs(10), || {
+            redis_ping(&addr)
+        });
+        self.redis = Some(proc);
+    }
+
+    pub fn stop_redis(&mut self) {
+        if let Some(mut p) = self.redis.take() {
+            p.stop();
+        }
+    }
+
+    pub fn start_meshlimitd(&mut self) {
+        let mut proc = Proc::spawn(
+            "meshlimitd",
+            Command::new(tools::meshlimitd())
+                .args(["--listen", &self.meshlimitd_addr()])
+                .args(["--redis-url", &format!("redis://{}", self.addr(REDIS_PORT))]),
+            self.dir.path(),
+        );
+        let addr = self.meshlimitd_addr();
+        wait_until(&mut proc, "healthy", Duration::from_secs(10), || {
+            http::get(&addr, "/healthz", &[]).is_ok_and(|r| r.status == 200)
+        });
+        self.meshlimitd = Some(proc);
+    }
+
+    pub fn stop_meshlimitd(&mut self) {
+        if let Some(mut p) = self.meshlimitd.take() {
+            p.stop();
+        }
+    }
+
+    /// Output of a process by name, for failure messages.
+    pub fn logs(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    // ---- traffic and stats ----
+
+    pub fn get(&self, path: &str, headers: &[(&str, &[u8])]) -> Response {
+        let entry = self.entry();
+        http::get(&entry, path, headers)
+            .unwrap_or_else(|e| panic!("request to {entry}{path} failed: {e}"))
+    }
+
+    /// A filter stat (`meshlimit.requests_allowed`, ...) of replica `i`.
+    pub fn stat(&self, i: usize, name: &str) -> u64 {
+        let full = format!("wasmcustom.{name}");
+        http::envoy_stats(&self.replica_admin(i), "^wasmcustom\\.")
+            .into_iter()
+            .find(|(k, _)| *k == full)
+            .map_or(0, |(_, v)| v)
+    }
+
+    /// The stat summed over every replica.
+    pub fn stat_total(&self, name: &str) -> u64 {
+        (1..=self.options.replicas)
+            .map(|i| self.stat(i, name))
+            .sum()
+    }
+
+    /// Requests replica `i` received from downstream.
+    pub fn replica_requests(&self, i: usize) -> u64 {
+        http::envoy_stats(
+            &self.replica_admin(i),
+            "^http\\.ingress\\.downstream_rq_total$",
+        )
+        .first()
+        .map_or(0, |(_, v)| *v)
+    }
+
+    /// Runs `redis-cli` against this topology's Redis.
+    pub fn redis_cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-h", &self.host, "-p", &REDIS_PORT.to_string()])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        // Front first, so no client request reaches a half-stopped system.
+        self.front.take();
+        self.replicas.clear();
+        self.upstream.take();
+        self.meshlimitd.take();
+        self.redis.take();
+    }
+}
+
+fn write(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+}
+
+fn redis_ping(addr: &str) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+/// Runs `envoy --mode validate` on a config text; returns (ok, output).
+pub fn validate_envoy_config(config: &str, dir: &Path, name: &str) -> (bool, String) {
+    let path: PathBuf = dir.join(format!("{name}.yaml"));
+    write(&path, config);
+    let out = Command::new(tools::envoy())
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run envoy: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}

@@ -1,0 +1,397 @@
+//! End to end: real Envoy (front + two replicas running meshlimit.wasm),
+//! real meshlimitd, real redis-server, all on a loopback address of the
+//! test's own.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use meshlimit_testbed::http::{self, Response};
+use meshlimit_testbed::procs::TempDir;
+use meshlimit_testbed::topology::validate_envoy_config;
+use meshlimit_testbed::{Topology, TopologyOptions};
+
+/// The limit every test config uses: 20 requests per minute.
+const LIMIT: usize = 20;
+
+/// A plugin config for tests. The timeout is generous so that a loaded CI
+/// machine does not turn global decisions into (correct, but different)
+/// fallback decisions; tests about failures stop the service instead.
+fn plugin_config(client_id: &str, failure_mode: &str) -> String {
+    format!(
+        r#"{{
+  "service": {{"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "1s"}},
+  "client_id": {client_id},
+  "rules": [
+    {{"name": "api", "match": {{"path_prefix": "/"}},
+     "limits": [{{"name": "per-minute", "requests": {LIMIT}, "window": "60s"}}]}}
+  ],
+  "failure_mode": "{failure_mode}"
+}}"#
+    )
+}
+
+fn keyed_config(failure_mode: &str) -> String {
+    plugin_config(
+        r#"{"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1}"#,
+        failure_mode,
+    )
+}
+
+fn topology(plugin_config: String) -> Topology {
+    Topology::start(TopologyOptions {
+        plugin_config,
+        ..TopologyOptions::default()
+    })
+}
+
+/// Windows are aligned to Redis time; a burst that straddles a minute
+/// boundary would be counted in two windows. Start bursts early in a window.
+fn wait_for_fresh_window(needed: Duration) {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let into = now.as_millis() as u64 % 60_000;
+    if into + needed.as_millis() as u64 > 58_000 {
+        std::thread::sleep(Duration::from_millis(60_000 - into + 300));
+    }
+}
+
+fn key(id: &str) -> Vec<(&'static str, Vec<u8>)> {
+    vec![("x-api-key", id.as_bytes().to_vec())]
+}
+
+fn send(t: &Topology, headers: &[(&'static str, Vec<u8>)]) -> Response {
+    let refs: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+    t.get("/api/items", &refs)
+}
+
+/// (allowed, denied) over `n` sequential requests; any other status fails.
+fn burst(t: &Topology, headers: &[(&'static str, Vec<u8>)], n: usize) -> (usize, usize) {
+    let (mut ok, mut denied) = (0, 0);
+    for _ in 0..n {
+        let r = send(t, headers);
+        match r.status {
+            200 => ok += 1,
+            429 => denied += 1,
+            other => panic!("unexpected status {other}: {}", r.body),
+        }
+    }
+    (ok, denied)
+}
+
+#[test]
+fn global_limit_holds_exactly_across_two_replicas() {
+    let t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(15));
+    // Clients A and B at the same time, each 60 requests.
+    let results = Arc::new(Mutex::new(Vec::new()));
+    std::thread::scope(|s| {
+        for id in ["client-a", "client-b"] {
+            let (t, results) = (&t, Arc::clone(&results));
+            s.spawn(move || {
+                let r = burst(t, &key(id), 60);
+                results.lock().unwrap().push((id, r));
+            });
+        }
+    });
+    for (id, (ok, denied)) in results.lock().unwrap().iter() {
+        assert_eq!((*ok, *denied), (LIMIT, 60 - LIMIT), "{id}");
+    }
+    let (r1, r2) = (t.replica_requests(1), t.replica_requests(2));
+    assert!(r1 > 0 && r2 > 0, "both replicas must serve: {r1} / {r2}");
+    assert_eq!(r1 + r2, 120);
+    assert_eq!(t.stat_total("meshlimit.requests_allowed"), 2 * LIMIT as u64);
+    assert_eq!(
+        t.stat_total("meshlimit.requests_denied"),
+        120 - 2 * LIMIT as u64
+    );
+    assert_eq!(t.stat_total("meshlimit.fallback_allowed"), 0);
+}
+
+#[test]
+fn sixty_four_concurrent_connections_never_exceed_the_limit() {
+    let t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(20));
+    let allowed = Arc::new(Mutex::new(0usize));
+    let other = Arc::new(Mutex::new(Vec::new()));
+    std::thread::scope(|s| {
+        for _ in 0..64 {
+            let (t, allowed, other) = (&t, Arc::clone(&allowed), Arc::clone(&other));
+            s.spawn(move || {
+                for _ in 0..4 {
+                    let r = send(t, &key("hot-client"));
+                    match r.status {
+                        200 => *allowed.lock().unwrap() += 1,
+                        429 => {}
+                        s => other.lock().unwrap().push(s),
+                    }
+                }
+            });
+        }
+    });
+    assert!(
+        other.lock().unwrap().is_empty(),
+        "statuses: {:?}",
+        other.lock().unwrap()
+    );
+    let fallbacks =
+        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+    assert_eq!(fallbacks, 0, "the service must have decided every request");
+    assert_eq!(*allowed.lock().unwrap(), LIMIT);
+}
+
+#[test]
+fn headers_report_the_limit_and_retry_after() {
+    let t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(10));
+    for n in 1..=LIMIT {
+        let r = send(&t, &key("header-client"));
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            r.header("ratelimit-policy"),
+            Some("\"api/per-minute\";q=20;w=60")
+        );
+        let rl = r.header("ratelimit").unwrap_or_default().to_string();
+        assert!(
+            rl.starts_with(&format!("\"api/per-minute\";r={};t=", LIMIT - n)),
+            "request {n}: {rl}"
+        );
+        assert_eq!(r.body, "hello from the upstream\n");
+    }
+    let r = send(&t, &key("header-client"));
+    assert_eq!(r.status, 429);
+    assert_eq!(r.body, "rate limit exceeded\n");
+    let retry: u64 = r
+        .header("retry-after")
+        .unwrap_or("x")
+        .parse()
+        .expect("numeric Retry-After");
+    assert!((1..=60).contains(&retry), "retry-after {retry}");
+    let rl = r.header("ratelimit").unwrap_or_default();
+    assert_eq!(rl, format!("\"api/per-minute\";r=0;t={retry}"));
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"api/per-minute\";q=20;w=60")
+    );
+}
+
+#[test]
+fn x_ratelimit_headers_when_configured() {
+    let config = keyed_config("local").replace(
+        r#""failure_mode": "local""#,
+        r#""failure_mode": "local", "response": {"headers": "x-ratelimit"}"#,
+    );
+    let t = topology(config);
+    wait_for_fresh_window(Duration::from_secs(5));
+    let r = send(&t, &key("x-client"));
+    assert_eq!(r.header("x-ratelimit-limit"), Some("20"));
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("19"));
+    assert!(r.header("ratelimit").is_none());
+}
+
+/// Sends requests until one is decided by the service again (no fallback
+/// stat moves), for at most `within`.
+fn wait_for_global_decisions(t: &Topology, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let before =
+            t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+        let probe = send(t, &key(&format!("probe-{}", before)));
+        assert_eq!(probe.status, 200);
+        let after =
+            t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+        if after == before {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still falling back after {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn redis_outage_falls_back_per_replica_and_recovers() {
+    let mut t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(25));
+    t.stop_redis();
+    // Each replica now enforces the limit on its own: 20 each, 40 in all.
+    let (ok, denied) = burst(&t, &key("outage-client"), 60);
+    assert_eq!((ok, denied), (2 * LIMIT, 60 - 2 * LIMIT));
+    assert_eq!(t.stat_total("meshlimit.fallback_allowed"), 2 * LIMIT as u64);
+    assert_eq!(
+        t.stat_total("meshlimit.fallback_denied"),
+        60 - 2 * LIMIT as u64
+    );
+    assert!(t.stat_total("meshlimit.service_errors.unavailable") >= 60);
+    assert_eq!(t.stat_total("meshlimit.requests_allowed"), 0);
+    // Redis back: no restart of Envoy or meshlimitd, the global limit returns.
+    t.start_redis();
+    wait_for_global_decisions(&t, Duration::from_secs(10));
+    wait_for_fresh_window(Duration::from_secs(10));
+    assert_eq!(burst(&t, &key("after-outage"), 40), (LIMIT, 40 - LIMIT));
+    let log = t.logs("replica-1") + &t.logs("replica-2");
+    assert!(log.contains("cannot reach Redis"), "the fallback is logged");
+}
+
+#[test]
+fn meshlimitd_down_is_a_fallback_not_an_error() {
+    let mut t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(15));
+    t.stop_meshlimitd();
+    let (ok, denied) = burst(&t, &key("no-service"), 50);
+    assert_eq!((ok, denied), (2 * LIMIT, 50 - 2 * LIMIT));
+    assert!(t.stat_total("meshlimit.service_errors.connection") >= 50);
+    t.start_meshlimitd();
+    wait_for_global_decisions(&t, Duration::from_secs(10));
+}
+
+#[test]
+fn failure_mode_deny_sends_the_configured_deny() {
+    let config = keyed_config("deny").replace(
+        r#""failure_mode": "deny""#,
+        r#""failure_mode": "deny", "response": {"status": 503, "body": "limiter unavailable\n"}"#,
+    );
+    let mut t = Topology::start(TopologyOptions {
+        plugin_config: config,
+        replicas: 1,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    t.stop_meshlimitd();
+    let r = send(&t, &key("anyone"));
+    assert_eq!(r.status, 503);
+    assert_eq!(r.body, "limiter unavailable\n");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(t.stat(1, "meshlimit.fallback_denied"), 1);
+}
+
+#[test]
+fn failure_mode_allow_lets_everything_through() {
+    let mut t = Topology::start(TopologyOptions {
+        plugin_config: keyed_config("allow"),
+        replicas: 1,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    t.stop_meshlimitd();
+    assert_eq!(burst(&t, &key("anyone"), 30), (30, 0));
+    assert_eq!(t.stat(1, "meshlimit.fallback_allowed"), 30);
+}
+
+#[test]
+fn missing_client_id_follows_when_missing() {
+    // reject: a clear 401, counted.
+    let t = Topology::start(TopologyOptions {
+        plugin_config: plugin_config(
+            r#"{"headers": ["x-api-key"], "when_missing": "reject"}"#,
+            "local",
+        ),
+        replicas: 1,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    let r = t.get("/api/items", &[]);
+    assert_eq!(r.status, 401);
+    assert!(r.body.contains("x-api-key"), "{}", r.body);
+    assert_eq!(t.stat(1, "meshlimit.rejected_no_client_id"), 1);
+    drop(t);
+
+    // anonymous: every request without an id shares one bucket.
+    let t = Topology::start(TopologyOptions {
+        plugin_config: plugin_config(
+            r#"{"headers": ["x-api-key"], "when_missing": "anonymous"}"#,
+            "local",
+        ),
+        replicas: 1,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    wait_for_fresh_window(Duration::from_secs(10));
+    assert_eq!(burst(&t, &[], 25), (LIMIT, 5));
+    assert_eq!(send(&t, &key("has-a-key")).status, 200);
+}
+
+#[test]
+fn client_address_comes_from_the_trusted_forwarded_for_hop() {
+    // Through the front (one trusted hop), clients without a key are counted
+    // by their address; a forged x-forwarded-for entry changes nothing.
+    let t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(15));
+    let mut allowed = 0;
+    for i in 0..30 {
+        let forged = format!("10.9.9.{i}");
+        let r = send(&t, &[("x-forwarded-for", forged.into_bytes())]);
+        allowed += usize::from(r.status == 200);
+    }
+    assert_eq!(allowed, LIMIT, "every request came from one address");
+}
+
+#[test]
+fn hostile_client_ids_get_their_own_counters_and_never_crash_the_filter() {
+    let t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(30));
+    let mut big = vec![b'k'; 16 * 1024];
+    let ids: Vec<Vec<u8>> = vec![
+        b"a".to_vec(),
+        b"{a}".to_vec(),
+        b"x{a}y".to_vec(),
+        b"}{".to_vec(),
+        big.clone(),
+        {
+            big.push(b'k');
+            big
+        },
+        b"tab\there".to_vec(),
+        vec![b'o', 0xff, 0xfe, b'x'],
+    ];
+    for id in &ids {
+        let (ok, denied) = burst(&t, &[("x-api-key", id.clone())], LIMIT + 3);
+        assert_eq!((ok, denied), (LIMIT, 3), "id of {} bytes", id.len());
+    }
+    // A raw control byte is refused by Envoy's HTTP parser before the filter.
+    let r = http::get(&t.entry(), "/api/items", &[("x-api-key", b"ctl\x01byte")]);
+    if let Ok(r) = r {
+        assert_eq!(r.status, 400);
+    }
+    // The VMs are alive and count correctly afterwards.
+    assert_eq!(burst(&t, &key("after-hostile"), LIMIT + 1), (LIMIT, 1));
+    let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
+    assert!(
+        keys.lines().all(|k| k.len() < 200),
+        "keys stay small:\n{keys}"
+    );
+    assert!(keys
+        .lines()
+        .all(|k| k.matches('{').count() == 1 && k.matches('}').count() == 1));
+    for k in keys.lines() {
+        let ttl: i64 = t.redis_cli(&["pttl", k]).trim().parse().unwrap_or(-3);
+        assert!(ttl > 0, "{k} has no expiry ({ttl})");
+    }
+}
+
+#[test]
+fn a_config_with_an_unknown_field_is_rejected_naming_the_field() {
+    let t = Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        start_service: false,
+        ..TopologyOptions::default()
+    });
+    let dir = TempDir::new("bad-config");
+    let bad = keyed_config("local").replace(r#""window": "60s""#, r#""window": "60s", "burts": 5"#);
+    let (ok, out) = validate_envoy_config(&t.replica_config_with(1, &bad), dir.path(), "bad");
+    assert!(!ok, "Envoy must refuse the config:\n{out}");
+    assert!(
+        out.contains("invalid meshlimit configuration: field `rules[0].limits[0].burts`: unknown field `burts`"),
+        "Envoy's log must name the field:\n{out}"
+    );
+    let zero = keyed_config("local").replace(r#""requests": 20"#, r#""requests": 0"#);
+    let (ok, out) = validate_envoy_config(&t.replica_config_with(1, &zero), dir.path(), "zero");
+    assert!(!ok);
+    assert!(
+        out.contains("field `rules[0].limits[0].requests`: must be at least 1"),
+        "{out}"
+    );
+}
