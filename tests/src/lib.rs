@@ -9,6 +9,7 @@
 pub mod http;
 pub mod procs;
 pub mod render;
+pub mod services;
 pub mod tools;
 pub mod topology;
 

@@ -3,24 +3,21 @@
 //! asking meshlimitd, which keeps the counters in Redis.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use crate::http::{self, Response};
 use crate::procs::{wait_until, Proc, TempDir};
 use crate::render::{self, indent_block, render, PLUGIN_CONFIG_INDENT};
+use crate::services::{self, unique_host, Meshlimitd, RedisServer};
 use crate::tools;
 
 /// Fixed ports; each topology has its own loopback address, so these never
 /// collide between topologies.
 pub const FRONT_PORT: u16 = 10000;
 pub const UPSTREAM_PORT: u16 = 10010;
-pub const REDIS_PORT: u16 = 16379;
-pub const MESHLIMITD_PORT: u16 = 18080;
+pub use crate::services::{MESHLIMITD_PORT, REDIS_PORT};
 const ADMIN_BASE: u16 = 19900;
 
 pub struct TopologyOptions {
@@ -53,20 +50,12 @@ pub fn default_plugin_config() -> String {
     render::template("plugin-config.json")
 }
 
-/// A loopback address no other topology of any test process uses.
-fn unique_host() -> String {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let pid = std::process::id();
-    format!("127.{}.{}.{}", 20 + pid % 200, (n / 200) % 256, 2 + n % 200)
-}
-
 pub struct Topology {
     pub host: String,
     pub dir: TempDir,
     pub options: TopologyOptions,
-    redis: Option<Proc>,
-    meshlimitd: Option<Proc>,
+    redis: Option<RedisServer>,
+    meshlimitd: Option<Meshlimitd>,
     upstream: Option<Proc>,
     replicas: Vec<Proc>,
     front: Option<Proc>,
@@ -213,47 +202,20 @@ impl Topology {
     }
 
     pub fn start_redis(&mut self) {
-        let mut proc = Proc::spawn(
-            "redis",
-            Command::new(tools::redis_server())
-                .args(["--bind", &self.host, "--port", &REDIS_PORT.to_string()])
-                .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
-                .arg("--dir")
-                .arg(self.dir.path()),
-            self.dir.path(),
-        );
-        let addr = self.addr(REDIS_PORT);
-        wait_until(&mut proc, "answering PING", Duration::from_secs(10), || {
-            redis_ping(&addr)
-        });
-        self.redis = Some(proc);
+        self.redis = Some(RedisServer::start(&self.host, self.dir.path()));
     }
 
     pub fn stop_redis(&mut self) {
-        if let Some(mut p) = self.redis.take() {
-            p.stop();
-        }
+        self.redis.take();
     }
 
     pub fn start_meshlimitd(&mut self) {
-        let mut proc = Proc::spawn(
-            "meshlimitd",
-            Command::new(tools::meshlimitd())
-                .args(["--listen", &self.meshlimitd_addr()])
-                .args(["--redis-url", &format!("redis://{}", self.addr(REDIS_PORT))]),
-            self.dir.path(),
-        );
-        let addr = self.meshlimitd_addr();
-        wait_until(&mut proc, "healthy", Duration::from_secs(10), || {
-            http::get(&addr, "/healthz", &[]).is_ok_and(|r| r.status == 200)
-        });
-        self.meshlimitd = Some(proc);
+        let url = format!("redis://{}", self.addr(REDIS_PORT));
+        self.meshlimitd = Some(Meshlimitd::start(&self.host, &url, self.dir.path(), &[]));
     }
 
     pub fn stop_meshlimitd(&mut self) {
-        if let Some(mut p) = self.meshlimitd.take() {
-            p.stop();
-        }
+        self.meshlimitd.take();
     }
 
     /// Output of a process by name, for failure messages.
@@ -297,12 +259,7 @@ impl Topology {
 
     /// Runs `redis-cli` against this topology's Redis.
     pub fn redis_cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-h", &self.host, "-p", &REDIS_PORT.to_string()])
-            .args(args)
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        services::cli(&self.host, args)
     }
 }
 
@@ -319,18 +276,6 @@ impl Drop for Topology {
 
 fn write(path: &Path, text: &str) {
     std::fs::write(path, text).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
-}
-
-fn redis_ping(addr: &str) -> bool {
-    let Ok(mut s) = TcpStream::connect(addr) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    if s.write_all(b"PING\r\n").is_err() {
-        return false;
-    }
-    let mut buf = [0u8; 7];
-    s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
 }
 
 /// Runs `envoy --mode validate` on a config text; returns (ok, output).

@@ -1,0 +1,252 @@
+//! meshlimitd against a real redis-server: exact counts under concurrency,
+//! atomicity across limits, expiry, errors and recovery.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use meshlimit_testbed::http::{self, Response};
+use meshlimit_testbed::procs::TempDir;
+use meshlimit_testbed::services::{unique_host, Meshlimitd, RedisServer};
+use serde_json::{json, Value};
+
+struct Fixture {
+    redis: RedisServer,
+    service: Meshlimitd,
+    _dir: TempDir,
+}
+
+fn start(extra: &[&str]) -> Fixture {
+    let dir = TempDir::new("meshlimitd");
+    let host = unique_host();
+    let redis = RedisServer::start(&host, dir.path());
+    let binary = Path::new(env!("CARGO_BIN_EXE_meshlimitd"));
+    let service = Meshlimitd::start_binary(binary, &host, &redis.url(), dir.path(), extra);
+    Fixture {
+        redis,
+        service,
+        _dir: dir,
+    }
+}
+
+fn limit(name: &str, requests: u64, window_ms: u64) -> Value {
+    json!({"name": name, "requests": requests, "window_ms": window_ms, "algorithm": "fixed_window"})
+}
+
+fn check_body(subject: &str, limits: &[Value]) -> Vec<u8> {
+    serde_json::to_vec(&json!({"checks": [{"subject": subject, "limits": limits}]})).unwrap()
+}
+
+fn post(addr: &str, body: &[u8]) -> Response {
+    http::request(
+        addr,
+        "POST",
+        "/v1/check",
+        &[("content-type", b"application/json")],
+        body,
+    )
+    .unwrap()
+}
+
+/// The decision for a one-check call.
+fn decide(addr: &str, subject: &str, limits: &[Value]) -> Value {
+    let r = post(addr, &check_body(subject, limits));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    v["results"][0].clone()
+}
+
+fn allowed(addr: &str, subject: &str, limits: &[Value], n: usize) -> usize {
+    (0..n)
+        .filter(|_| decide(addr, subject, limits)["allowed"] == json!(true))
+        .count()
+}
+
+#[test]
+fn concurrent_checks_admit_exactly_the_limit() {
+    let f = start(&[]);
+    let addr = f.service.addr.clone();
+    let admitted = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..16 {
+            s.spawn(|| {
+                let n = allowed(&addr, "hot", &[limit("api/m", 50, 60_000)], 15);
+                admitted.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+            });
+        }
+    });
+    assert_eq!(admitted.into_inner(), 50);
+}
+
+#[test]
+fn a_denied_check_charges_none_of_its_limits() {
+    let f = start(&[]);
+    let addr = &f.service.addr;
+    let small = limit("api/small", 2, 60_000);
+    let big = limit("api/big", 10, 60_000);
+    assert_eq!(allowed(addr, "s", &[small.clone(), big.clone()], 5), 2);
+    let r = decide(addr, "s", &[big]);
+    assert_eq!(
+        r["limits"][0]["remaining"],
+        json!(7),
+        "only the 2 admitted + this one count"
+    );
+    let denied = decide(addr, "s", &[small]);
+    assert_eq!(denied["allowed"], json!(false));
+    assert!(denied["limits"][0]["retry_after_ms"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn every_key_expires_with_its_window_even_one_created_without_expiry() {
+    let f = start(&[]);
+    let addr = &f.service.addr;
+    decide(
+        addr,
+        "ttl",
+        &[limit("api/m", 5, 60_000), limit("api/h", 5, 3_600_000)],
+    );
+    let keys = f.redis.cli(&["--scan", "--pattern", "ml:*"]);
+    assert_eq!(keys.lines().count(), 2, "{keys}");
+    for k in keys.lines() {
+        let ttl: i64 = f.redis.cli(&["pttl", k]).trim().parse().unwrap();
+        let window = if k.contains(":60000") {
+            60_000
+        } else {
+            3_600_000
+        };
+        assert!(ttl > 0 && ttl <= window, "{k}: {ttl}");
+    }
+    // Someone INCRs a counter by hand and leaves it immortal: the next
+    // check gives it back its expiry.
+    let key = keys.lines().find(|k| k.contains(":60000")).unwrap();
+    f.redis.cli(&["persist", key]);
+    assert_eq!(f.redis.cli(&["pttl", key]).trim(), "-1");
+    decide(addr, "ttl", &[limit("api/m", 5, 60_000)]);
+    let ttl: i64 = f.redis.cli(&["pttl", key]).trim().parse().unwrap();
+    assert!(ttl > 0, "expiry restored: {ttl}");
+}
+
+#[test]
+fn quota_comes_back_when_the_window_ends() {
+    let f = start(&[]);
+    let addr = &f.service.addr;
+    let l = [limit("api/s", 2, 1_000)];
+    // Start at the beginning of a window.
+    let r = decide(addr, "w", &l);
+    std::thread::sleep(Duration::from_millis(
+        r["limits"][0]["reset_after_ms"].as_u64().unwrap() + 20,
+    ));
+    assert_eq!(allowed(addr, "w", &l, 4), 2);
+    let denied = decide(addr, "w", &l);
+    let wait = denied["limits"][0]["retry_after_ms"].as_u64().unwrap();
+    assert!((1..=1_000).contains(&wait));
+    std::thread::sleep(Duration::from_millis(wait + 20));
+    assert_eq!(allowed(addr, "w", &l, 3), 2);
+}
+
+#[test]
+fn hostile_subjects_get_separate_counters_and_one_slot_per_call() {
+    let f = start(&[]);
+    let addr = &f.service.addr;
+    let big = "k".repeat(16 * 1024);
+    let subjects = [
+        "a",
+        "{a}",
+        "x{a}y",
+        "}{",
+        big.as_str(),
+        "ctl\u{1}\u{7f}",
+        "a%7B",
+    ];
+    for s in subjects {
+        assert_eq!(
+            allowed(
+                addr,
+                s,
+                &[limit("api/m", 3, 60_000), limit("api/h", 9, 3_600_000)],
+                5
+            ),
+            3,
+            "{s:.20}"
+        );
+    }
+    let keys = f.redis.cli(&["--scan", "--pattern", "ml:*"]);
+    assert_eq!(keys.lines().count(), 2 * subjects.len(), "{keys}");
+    let tag = |k: &str| k[k.find('{').unwrap() + 1..k.find('}').unwrap()].to_string();
+    let mut tags: Vec<String> = keys.lines().map(tag).collect();
+    tags.sort();
+    tags.dedup();
+    // Two limits per subject, one tag (hence one slot) per subject.
+    assert_eq!(tags.len(), subjects.len());
+    assert!(keys.lines().all(|k| k.len() < 150));
+}
+
+#[test]
+fn bad_requests_get_a_reason() {
+    let f = start(&["--max-body-bytes", "4096"]);
+    let addr = &f.service.addr;
+    let cases: Vec<(Vec<u8>, u16, &str)> = vec![
+        (b"not json".to_vec(), 400, "malformed check request"),
+        (br#"{"checks":[],"extra":1}"#.to_vec(), 400, "unknown field `extra`"),
+        (br#"{"checks":[]}"#.to_vec(), 400, "at least one check"),
+        (check_body("s", &[limit("api/m", 0, 1000)]), 400, "checks[0].limits[0].requests: must be at least 1"),
+        (check_body("s", &[limit("api/{m}", 1, 1000)]), 400, "checks[0].limits[0].name"),
+        (
+            serde_json::to_vec(&json!({"checks":[{"subject":"s","limits":[{"name":"a/b","requests":1,"window_ms":1000,"algorithm":"token_bucket"}]}]})).unwrap(),
+            400,
+            "not supported yet",
+        ),
+        (vec![b' '; 5000], 413, ""),
+    ];
+    for (body, status, reason) in cases {
+        let r = post(addr, &body);
+        assert_eq!(r.status, status, "{}", r.body);
+        assert!(
+            r.body.contains(reason),
+            "{} should contain {reason}",
+            r.body
+        );
+    }
+}
+
+#[test]
+fn redis_outage_is_a_fast_503_and_recovery_needs_no_restart() {
+    let mut f = start(&[]);
+    let addr = f.service.addr.clone();
+    assert_eq!(http::get(&addr, "/readyz", &[]).unwrap().status, 200);
+    f.redis.stop();
+    let started = Instant::now();
+    let r = post(&addr, &check_body("s", &[limit("api/m", 5, 60_000)]));
+    assert_eq!(r.status, 503);
+    assert!(r.body.contains("\"error\""), "{}", r.body);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(http::get(&addr, "/readyz", &[]).unwrap().status, 503);
+    let host = f.redis.host.clone();
+    f.redis = RedisServer::start(&host, f._dir.path());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = post(&addr, &check_body("s", &[limit("api/m", 5, 60_000)]));
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 503);
+        assert!(
+            Instant::now() < deadline,
+            "no recovery after Redis came back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(http::get(&addr, "/readyz", &[]).unwrap().status, 200);
+    let metrics = http::get(&addr, "/metrics", &[]).unwrap().body;
+    for name in [
+        "meshlimitd_decisions_total{result=\"allowed\"}",
+        "meshlimitd_redis_errors_total{kind=",
+        "meshlimitd_redis_latency_seconds_bucket",
+        "meshlimitd_check_responses_total{status=\"503\"}",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
+    }
+}
