@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean
+.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy
 
 all: build
 
@@ -39,3 +39,7 @@ fmt:
 
 clean:
 	$(CARGO) clean
+
+## accuracy: replays traffic traces through meshlimitd on a real Redis; writes docs/accuracy.md.
+accuracy: build
+	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-accuracy

@@ -91,6 +91,22 @@ pub struct Rule {
     /// Upper-case methods; empty means any.
     pub methods: Vec<String>,
     pub limits: Vec<LimitConfig>,
+    pub cost: Cost,
+    /// Decide and count, but never deny.
+    pub shadow: bool,
+}
+
+/// How many units a request takes from the rule's limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u64),
+    /// From a request header: a whole number from 1 to `max`; `default`
+    /// when the header is absent.
+    Header {
+        name: String,
+        default: u64,
+        max: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,6 +117,18 @@ pub struct LimitConfig {
     pub requests: u64,
     pub window_ms: u64,
     pub algorithm: Algorithm,
+    /// `token_bucket` only: units that may be spent at once.
+    pub burst: Option<u64>,
+}
+
+impl LimitConfig {
+    /// The most units one request can ever take from this limit.
+    pub fn capacity(&self) -> u64 {
+        match self.algorithm {
+            Algorithm::TokenBucket => self.burst.unwrap_or(self.requests),
+            _ => self.requests,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -143,6 +171,7 @@ const MAX_TIMEOUT_MS: u64 = 60_000;
 const MIN_SLOTS: u32 = 16;
 const MAX_SLOTS: u32 = 1 << 20;
 const MAX_NAME_LEN: usize = 64;
+const MAX_COST: u64 = 1_000_000;
 
 // ---- wire shape (what serde reads) ----
 
@@ -212,6 +241,29 @@ struct RawRule {
     matcher: RawMatch,
     #[serde(default)]
     limits: Vec<RawLimit>,
+    cost: Option<RawCost>,
+    #[serde(default)]
+    shadow: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawCost {
+    Fixed(u64),
+    Header(RawCostHeader),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCostHeader {
+    header: String,
+    #[serde(default = "one")]
+    default: u64,
+    max: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 #[derive(Deserialize)]
@@ -238,6 +290,7 @@ struct RawLimit {
     window: String,
     #[serde(default = "default_algorithm")]
     algorithm: Algorithm,
+    burst: Option<u64>,
 }
 
 fn default_algorithm() -> Algorithm {
@@ -458,14 +511,17 @@ fn validate_rule(i: usize, raw: RawRule) -> Result<Rule, ConfigError> {
         if window_ms == 0 || window_ms > MAX_WINDOW_MS {
             return Err(err(field("window"), "must be between 1ms and 31d"));
         }
-        if l.algorithm != Algorithm::FixedWindow {
-            return Err(err(
-                field("algorithm"),
-                format!(
-                    "\"{}\" is not supported yet; use \"fixed_window\"",
-                    l.algorithm.as_str()
-                ),
-            ));
+        match (l.algorithm, l.burst) {
+            (Algorithm::TokenBucket, Some(0)) => {
+                return Err(err(field("burst"), "must be at least 1"));
+            }
+            (Algorithm::TokenBucket, _) | (_, None) => {}
+            (other, Some(_)) => {
+                return Err(err(
+                    field("burst"),
+                    format!("only token_bucket has a burst, not {}", other.as_str()),
+                ));
+            }
         }
         limits.push(LimitConfig {
             qualified_name: format!("{}/{}", raw.name, l.name),
@@ -473,13 +529,55 @@ fn validate_rule(i: usize, raw: RawRule) -> Result<Rule, ConfigError> {
             requests: l.requests,
             window_ms,
             algorithm: l.algorithm,
+            burst: l.burst,
         });
     }
+    let cost = match raw.cost {
+        None => Cost::Fixed(1),
+        Some(RawCost::Fixed(0)) => {
+            return Err(err(format!("rules[{i}].cost"), "must be at least 1"));
+        }
+        Some(RawCost::Fixed(n)) if n > MAX_COST => {
+            return Err(err(
+                format!("rules[{i}].cost"),
+                format!("must be at most {MAX_COST}"),
+            ));
+        }
+        Some(RawCost::Fixed(n)) => Cost::Fixed(n),
+        Some(RawCost::Header(h)) => {
+            let name = h.header.trim().to_ascii_lowercase();
+            if name.is_empty() || !name.bytes().all(is_header_name_byte) {
+                return Err(err(
+                    format!("rules[{i}].cost.header"),
+                    format!("\"{}\" is not a valid header name", h.header),
+                ));
+            }
+            if h.max == 0 || h.max > MAX_COST {
+                return Err(err(
+                    format!("rules[{i}].cost.max"),
+                    format!("must be between 1 and {MAX_COST}"),
+                ));
+            }
+            if h.default == 0 || h.default > h.max {
+                return Err(err(
+                    format!("rules[{i}].cost.default"),
+                    "must be between 1 and max",
+                ));
+            }
+            Cost::Header {
+                name,
+                default: h.default,
+                max: h.max,
+            }
+        }
+    };
     Ok(Rule {
         name: raw.name,
         path_prefix: raw.matcher.path_prefix,
         methods,
         limits,
+        cost,
+        shadow: raw.shadow,
     })
 }
 
@@ -651,12 +749,62 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_algorithms_are_named() {
+    fn every_algorithm_parses_and_burst_is_token_bucket_only() {
+        let c = parse_str(
+            r#"{"rules":[{"name":"a","limits":[
+              {"name":"fw","requests":1,"window":"1s","algorithm":"fixed_window"},
+              {"name":"swl","requests":1,"window":"1s","algorithm":"sliding_window_log"},
+              {"name":"swc","requests":1,"window":"1s","algorithm":"sliding_window_counter"},
+              {"name":"tb","requests":10,"window":"1s","algorithm":"token_bucket","burst":3}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].limits[3].capacity(), 3);
+        assert_eq!(c.rules[0].limits[0].capacity(), 1);
         rejects(
-            r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","algorithm":"token_bucket"}]}]}"#,
-            "rules[0].limits[0].algorithm",
-            "not supported yet",
+            r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","burst":2}]}]}"#,
+            "rules[0].limits[0].burst",
+            "only token_bucket",
         );
+        rejects(
+            r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","algorithm":"token_bucket","burst":0}]}]}"#,
+            "rules[0].limits[0].burst",
+            "at least 1",
+        );
+    }
+
+    #[test]
+    fn cost_is_fixed_or_from_a_bounded_header() {
+        let c = parse_str(
+            r#"{"rules":[
+              {"name":"a","cost":5,"limits":[{"name":"m","requests":10,"window":"1s"}]},
+              {"name":"b","cost":{"header":"X-Cost","max":100},"shadow":true,"limits":[{"name":"m","requests":10,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].cost, Cost::Fixed(5));
+        assert!(!c.rules[0].shadow);
+        assert_eq!(
+            c.rules[1].cost,
+            Cost::Header {
+                name: "x-cost".into(),
+                default: 1,
+                max: 100
+            }
+        );
+        assert!(c.rules[1].shadow);
+        rejects(
+            r#"{"rules":[{"name":"a","cost":0,"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "rules[0].cost",
+            "at least 1",
+        );
+        rejects(
+            r#"{"rules":[{"name":"a","cost":{"header":"x-cost","max":10,"default":11},"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "rules[0].cost.default",
+            "between 1 and max",
+        );
+    }
+
+    #[test]
+    fn unknown_algorithms_are_named() {
         rejects(
             r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","algorithm":"leaky"}]}]}"#,
             "rules[0].limits[0].algorithm",

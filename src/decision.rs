@@ -9,21 +9,36 @@
 use meshlimit_protocol::{Check, CheckRequest, CheckResponse, CheckResult, ErrorBody, Limit};
 
 use crate::client_id::{self, Identity};
-use crate::config::{Config, LimitConfig};
+use crate::config::{Config, Cost, LimitConfig, Rule};
 use crate::headers::{self, Headers};
 use crate::host::RequestView;
 use crate::rules;
 
-/// Position of a limit in the config: `(rule index, limit index)`. Kept
-/// instead of clones so a paused request carries no copies of the config.
-pub type LimitRef = (usize, usize);
+/// A limit that applies to a request: its position in the config (kept
+/// instead of a clone so a paused request carries no copies of the config)
+/// and the request's cost on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitRef {
+    pub rule: usize,
+    pub limit: usize,
+    pub cost: u64,
+}
+
+/// A [`LimitRef`] resolved against the config.
+#[derive(Debug, Clone, Copy)]
+pub struct Applied<'a> {
+    pub limit: &'a LimitConfig,
+    pub cost: u64,
+    pub shadow: bool,
+}
 
 /// What a request needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
     /// No rule matches: the filter stays out of the way.
     Pass,
-    /// No client id and `when_missing: reject`.
+    /// Refused before any check: no client id with `when_missing: reject`,
+    /// an invalid cost header, or a cost no limit could ever admit.
     Reject(DenyResponse),
     /// Decide these limits for this subject.
     Check(PendingCheck),
@@ -32,15 +47,21 @@ pub enum Plan {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingCheck {
     pub subject: String,
-    pub cost: u64,
     pub limits: Vec<LimitRef>,
 }
 
 impl PendingCheck {
-    pub fn resolve<'a>(&self, cfg: &'a Config) -> Vec<&'a LimitConfig> {
+    pub fn resolve<'a>(&self, cfg: &'a Config) -> Vec<Applied<'a>> {
         self.limits
             .iter()
-            .filter_map(|&(r, l)| cfg.rules.get(r).and_then(|rule| rule.limits.get(l)))
+            .filter_map(|r| {
+                let rule = cfg.rules.get(r.rule)?;
+                Some(Applied {
+                    limit: rule.limits.get(r.limit)?,
+                    cost: r.cost,
+                    shadow: rule.shadow,
+                })
+            })
             .collect()
     }
 
@@ -49,15 +70,17 @@ impl PendingCheck {
         CheckRequest {
             checks: vec![Check {
                 subject: self.subject.clone(),
-                cost: self.cost,
                 limits: self
                     .resolve(cfg)
                     .into_iter()
-                    .map(|l| Limit {
-                        name: l.qualified_name.clone(),
-                        requests: l.requests,
-                        window_ms: l.window_ms,
-                        algorithm: l.algorithm,
+                    .map(|a| Limit {
+                        name: a.limit.qualified_name.clone(),
+                        requests: a.limit.requests,
+                        window_ms: a.limit.window_ms,
+                        algorithm: a.limit.algorithm,
+                        cost: a.cost,
+                        burst: a.limit.burst,
+                        shadow: a.shadow,
                     })
                     .collect(),
             }],
@@ -84,31 +107,78 @@ pub enum Verdict {
 }
 
 pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> Plan {
-    let matched: Vec<LimitRef> = rules::matching(&cfg.rules, method, path)
-        .into_iter()
-        .filter_map(|rule| cfg.rules.iter().position(|r| std::ptr::eq(r, rule)))
-        .flat_map(|ri| {
-            let n = cfg.rules.get(ri).map_or(0, |r| r.limits.len());
-            (0..n).map(move |li| (ri, li))
-        })
-        .collect();
+    let matched = rules::matching(&cfg.rules, method, path);
     if matched.is_empty() {
         return Plan::Pass;
     }
+    let mut limits = Vec::new();
+    for rule in matched {
+        let Some(ri) = cfg.rules.iter().position(|r| std::ptr::eq(r, rule)) else {
+            continue;
+        };
+        let cost = match request_cost(rule, req) {
+            Ok(cost) => cost,
+            Err(body) => return Plan::Reject(plain(400, body)),
+        };
+        for (li, limit) in rule.limits.iter().enumerate() {
+            if cost > limit.capacity() && !rule.shadow {
+                // Waiting would never help: say why instead of a retry time.
+                let mut deny = plain(
+                    cfg.response.status,
+                    format!(
+                        "request cost {cost} exceeds the capacity {} of limit {}\n",
+                        limit.capacity(),
+                        limit.qualified_name
+                    ),
+                );
+                deny.headers.push((
+                    "retry-after".into(),
+                    headers::retry_after_secs(limit.window_ms).to_string(),
+                ));
+                return Plan::Reject(deny);
+            }
+            limits.push(LimitRef {
+                rule: ri,
+                limit: li,
+                cost,
+            });
+        }
+    }
     match client_id::identify(&cfg.client_id, req) {
-        Identity::Reject => Plan::Reject(DenyResponse {
-            status: cfg.client_id.reject_status,
-            headers: vec![("content-type".into(), "text/plain".into())],
-            body: format!(
+        Identity::Reject => Plan::Reject(plain(
+            cfg.client_id.reject_status,
+            format!(
                 "missing client id: send one of these headers: {}\n",
                 cfg.client_id.headers.join(", ")
             ),
-        }),
-        Identity::Subject(subject) => Plan::Check(PendingCheck {
-            subject,
-            cost: 1,
-            limits: matched,
-        }),
+        )),
+        Identity::Subject(subject) => Plan::Check(PendingCheck { subject, limits }),
+    }
+}
+
+fn plain(status: u32, body: String) -> DenyResponse {
+    DenyResponse {
+        status,
+        headers: vec![("content-type".into(), "text/plain".into())],
+        body,
+    }
+}
+
+/// The rule's cost for this request, or the reason the cost header is
+/// unusable.
+fn request_cost(rule: &Rule, req: &impl RequestView) -> Result<u64, String> {
+    match &rule.cost {
+        Cost::Fixed(n) => Ok(*n),
+        Cost::Header { name, default, max } => match req.header(name) {
+            None => Ok(*default),
+            Some(raw) => std::str::from_utf8(&raw)
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+                .filter(|n| (1..=*max).contains(n))
+                .ok_or_else(|| {
+                    format!("invalid {name} header: must be a whole number from 1 to {max}\n")
+                }),
+        },
     }
 }
 
@@ -200,7 +270,12 @@ pub fn read_answer(
             result.limits.len()
         )));
     }
-    if result.allowed != result.limits.iter().all(|l| l.allowed) {
+    let enforced_allow = result
+        .limits
+        .iter()
+        .filter(|l| !l.shadow)
+        .all(|l| l.allowed);
+    if result.allowed != enforced_allow {
         return Err(ServiceError::BadBody(
             "overall decision contradicts the limits".into(),
         ));
@@ -209,7 +284,7 @@ pub fn read_answer(
 }
 
 /// What the client sees for a decided check.
-pub fn verdict(cfg: &Config, limits: &[&LimitConfig], result: &CheckResult) -> Verdict {
+pub fn verdict(cfg: &Config, limits: &[Applied<'_>], result: &CheckResult) -> Verdict {
     let mut hdrs = headers::rate_limit_headers(cfg.response.headers, limits, result);
     if result.allowed {
         return Verdict::Allow { headers: hdrs };
@@ -221,7 +296,25 @@ pub fn verdict(cfg: &Config, limits: &[&LimitConfig], result: &CheckResult) -> V
         "retry-after".into(),
         headers::retry_after_secs(retry_ms).to_string(),
     ));
-    Verdict::Deny(deny_response(cfg, hdrs))
+    let mut deny = deny_response(cfg, hdrs);
+    if let Some(reason) = result
+        .limits
+        .iter()
+        .filter(|s| !s.shadow)
+        .find_map(|s| s.reason.as_deref())
+    {
+        deny.body = format!("{reason}\n");
+    }
+    Verdict::Deny(deny)
+}
+
+/// How many shadow limits of `result` would have denied the request.
+pub fn shadow_denials(result: &CheckResult) -> usize {
+    result
+        .limits
+        .iter()
+        .filter(|s| s.shadow && !s.allowed)
+        .count()
 }
 
 /// The configured deny, for `failure_mode: deny` (nothing is known about the
@@ -270,7 +363,8 @@ mod tests {
         let Plan::Check(p) = plan(&c, &req, "GET", "/api/items") else {
             panic!("expected a check")
         };
-        assert_eq!(p.limits, vec![(0, 0), (0, 1), (1, 0)]);
+        let refs: Vec<_> = p.limits.iter().map(|r| (r.rule, r.limit, r.cost)).collect();
+        assert_eq!(refs, vec![(0, 0, 1), (0, 1, 1), (1, 0, 1)]);
         let body = p.to_request(&c);
         assert_eq!(body.checks.len(), 1);
         let names: Vec<_> = body.checks[0]
@@ -308,7 +402,20 @@ mod tests {
             remaining,
             reset_after_ms: reset,
             retry_after_ms: if allowed { 0 } else { reset },
+            shadow: false,
+            reason: None,
         }
+    }
+
+    fn applied(c: &Config, refs: &[(usize, usize)]) -> Vec<Applied<'static>> {
+        let c: &'static Config = Box::leak(Box::new(c.clone()));
+        refs.iter()
+            .map(|&(r, l)| Applied {
+                limit: &c.rules[r].limits[l],
+                cost: 1,
+                shadow: false,
+            })
+            .collect()
     }
 
     fn body(results: &str) -> Vec<u8> {
@@ -381,7 +488,7 @@ mod tests {
     #[test]
     fn deny_carries_status_retry_after_and_headers() {
         let c = keyed();
-        let limits = vec![&c.rules[0].limits[0]];
+        let limits = applied(&c, &[(0, 0)]);
         let result = CheckResult {
             allowed: false,
             limits: vec![status(false, 20, 0, 41_200)],
@@ -411,7 +518,7 @@ mod tests {
     #[test]
     fn allow_carries_headers_for_the_response() {
         let c = keyed();
-        let limits = vec![&c.rules[0].limits[0], &c.rules[0].limits[1]];
+        let limits = applied(&c, &[(0, 0), (0, 1)]);
         let result = CheckResult {
             allowed: true,
             limits: vec![status(true, 20, 5, 1000), status(true, 100, 2, 2000)],
@@ -420,6 +527,84 @@ mod tests {
             panic!("expected allow")
         };
         assert!(headers.contains(&("ratelimit".into(), "\"api/per-hour\";r=2;t=2".into())));
+    }
+
+    fn cost_cfg(cost: &str, shadow: bool) -> Config {
+        config::parse(
+            format!(
+                r#"{{"client_id":{{"headers":["x-api-key"]}},"rules":[{{"name":"api","cost":{cost},"shadow":{shadow},
+                  "limits":[{{"name":"m","requests":10,"window":"60s"}}]}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn cost_comes_from_the_rule_or_a_bounded_header() {
+        let req = FakeRequest::default().with_header("x-api-key", b"A");
+        let Plan::Check(p) = plan(&cost_cfg("5", false), &req, "GET", "/") else {
+            panic!("expected a check")
+        };
+        assert_eq!(p.limits[0].cost, 5);
+        assert_eq!(
+            p.to_request(&cost_cfg("5", false)).checks[0].limits[0].cost,
+            5
+        );
+        let header = cost_cfg(r#"{"header":"x-cost","max":10,"default":2}"#, false);
+        let cost_of = |v: Option<&[u8]>| {
+            let mut r = FakeRequest::default().with_header("x-api-key", b"A");
+            if let Some(v) = v {
+                r = r.with_header("x-cost", v);
+            }
+            plan(&header, &r, "GET", "/")
+        };
+        assert!(matches!(cost_of(None), Plan::Check(p) if p.limits[0].cost == 2));
+        assert!(matches!(cost_of(Some(b" 7 ")), Plan::Check(p) if p.limits[0].cost == 7));
+        for bad in [&b"0"[..], b"11", b"-1", b"x", b"1.5", &[0xff]] {
+            let Plan::Reject(d) = cost_of(Some(bad)) else {
+                panic!("{bad:?} should be refused")
+            };
+            assert_eq!(d.status, 400);
+            assert!(d.body.contains("from 1 to 10"), "{}", d.body);
+        }
+    }
+
+    #[test]
+    fn a_cost_above_capacity_is_denied_with_the_reason() {
+        let req = FakeRequest::default().with_header("x-api-key", b"A");
+        let Plan::Reject(d) = plan(&cost_cfg("11", false), &req, "GET", "/") else {
+            panic!("expected a rejection")
+        };
+        assert_eq!(d.status, 429);
+        assert_eq!(
+            d.body,
+            "request cost 11 exceeds the capacity 10 of limit api/m\n"
+        );
+        assert!(d.headers.contains(&("retry-after".into(), "60".into())));
+        // In shadow mode it is only observed.
+        assert!(matches!(
+            plan(&cost_cfg("11", true), &req, "GET", "/"),
+            Plan::Check(_)
+        ));
+    }
+
+    #[test]
+    fn shadow_denials_do_not_deny() {
+        let c = cost_cfg("1", true);
+        let req = FakeRequest::default().with_header("x-api-key", b"A");
+        let Plan::Check(p) = plan(&c, &req, "GET", "/") else {
+            panic!("expected a check")
+        };
+        let limits = p.resolve(&c);
+        assert!(limits[0].shadow);
+        let body = body(
+            r#"{"allowed":true,"limits":[{"allowed":false,"limit":10,"remaining":0,"reset_after_ms":5,"retry_after_ms":5,"shadow":true}]}"#,
+        );
+        let result = read_answer(Some(200), Some(&body), 1, false).unwrap();
+        assert!(
+            matches!(verdict(&c, &limits, &result), Verdict::Allow { headers } if headers.is_empty())
+        );
     }
 
     #[test]

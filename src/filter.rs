@@ -36,6 +36,7 @@ struct Metrics {
     fallback_allowed: Option<u32>,
     fallback_denied: Option<u32>,
     fallback_uncounted: Option<u32>,
+    shadow_denied: Option<u32>,
     rejected_no_client_id: Option<u32>,
     service_errors: Vec<(&'static str, Option<u32>)>,
 }
@@ -64,6 +65,7 @@ impl Metrics {
             fallback_allowed: counter(stats::FALLBACK_ALLOWED),
             fallback_denied: counter(stats::FALLBACK_DENIED),
             fallback_uncounted: counter(stats::FALLBACK_UNCOUNTED),
+            shadow_denied: counter(stats::SHADOW_DENIED),
             rejected_no_client_id: counter(stats::REJECTED_NO_CLIENT_ID),
             service_errors: stats::SERVICE_ERROR_KINDS
                 .iter()
@@ -86,6 +88,7 @@ struct Worker {
     metrics: Metrics,
     fallback_log: LogThrottle,
     error_log: LogThrottle,
+    shadow_log: LogThrottle,
 }
 
 struct Root {
@@ -116,6 +119,7 @@ impl RootContext for Root {
                     metrics: Metrics::define(),
                     fallback_log: LogThrottle::new(LOG_EVERY_MS),
                     error_log: LogThrottle::new(LOG_EVERY_MS),
+                    shadow_log: LogThrottle::new(LOG_EVERY_MS),
                 }));
                 true
             }
@@ -139,6 +143,24 @@ impl RootContext for Root {
 
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
+    }
+}
+
+/// Shadow rules: what they would have denied is counted and logged, never
+/// enforced.
+fn count_shadow(worker: &Worker, subject: &str, result: &meshlimit_protocol::CheckResult) {
+    let n = decision::shadow_denials(result);
+    if n == 0 {
+        return;
+    }
+    if let Some(id) = worker.metrics.shadow_denied {
+        let _ = hostcalls::increment_metric(id, 1);
+    }
+    if let Some(skipped) = worker.shadow_log.allow(now_ms()) {
+        let shown: String = subject.chars().take(64).collect();
+        info!(
+            "shadow rule would deny {shown:?} ({skipped} more shadow denials since the last line)"
+        );
     }
 }
 
@@ -239,6 +261,7 @@ impl Context for Stream {
                 } else {
                     worker.metrics.denied
                 });
+                count_shadow(&worker, &in_flight.check.subject, &result);
                 decision::verdict(&worker.config, &limits, &result)
             }
             Err(e) => self.fallback(&worker, &in_flight.check, &e),
@@ -335,12 +358,12 @@ impl Stream {
                     &HostStore,
                     &check.subject,
                     &limits,
-                    check.cost,
                     now_ms(),
                 );
                 if decided.degraded {
                     bump(worker.metrics.fallback_uncounted);
                 }
+                count_shadow(worker, &check.subject, &decided.result);
                 decision::verdict(config, &limits, &decided.result)
             }
         };

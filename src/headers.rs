@@ -8,7 +8,8 @@
 
 use meshlimit_protocol::{CheckResult, LimitStatus};
 
-use crate::config::{HeaderStyle, LimitConfig};
+use crate::config::HeaderStyle;
+use crate::decision::Applied;
 
 pub type Headers = Vec<(String, String)>;
 
@@ -25,9 +26,10 @@ pub fn retry_after_secs(ms: u64) -> u64 {
 }
 
 /// Headers describing `result`, whose statuses are in the order of `limits`.
+/// Shadow limits are left out: they describe no quota the client has.
 pub fn rate_limit_headers(
     style: HeaderStyle,
-    limits: &[&LimitConfig],
+    limits: &[Applied<'_>],
     result: &CheckResult,
 ) -> Headers {
     let Some(top) = most_constraining(limits, result) else {
@@ -47,12 +49,13 @@ pub fn rate_limit_headers(
         HeaderStyle::Draft => {
             let policy = limits
                 .iter()
-                .map(|l| {
+                .filter(|a| !a.shadow)
+                .map(|a| {
                     format!(
                         "\"{}\";q={};w={}",
-                        l.qualified_name,
-                        l.requests,
-                        ceil_secs(l.window_ms)
+                        a.limit.qualified_name,
+                        a.limit.requests,
+                        ceil_secs(a.limit.window_ms)
                     )
                 })
                 .collect::<Vec<_>>()
@@ -74,18 +77,19 @@ pub fn rate_limit_headers(
 }
 
 fn most_constraining<'a>(
-    limits: &[&'a LimitConfig],
+    limits: &[Applied<'a>],
     result: &'a CheckResult,
 ) -> Option<(&'a str, &'a LimitStatus)> {
     let top = result.most_constraining()?;
     let index = result.limits.iter().position(|s| std::ptr::eq(s, top))?;
-    let limit = limits.get(index)?;
-    Some((limit.qualified_name.as_str(), top))
+    let applied = limits.get(index)?;
+    Some((applied.limit.qualified_name.as_str(), top))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::LimitConfig;
     use meshlimit_protocol::Algorithm;
 
     fn limit(name: &str, requests: u64, window_ms: u64) -> LimitConfig {
@@ -95,6 +99,15 @@ mod tests {
             requests,
             window_ms,
             algorithm: Algorithm::FixedWindow,
+            burst: None,
+        }
+    }
+
+    fn ap(l: &LimitConfig) -> Applied<'_> {
+        Applied {
+            limit: l,
+            cost: 1,
+            shadow: false,
         }
     }
 
@@ -105,6 +118,8 @@ mod tests {
             remaining,
             reset_after_ms: reset,
             retry_after_ms: retry,
+            shadow: false,
+            reason: None,
         }
     }
 
@@ -118,7 +133,7 @@ mod tests {
             allowed: true,
             limits: vec![st(true, 10, 9, 400, 0), st(true, 1000, 3, 1_800_001, 0)],
         };
-        let h = rate_limit_headers(HeaderStyle::Draft, &[&a, &b], &result);
+        let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&a), ap(&b)], &result);
         assert_eq!(
             h,
             vec![
@@ -141,7 +156,7 @@ mod tests {
             allowed: false,
             limits: vec![st(false, 20, 0, 12_500, 12_500)],
         };
-        let h = rate_limit_headers(HeaderStyle::XRatelimit, &[&a], &result);
+        let h = rate_limit_headers(HeaderStyle::XRatelimit, &[ap(&a)], &result);
         assert_eq!(
             h,
             vec![
@@ -159,12 +174,28 @@ mod tests {
             allowed: true,
             limits: vec![st(true, 20, 1, 1, 0)],
         };
-        assert!(rate_limit_headers(HeaderStyle::None, &[&a], &result).is_empty());
+        assert!(rate_limit_headers(HeaderStyle::None, &[ap(&a)], &result).is_empty());
         let empty = CheckResult {
             allowed: true,
             limits: vec![],
         };
-        assert!(rate_limit_headers(HeaderStyle::Draft, &[&a], &empty).is_empty());
+        assert!(rate_limit_headers(HeaderStyle::Draft, &[ap(&a)], &empty).is_empty());
+    }
+
+    #[test]
+    fn shadow_limits_are_left_out_of_the_headers() {
+        let (a, b) = (limit("real", 10, 1000), limit("trial", 2, 1000));
+        let mut shadow = ap(&b);
+        shadow.shadow = true;
+        let mut trial = st(false, 2, 0, 900, 900);
+        trial.shadow = true;
+        let result = CheckResult {
+            allowed: true,
+            limits: vec![st(true, 10, 8, 900, 0), trial],
+        };
+        let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&a), shadow], &result);
+        assert_eq!(h[0].1, "\"api/real\";q=10;w=1");
+        assert_eq!(h[1].1, "\"api/real\";r=8;t=1");
     }
 
     #[test]

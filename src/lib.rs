@@ -16,6 +16,7 @@
     )
 )]
 
+pub mod algorithms;
 pub mod client_id;
 pub mod config;
 pub mod decision;

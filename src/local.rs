@@ -3,23 +3,24 @@
 //! Used when `meshlimitd` cannot be asked (`failure_mode: local`). Shared
 //! data never expires, so the counters live in a fixed set of keys
 //! (`slots`), each a small bucket of [`WAYS`] entries; a client is found in
-//! its slot by a 64-bit fingerprint. Memory is `slots * WAYS * 24` bytes
-//! whatever the number of clients. When a bucket is full, the entry from the
-//! oldest window (or with the lowest count) is evicted: under a flood of
-//! invented ids the fallback forgets counts (admits more) rather than
-//! charging one client for another's requests.
+//! its slot by a 64-bit fingerprint. Memory is `slots * WAYS * 40` bytes
+//! whatever the number of clients. When a bucket is full, the least recently
+//! used entry is evicted: under a flood of invented ids the fallback forgets
+//! counts (admits more) rather than charging one client for another's
+//! requests. The counting itself is [`crate::algorithms`].
 //!
 //! Fingerprints are keyed with a per-Envoy random seed so that a client
 //! cannot craft ids that collide with a victim's.
 
 use meshlimit_protocol::{CheckResult, LimitStatus};
 
-use crate::config::LimitConfig;
+use crate::algorithms::{self, Params, State};
+use crate::decision::Applied;
 use crate::host::{SharedStore, StoreError};
 
 /// Entries per slot.
 pub const WAYS: usize = 4;
-const ENTRY_LEN: usize = 24;
+const ENTRY_LEN: usize = 40;
 /// Compare-and-swap attempts before giving up on a write.
 const MAX_CAS_RETRIES: usize = 8;
 /// Shared-data key holding the fingerprint seed.
@@ -28,8 +29,9 @@ pub const SEED_KEY: &str = "meshlimit.seed";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct Entry {
     fingerprint: u64,
-    window: u64,
-    count: u64,
+    state: State,
+    /// Last use (ms); the least recently used entry is evicted.
+    touched: u64,
 }
 
 /// Decisions of the local fallback.
@@ -55,18 +57,18 @@ impl LocalLimiter {
         }
     }
 
-    /// Decides `cost` units for `subject` against every limit, all or
-    /// nothing: nothing is charged unless every limit admits the request.
+    /// Decides every limit for `subject`, all or nothing: nothing is
+    /// charged unless every enforced limit admits the request. Shadow limits
+    /// are decided and charged like the others but never deny.
     pub fn check(
         &self,
         store: &impl SharedStore,
         subject: &str,
-        limits: &[&LimitConfig],
-        cost: u64,
+        limits: &[Applied<'_>],
         now_ms: u64,
     ) -> LocalDecision {
         for _ in 0..MAX_CAS_RETRIES {
-            match self.try_check(store, subject, limits, cost, now_ms) {
+            match self.try_check(store, subject, limits, now_ms) {
                 Ok(result) => {
                     return LocalDecision {
                         result,
@@ -83,12 +85,14 @@ impl LocalLimiter {
                 allowed: true,
                 limits: limits
                     .iter()
-                    .map(|l| LimitStatus {
+                    .map(|a| LimitStatus {
                         allowed: true,
-                        limit: l.requests,
-                        remaining: l.requests.saturating_sub(cost),
-                        reset_after_ms: l.window_ms,
+                        limit: a.limit.requests,
+                        remaining: a.limit.requests.saturating_sub(a.cost),
+                        reset_after_ms: a.limit.window_ms,
                         retry_after_ms: 0,
+                        shadow: a.shadow,
+                        reason: None,
                     })
                     .collect(),
             },
@@ -100,8 +104,7 @@ impl LocalLimiter {
         &self,
         store: &impl SharedStore,
         subject: &str,
-        limits: &[&LimitConfig],
-        cost: u64,
+        limits: &[Applied<'_>],
         now_ms: u64,
     ) -> Result<CheckResult, StoreError> {
         struct Pending {
@@ -110,32 +113,41 @@ impl LocalLimiter {
             entries: [Entry; WAYS],
             way: usize,
             updated: Entry,
+            fits: bool,
         }
         let mut pending = Vec::with_capacity(limits.len());
         let mut statuses = Vec::with_capacity(limits.len());
         let mut allowed = true;
-        for limit in limits {
-            let fingerprint = self.fingerprint(subject, limit);
+        for applied in limits {
+            let limit = applied.limit;
+            let fingerprint = self.fingerprint(subject, &limit.qualified_name, limit.window_ms);
             let key = format!("meshlimit.fb.{}", self.slot(fingerprint));
             let (bytes, cas) = store.get(&key)?;
             let entries = decode(bytes.as_deref());
-            let window = now_ms / limit.window_ms;
-            let reset_after_ms = (window + 1) * limit.window_ms - now_ms;
-            let (way, current) = find_or_evict(&entries, fingerprint, window);
-            let used = if current.fingerprint == fingerprint && current.window == window {
-                current.count
+            let (way, current) = find_or_evict(&entries, fingerprint);
+            let state = if current.fingerprint == fingerprint {
+                current.state
             } else {
-                0
+                State::default()
             };
-            let fits = used.saturating_add(cost) <= limit.requests;
-            allowed &= fits;
-            let after = if fits { used + cost } else { used };
+            let params = Params {
+                algorithm: limit.algorithm,
+                requests: limit.requests,
+                window_ms: limit.window_ms,
+                burst: limit.capacity(),
+            };
+            let outcome = algorithms::evaluate(&params, state, applied.cost, now_ms);
+            if !outcome.fits && !applied.shadow {
+                allowed = false;
+            }
             statuses.push(LimitStatus {
-                allowed: fits,
+                allowed: outcome.fits,
                 limit: limit.requests,
-                remaining: limit.requests.saturating_sub(after),
-                reset_after_ms,
-                retry_after_ms: if fits { 0 } else { reset_after_ms },
+                remaining: outcome.remaining,
+                reset_after_ms: outcome.reset_after_ms,
+                retry_after_ms: outcome.retry_after_ms,
+                shadow: applied.shadow,
+                reason: None,
             });
             pending.push(Pending {
                 key,
@@ -144,15 +156,16 @@ impl LocalLimiter {
                 way,
                 updated: Entry {
                     fingerprint,
-                    window,
-                    count: after,
+                    state: outcome.charged,
+                    touched: now_ms.max(1),
                 },
+                fits: outcome.fits,
             });
         }
         if allowed {
             // Two limits may share a slot; the second write then sees a CAS
             // mismatch and the whole check is retried from fresh reads.
-            for p in pending {
+            for p in pending.into_iter().filter(|p| p.fits) {
                 let mut entries = p.entries;
                 if let Some(e) = entries.get_mut(p.way) {
                     *e = p.updated;
@@ -160,11 +173,12 @@ impl LocalLimiter {
                 store.set(&p.key, &encode(&entries), p.cas)?;
             }
         } else {
-            // A denied request is charged nowhere; remaining for the limits
-            // that did fit reflects that.
-            for (status, limit) in statuses.iter_mut().zip(limits) {
+            // A denied request is charged nowhere: report the limits that
+            // did fit as they stand, not as if charged.
+            for (status, applied) in statuses.iter_mut().zip(limits) {
                 if status.allowed {
-                    status.remaining = (status.remaining + cost).min(limit.requests);
+                    status.remaining =
+                        (status.remaining + applied.cost).min(applied.limit.requests);
                 }
             }
         }
@@ -174,12 +188,12 @@ impl LocalLimiter {
         })
     }
 
-    fn fingerprint(&self, subject: &str, limit: &LimitConfig) -> u64 {
+    fn fingerprint(&self, subject: &str, limit_name: &str, window_ms: u64) -> u64 {
         #[allow(deprecated)] // SipHasher is the keyed hash std offers.
         let mut h = std::hash::SipHasher::new_with_keys(self.seed.0, self.seed.1);
         use std::hash::{Hash, Hasher};
-        limit.qualified_name.hash(&mut h);
-        limit.window_ms.hash(&mut h);
+        limit_name.hash(&mut h);
+        window_ms.hash(&mut h);
         subject.hash(&mut h);
         h.finish()
     }
@@ -189,27 +203,21 @@ impl LocalLimiter {
     }
 }
 
-/// The way holding `fingerprint`, else an empty way, else the stalest.
-fn find_or_evict(entries: &[Entry; WAYS], fingerprint: u64, window: u64) -> (usize, Entry) {
-    let mut best = 0;
-    let mut best_rank = (u8::MAX, u64::MAX, u64::MAX);
-    for (i, e) in entries.iter().enumerate() {
-        if e.fingerprint == fingerprint && e.count > 0 {
-            return (i, *e);
-        }
-        // Rank: empty or expired entries first, then older windows, then
-        // lower counts.
-        let rank = if e.count == 0 || e.window < window {
-            (0, e.window, e.count)
-        } else {
-            (1, e.window, e.count)
-        };
-        if rank < best_rank {
-            best_rank = rank;
-            best = i;
-        }
+/// The way holding `fingerprint`, else an empty way, else the least
+/// recently used one.
+fn find_or_evict(entries: &[Entry; WAYS], fingerprint: u64) -> (usize, Entry) {
+    if let Some(i) = entries
+        .iter()
+        .position(|e| e.fingerprint == fingerprint && e.touched > 0)
+    {
+        return (i, entries.get(i).copied().unwrap_or_default());
     }
-    (best, entries.get(best).copied().unwrap_or_default())
+    let oldest = entries
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, e)| e.touched)
+        .map_or(0, |(i, _)| i);
+    (oldest, Entry::default())
 }
 
 fn decode(bytes: Option<&[u8]>) -> [Entry; WAYS] {
@@ -227,8 +235,12 @@ fn decode(bytes: Option<&[u8]>) -> [Entry; WAYS] {
         };
         *entry = Entry {
             fingerprint: word(0),
-            window: word(1),
-            count: word(2),
+            state: State {
+                a: word(1),
+                b: word(2),
+                c: word(3),
+            },
+            touched: word(4),
         };
     }
     entries
@@ -237,9 +249,9 @@ fn decode(bytes: Option<&[u8]>) -> [Entry; WAYS] {
 fn encode(entries: &[Entry; WAYS]) -> Vec<u8> {
     let mut out = Vec::with_capacity(WAYS * ENTRY_LEN);
     for e in entries {
-        out.extend_from_slice(&e.fingerprint.to_le_bytes());
-        out.extend_from_slice(&e.window.to_le_bytes());
-        out.extend_from_slice(&e.count.to_le_bytes());
+        for word in [e.fingerprint, e.state.a, e.state.b, e.state.c, e.touched] {
+            out.extend_from_slice(&word.to_le_bytes());
+        }
     }
     out
 }
@@ -272,6 +284,7 @@ pub fn shared_seed(store: &impl SharedStore, fresh: (u64, u64)) -> Option<(u64, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::LimitConfig;
     use crate::host::fake::FakeStore;
     use meshlimit_protocol::Algorithm;
 
@@ -282,7 +295,19 @@ mod tests {
             requests,
             window_ms,
             algorithm: Algorithm::FixedWindow,
+            burst: None,
         }
+    }
+
+    fn applied(limits: &[&LimitConfig]) -> Vec<Applied<'static>> {
+        limits
+            .iter()
+            .map(|l| Applied {
+                limit: Box::leak(Box::new((*l).clone())),
+                cost: 1,
+                shadow: false,
+            })
+            .collect()
     }
 
     fn admitted(
@@ -293,8 +318,9 @@ mod tests {
         n: u32,
         now: u64,
     ) -> u32 {
+        let a = applied(limits);
         (0..n)
-            .filter(|_| l.check(s, subject, limits, 1, now).result.allowed)
+            .filter(|_| l.check(s, subject, &a, now).result.allowed)
             .count() as u32
     }
 
@@ -303,12 +329,27 @@ mod tests {
         let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
         let m = limit("m", 5, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&m], 9, 1_000), 5);
-        let denied = l.check(&s, "a", &[&m], 1, 1_000);
+        let denied = l.check(&s, "a", &applied(&[&m]), 1_000);
         assert!(!denied.result.allowed);
         assert_eq!(denied.result.limits[0].retry_after_ms, 59_000);
         assert_eq!(denied.result.limits[0].remaining, 0);
         // Next window: the quota is back.
         assert_eq!(admitted(&l, &s, "a", &[&m], 9, 60_000), 5);
+    }
+
+    #[test]
+    fn every_algorithm_is_enforced_locally() {
+        for algorithm in [
+            Algorithm::FixedWindow,
+            Algorithm::SlidingWindowLog,
+            Algorithm::SlidingWindowCounter,
+            Algorithm::TokenBucket,
+        ] {
+            let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+            let mut m = limit("m", 5, 60_000);
+            m.algorithm = algorithm;
+            assert_eq!(admitted(&l, &s, "a", &[&m], 9, 120_000), 5, "{algorithm:?}");
+        }
     }
 
     #[test]
@@ -328,16 +369,28 @@ mod tests {
         let big = limit("big", 10, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&small, &big], 5, 0), 2);
         // Three denials above must not have charged `big`.
-        let d = l.check(&s, "a", &[&big], 1, 0);
+        let d = l.check(&s, "a", &applied(&[&big]), 0);
         assert_eq!(d.result.limits[0].remaining, 7);
+    }
+
+    #[test]
+    fn shadow_limits_never_deny() {
+        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let m = limit("m", 2, 60_000);
+        let mut a = applied(&[&m]);
+        a[0].shadow = true;
+        let results: Vec<_> = (0..4).map(|_| l.check(&s, "a", &a, 0).result).collect();
+        assert!(results.iter().all(|r| r.allowed));
+        assert_eq!(results.iter().filter(|r| !r.limits[0].allowed).count(), 2);
     }
 
     #[test]
     fn memory_is_bounded_by_slots_whatever_the_number_of_clients() {
         let (l, s) = (LocalLimiter::new(16, (1, 2)), FakeStore::default());
         let m = limit("m", 1, 60_000);
+        let a = applied(&[&m]);
         for i in 0..5_000 {
-            l.check(&s, &format!("client-{i}"), &[&m], 1, 0);
+            l.check(&s, &format!("client-{i}"), &a, 1 + i);
         }
         let data = s.data.borrow();
         assert!(data.len() <= 16);
@@ -349,7 +402,7 @@ mod tests {
         let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
         *s.conflicts_left.borrow_mut() = 3;
         let m = limit("m", 2, 60_000);
-        let d = l.check(&s, "a", &[&m], 1, 0);
+        let d = l.check(&s, "a", &applied(&[&m]), 0);
         assert!(d.result.allowed && !d.degraded);
         assert_eq!(d.result.limits[0].remaining, 1);
     }
@@ -359,13 +412,13 @@ mod tests {
         let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
         *s.conflicts_left.borrow_mut() = 1_000;
         let m = limit("m", 2, 60_000);
-        let d = l.check(&s, "a", &[&m], 1, 0);
+        let d = l.check(&s, "a", &applied(&[&m]), 0);
         assert!(d.result.allowed && d.degraded);
         let broken = FakeStore {
             broken: true,
             ..FakeStore::default()
         };
-        assert!(l.check(&broken, "a", &[&m], 1, 0).degraded);
+        assert!(l.check(&broken, "a", &applied(&[&m]), 0).degraded);
     }
 
     #[test]
@@ -373,16 +426,17 @@ mod tests {
         // One slot: every client lands in the same bucket of WAYS entries.
         let (l, s) = (LocalLimiter::new(1, (7, 7)), FakeStore::default());
         let m = limit("m", 1, 60_000);
+        let a = applied(&[&m]);
         for i in 0..10 {
             let subject = format!("c{i}");
             // Each new client is admitted once: no one else's count is theirs.
             assert!(
-                l.check(&s, &subject, &[&m], 1, 0).result.allowed,
+                l.check(&s, &subject, &a, 100 + i).result.allowed,
                 "{subject}"
             );
         }
         // The most recent client is still remembered.
-        assert!(!l.check(&s, "c9", &[&m], 1, 0).result.allowed);
+        assert!(!l.check(&s, "c9", &a, 200).result.allowed);
     }
 
     #[test]
@@ -401,6 +455,6 @@ mod tests {
             .borrow_mut()
             .insert("meshlimit.fb.0".into(), (vec![1, 2, 3], 1));
         let m = limit("m", 1, 60_000);
-        assert!(l.check(&s, "a", &[&m], 1, 0).result.allowed);
+        assert!(l.check(&s, "a", &applied(&[&m]), 0).result.allowed);
     }
 }

@@ -23,6 +23,8 @@ mod tests {
             path_prefix: prefix.into(),
             methods: methods.iter().map(|m| m.to_string()).collect(),
             limits: Vec::new(),
+            cost: crate::config::Cost::Fixed(1),
+            shadow: false,
         }
     }
 

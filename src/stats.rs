@@ -9,6 +9,8 @@ pub const FALLBACK_ALLOWED: &str = "meshlimit.fallback_allowed";
 pub const FALLBACK_DENIED: &str = "meshlimit.fallback_denied";
 /// Local fallback decisions admitted uncounted because shared data failed.
 pub const FALLBACK_UNCOUNTED: &str = "meshlimit.fallback_uncounted";
+/// Requests a shadow rule would have denied (they were not denied).
+pub const SHADOW_DENIED: &str = "meshlimit.shadow_denied";
 /// Requests refused for lack of a client id.
 pub const REJECTED_NO_CLIENT_ID: &str = "meshlimit.rejected_no_client_id";
 /// Failed calls to meshlimitd, one stat per [`crate::decision::ServiceError`] kind.

@@ -42,15 +42,16 @@ pub struct Check {
     /// `hdr:x-api-key:abc` or `ip:10.0.0.1`). Untrusted client input: the
     /// service escapes or hashes it before it becomes part of a key.
     pub subject: String,
-    /// How many units this request costs on every limit.
-    #[serde(default = "default_cost")]
-    pub cost: u64,
     /// Every limit that applies to the request; all are decided together.
     pub limits: Vec<Limit>,
 }
 
 fn default_cost() -> u64 {
     1
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// One limit to apply to a subject.
@@ -65,6 +66,26 @@ pub struct Limit {
     /// Window length in milliseconds.
     pub window_ms: u64,
     pub algorithm: Algorithm,
+    /// Units this request takes from the limit (rules may weigh requests).
+    #[serde(default = "default_cost")]
+    pub cost: u64,
+    /// `token_bucket` only: how many units may be spent at once (the
+    /// bucket's capacity); `requests` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+    /// Decided and counted, but never the reason a check is denied.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub shadow: bool,
+}
+
+impl Limit {
+    /// The most units one request can ever take from this limit.
+    pub fn capacity(&self) -> u64 {
+        match self.algorithm {
+            Algorithm::TokenBucket => self.burst.unwrap_or(self.requests),
+            _ => self.requests,
+        }
+    }
 }
 
 /// Counting algorithm of a limit.
@@ -115,14 +136,15 @@ pub struct CheckResponse {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CheckResult {
-    /// True when every limit admitted the request (and all were charged).
+    /// True when every enforced (non-shadow) limit admitted the request and
+    /// all were charged.
     pub allowed: bool,
     /// One status per limit of the check, in the same order.
     pub limits: Vec<LimitStatus>,
 }
 
 /// State of one limit after the decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LimitStatus {
     /// Whether this limit alone would admit the request.
@@ -136,6 +158,12 @@ pub struct LimitStatus {
     /// Milliseconds until a request of the same cost could be admitted by this
     /// limit; 0 when allowed.
     pub retry_after_ms: u64,
+    /// Echo of [`Limit::shadow`]: this status never denies the check.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub shadow: bool,
+    /// Why a request can never be admitted (its cost exceeds the capacity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// Body of every non-200 answer from `meshlimitd`.
@@ -148,14 +176,13 @@ impl CheckResult {
     /// The status that headers should report: the limit with the least
     /// remaining quota (the IETF RateLimit draft says to report the most
     /// constraining one); on a deny, the denying limit whose retry is latest.
+    /// Shadow limits never count: they do not decide, so they do not speak.
     pub fn most_constraining(&self) -> Option<&LimitStatus> {
+        let enforced = self.limits.iter().filter(|s| !s.shadow);
         if self.allowed {
-            self.limits
-                .iter()
-                .min_by_key(|s| (s.remaining, std::cmp::Reverse(s.reset_after_ms)))
+            enforced.min_by_key(|s| (s.remaining, std::cmp::Reverse(s.reset_after_ms)))
         } else {
-            self.limits
-                .iter()
+            enforced
                 .filter(|s| !s.allowed)
                 .max_by_key(|s| s.retry_after_ms)
         }
@@ -173,6 +200,8 @@ mod tests {
             remaining,
             reset_after_ms: reset,
             retry_after_ms: retry,
+            shadow: false,
+            reason: None,
         }
     }
 
@@ -180,7 +209,8 @@ mod tests {
     fn request_round_trips_with_default_cost() {
         let json = r#"{"checks":[{"subject":"s","limits":[{"name":"api/m","requests":5,"window_ms":60000,"algorithm":"fixed_window"}]}]}"#;
         let req: CheckRequest = serde_json::from_str(json).unwrap();
-        assert_eq!(req.checks[0].cost, 1);
+        assert_eq!(req.checks[0].limits[0].cost, 1);
+        assert!(!req.checks[0].limits[0].shadow);
         assert_eq!(req.checks[0].limits[0].algorithm, Algorithm::FixedWindow);
         let again: CheckRequest =
             serde_json::from_str(&serde_json::to_string(&req).unwrap()).unwrap();
@@ -214,6 +244,28 @@ mod tests {
             limits: vec![status(true, 7, 1000, 0), status(true, 2, 60000, 0)],
         };
         assert_eq!(r.most_constraining().unwrap().remaining, 2);
+    }
+
+    #[test]
+    fn shadow_limits_are_never_most_constraining() {
+        let mut shadow = status(false, 0, 9000, 9000);
+        shadow.shadow = true;
+        let r = CheckResult {
+            allowed: true,
+            limits: vec![shadow, status(true, 4, 1000, 0)],
+        };
+        assert_eq!(r.most_constraining().unwrap().remaining, 4);
+    }
+
+    #[test]
+    fn capacity_is_burst_for_token_buckets() {
+        let mut l: Limit = serde_json::from_str(
+            r#"{"name":"a","requests":10,"window_ms":1000,"algorithm":"token_bucket","burst":3}"#,
+        )
+        .unwrap();
+        assert_eq!(l.capacity(), 3);
+        l.burst = None;
+        assert_eq!(l.capacity(), 10);
     }
 
     #[test]

@@ -103,9 +103,6 @@ pub fn validate(request: &CheckRequest) -> Result<(), String> {
                 "checks[{i}].subject: at most {MAX_SUBJECT_BYTES} bytes"
             ));
         }
-        if check.cost == 0 {
-            return Err(format!("checks[{i}].cost: must be at least 1"));
-        }
         if check.limits.is_empty() || check.limits.len() > MAX_LIMITS_PER_CHECK {
             return Err(format!(
                 "checks[{i}].limits: must hold 1 to {MAX_LIMITS_PER_CHECK} limits"
@@ -132,11 +129,20 @@ pub fn validate(request: &CheckRequest) -> Result<(), String> {
                     "{at}.window_ms: must be between 1 and {MAX_WINDOW_MS}"
                 ));
             }
-            if limit.algorithm != Algorithm::FixedWindow {
-                return Err(format!(
-                    "{at}.algorithm: \"{}\" is not supported yet",
-                    limit.algorithm.as_str()
-                ));
+            if limit.cost == 0 {
+                return Err(format!("{at}.cost: must be at least 1"));
+            }
+            match (limit.algorithm, limit.burst) {
+                (Algorithm::TokenBucket, Some(0)) => {
+                    return Err(format!("{at}.burst: must be at least 1"));
+                }
+                (Algorithm::TokenBucket, _) | (_, None) => {}
+                (other, Some(_)) => {
+                    return Err(format!(
+                        "{at}.burst: only token_bucket has a burst, not {}",
+                        other.as_str()
+                    ));
+                }
             }
         }
     }
@@ -170,12 +176,14 @@ mod tests {
         CheckRequest {
             checks: vec![Check {
                 subject: subject.into(),
-                cost: 1,
                 limits: vec![Limit {
                     name: "api/m".into(),
                     requests,
                     window_ms: 1000,
                     algorithm,
+                    cost: 1,
+                    burst: None,
+                    shadow: false,
                 }],
             }],
         }
@@ -192,8 +200,11 @@ mod tests {
         assert_eq!(e, "checks[0].limits[0].requests: must be at least 1");
         let e = validate(&request(Algorithm::FixedWindow, "", 1)).unwrap_err();
         assert!(e.starts_with("checks[0].subject"));
-        let e = validate(&request(Algorithm::TokenBucket, "s", 1)).unwrap_err();
-        assert!(e.contains("not supported yet"), "{e}");
+        let mut burst = request(Algorithm::FixedWindow, "s", 1);
+        burst.checks[0].limits[0].burst = Some(3);
+        let e = validate(&burst).unwrap_err();
+        assert!(e.contains("only token_bucket has a burst"), "{e}");
+        assert!(validate(&request(Algorithm::TokenBucket, "s", 1)).is_ok());
         assert!(validate(&CheckRequest { checks: vec![] }).is_err());
     }
 }

@@ -66,6 +66,9 @@ mod tests {
             requests: 20,
             window_ms: 60_000,
             algorithm: Algorithm::FixedWindow,
+            cost: 1,
+            burst: None,
+            shadow: false,
         }
     }
 

@@ -1,8 +1,10 @@
 //! Runs checks on Redis.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshlimit_protocol::{Algorithm, Check, CheckResult, LimitStatus};
+use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
@@ -38,7 +40,9 @@ impl LimiterError {
 #[derive(Clone)]
 pub struct Limiter {
     conn: ConnectionManager,
-    fixed_window: Script,
+    script: Script,
+    /// Makes sorted-set members unique across calls and instances.
+    nonce: Arc<(u64, AtomicU64)>,
     prefix: String,
     timeout: Duration,
     metrics: Metrics,
@@ -67,7 +71,8 @@ impl Limiter {
         let conn = ConnectionManager::new_lazy_with_config(client, config)?;
         Ok(Limiter {
             conn,
-            fixed_window: Script::new(script::FIXED_WINDOW),
+            script: Script::new(script::CHECK),
+            nonce: Arc::new((instance_id(), AtomicU64::new(0))),
             prefix,
             timeout,
             metrics,
@@ -77,14 +82,18 @@ impl Limiter {
     /// Decides one check atomically (all of its limits or none).
     pub async fn check(&self, check: &Check) -> Result<CheckResult, LimiterError> {
         let tag = keys::subject_tag(&check.subject);
-        let mut invocation = self.fixed_window.prepare_invoke();
-        invocation.arg(check.cost);
+        let mut invocation = self.script.prepare_invoke();
+        let seq = self.nonce.1.fetch_add(1, Ordering::Relaxed);
+        invocation.arg(format!("{:x}.{seq:x}", self.nonce.0));
         for limit in &check.limits {
-            debug_assert_eq!(limit.algorithm, Algorithm::FixedWindow);
             invocation
                 .key(keys::limit_key(&self.prefix, &tag, limit))
+                .arg(limit.algorithm.short_name())
                 .arg(limit.requests)
-                .arg(limit.window_ms);
+                .arg(limit.window_ms)
+                .arg(limit.cost)
+                .arg(limit.capacity())
+                .arg(u8::from(limit.shadow));
         }
         let mut conn = self.conn.clone();
         let started = Instant::now();
@@ -117,8 +126,27 @@ impl Limiter {
     }
 }
 
+/// Distinguishes this process's nonces from other meshlimitd instances'.
+fn instance_id() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::process::id())
+}
+
+/// Why `limit` can never admit a request of its cost, if it cannot.
+fn impossible(limit: &Limit) -> Option<String> {
+    (limit.cost > limit.capacity()).then(|| {
+        format!(
+            "cost {} exceeds the capacity {} of limit {}",
+            limit.cost,
+            limit.capacity(),
+            limit.name
+        )
+    })
+}
+
 fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterError> {
-    let expected = 1 + 3 * check.limits.len();
+    let per = script::REPLY_PER_LIMIT;
+    let expected = 1 + per * check.limits.len();
     if values.len() != expected {
         return Err(LimiterError::Reply(format!(
             "{} values, expected {expected}",
@@ -129,15 +157,23 @@ fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterErro
     let limits = check
         .limits
         .iter()
-        .zip(values.get(1..).unwrap_or_default().chunks_exact(3))
+        .zip(values.get(1..).unwrap_or_default().chunks_exact(per))
         .map(|(limit, v)| {
-            let (ok, remaining, reset) = (v[0] == 1, v[1].max(0) as u64, v[2].max(0) as u64);
+            let reason = impossible(limit);
+            let ok = v[0] == 1 && reason.is_none();
             LimitStatus {
                 allowed: ok,
                 limit: limit.requests,
-                remaining,
-                reset_after_ms: reset,
-                retry_after_ms: if ok { 0 } else { reset },
+                remaining: v[1].max(0) as u64,
+                reset_after_ms: v[2].max(0) as u64,
+                // Waiting never helps a request that can never fit.
+                retry_after_ms: if ok || reason.is_some() {
+                    0
+                } else {
+                    v[3].max(0) as u64
+                },
+                shadow: limit.shadow,
+                reason,
             }
         })
         .collect();
@@ -149,16 +185,20 @@ mod tests {
     use super::*;
     use meshlimit_protocol::Limit;
 
-    fn check(n: usize) -> Check {
+    use meshlimit_protocol::Algorithm;
+
+    fn check(n: usize, cost: u64) -> Check {
         Check {
             subject: "s".into(),
-            cost: 1,
             limits: (0..n)
                 .map(|i| Limit {
                     name: format!("r/l{i}"),
                     requests: 10,
                     window_ms: 1000,
                     algorithm: Algorithm::FixedWindow,
+                    cost,
+                    burst: None,
+                    shadow: false,
                 })
                 .collect(),
         }
@@ -166,7 +206,7 @@ mod tests {
 
     #[test]
     fn reply_maps_to_statuses() {
-        let r = parse_reply(&check(2), &[0, 1, 3, 400, 0, 0, 900]).unwrap();
+        let r = parse_reply(&check(2, 1), &[0, 1, 3, 400, 0, 0, 0, 900, 900]).unwrap();
         assert!(!r.allowed);
         assert_eq!(r.limits[0].remaining, 3);
         assert_eq!(r.limits[0].retry_after_ms, 0);
@@ -175,7 +215,17 @@ mod tests {
     }
 
     #[test]
+    fn impossible_costs_carry_a_reason() {
+        let r = parse_reply(&check(1, 11), &[0, 0, 10, 0, 5]).unwrap();
+        assert_eq!(
+            r.limits[0].reason.as_deref(),
+            Some("cost 11 exceeds the capacity 10 of limit r/l0")
+        );
+        assert_eq!(r.limits[0].retry_after_ms, 0);
+    }
+
+    #[test]
     fn short_replies_are_errors() {
-        assert!(parse_reply(&check(2), &[1, 1, 3]).is_err());
+        assert!(parse_reply(&check(2, 1), &[1, 1, 3]).is_err());
     }
 }

@@ -191,9 +191,9 @@ fn bad_requests_get_a_reason() {
         (check_body("s", &[limit("api/m", 0, 1000)]), 400, "checks[0].limits[0].requests: must be at least 1"),
         (check_body("s", &[limit("api/{m}", 1, 1000)]), 400, "checks[0].limits[0].name"),
         (
-            serde_json::to_vec(&json!({"checks":[{"subject":"s","limits":[{"name":"a/b","requests":1,"window_ms":1000,"algorithm":"token_bucket"}]}]})).unwrap(),
+            serde_json::to_vec(&json!({"checks":[{"subject":"s","limits":[{"name":"a/b","requests":1,"window_ms":1000,"algorithm":"fixed_window","burst":3}]}]})).unwrap(),
             400,
-            "not supported yet",
+            "only token_bucket has a burst",
         ),
         (vec![b' '; 5000], 413, ""),
     ];

@@ -2,82 +2,16 @@
 //! real meshlimitd, real redis-server, all on a loopback address of the
 //! test's own.
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+mod common;
 
-use meshlimit_testbed::http::{self, Response};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use meshlimit_testbed::http;
 use meshlimit_testbed::procs::TempDir;
 use meshlimit_testbed::topology::validate_envoy_config;
 use meshlimit_testbed::{Topology, TopologyOptions};
-
-/// The limit every test config uses: 20 requests per minute.
-const LIMIT: usize = 20;
-
-/// A plugin config for tests. The timeout is generous so that a loaded CI
-/// machine does not turn global decisions into (correct, but different)
-/// fallback decisions; tests about failures stop the service instead.
-fn plugin_config(client_id: &str, failure_mode: &str) -> String {
-    format!(
-        r#"{{
-  "service": {{"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "1s"}},
-  "client_id": {client_id},
-  "rules": [
-    {{"name": "api", "match": {{"path_prefix": "/"}},
-     "limits": [{{"name": "per-minute", "requests": {LIMIT}, "window": "60s"}}]}}
-  ],
-  "failure_mode": "{failure_mode}"
-}}"#
-    )
-}
-
-fn keyed_config(failure_mode: &str) -> String {
-    plugin_config(
-        r#"{"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1}"#,
-        failure_mode,
-    )
-}
-
-fn topology(plugin_config: String) -> Topology {
-    Topology::start(TopologyOptions {
-        plugin_config,
-        ..TopologyOptions::default()
-    })
-}
-
-/// Windows are aligned to Redis time; a burst that straddles a minute
-/// boundary would be counted in two windows. Start bursts early in a window.
-fn wait_for_fresh_window(needed: Duration) {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let into = now.as_millis() as u64 % 60_000;
-    if into + needed.as_millis() as u64 > 58_000 {
-        std::thread::sleep(Duration::from_millis(60_000 - into + 300));
-    }
-}
-
-fn key(id: &str) -> Vec<(&'static str, Vec<u8>)> {
-    vec![("x-api-key", id.as_bytes().to_vec())]
-}
-
-fn send(t: &Topology, headers: &[(&'static str, Vec<u8>)]) -> Response {
-    let refs: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_slice())).collect();
-    t.get("/api/items", &refs)
-}
-
-/// (allowed, denied) over `n` sequential requests; any other status fails.
-fn burst(t: &Topology, headers: &[(&'static str, Vec<u8>)], n: usize) -> (usize, usize) {
-    let (mut ok, mut denied) = (0, 0);
-    for _ in 0..n {
-        let r = send(t, headers);
-        match r.status {
-            200 => ok += 1,
-            429 => denied += 1,
-            other => panic!("unexpected status {other}: {}", r.body),
-        }
-    }
-    (ok, denied)
-}
 
 #[test]
 fn global_limit_holds_exactly_across_two_replicas() {
@@ -187,28 +121,6 @@ fn x_ratelimit_headers_when_configured() {
     assert_eq!(r.header("x-ratelimit-limit"), Some("20"));
     assert_eq!(r.header("x-ratelimit-remaining"), Some("19"));
     assert!(r.header("ratelimit").is_none());
-}
-
-/// Sends requests until one is decided by the service again (no fallback
-/// stat moves), for at most `within`.
-fn wait_for_global_decisions(t: &Topology, within: Duration) {
-    let deadline = Instant::now() + within;
-    loop {
-        let before =
-            t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
-        let probe = send(t, &key(&format!("probe-{}", before)));
-        assert_eq!(probe.status, 200);
-        let after =
-            t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
-        if after == before {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "still falling back after {within:?}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 #[test]

@@ -1,0 +1,261 @@
+//! The counting algorithms for the local fallback, as pure functions of a
+//! small fixed-size state, so they fit the fixed shared-data slots.
+//!
+//! They follow the definitions of meshlimitd's Lua script (see
+//! `service/src/script.rs`), with one exception: the sliding window log
+//! needs memory proportional to its limit, which a fixed slot cannot hold,
+//! so during a fallback it is approximated by the sliding window counter.
+
+use meshlimit_protocol::Algorithm;
+
+/// Per-client state in one slot entry. Meaning by algorithm:
+/// fixed window `(window, count, -)`, sliding window counter
+/// `(window, current, previous)`, token bucket `(TAT in µs, -, -)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct State {
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+}
+
+/// The limit as the algorithms need it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Params {
+    pub algorithm: Algorithm,
+    pub requests: u64,
+    pub window_ms: u64,
+    /// Token bucket capacity (`requests` when the limit sets no burst).
+    pub burst: u64,
+}
+
+/// The decision for one limit, and the state to store if it is charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    pub fits: bool,
+    pub remaining: u64,
+    pub reset_after_ms: u64,
+    pub retry_after_ms: u64,
+    /// State after charging; only stored when the whole check is admitted.
+    pub charged: State,
+}
+
+pub fn evaluate(p: &Params, state: State, cost: u64, now_ms: u64) -> Outcome {
+    let window = p.window_ms.max(1);
+    match p.algorithm {
+        Algorithm::FixedWindow => {
+            let idx = now_ms / window;
+            let used = if state.a == idx { state.b } else { 0 };
+            let fits = used.saturating_add(cost) <= p.requests;
+            let reset = window - now_ms % window;
+            let after = if fits { used + cost } else { used };
+            Outcome {
+                fits,
+                remaining: p.requests.saturating_sub(after),
+                reset_after_ms: reset,
+                retry_after_ms: if fits { 0 } else { reset },
+                charged: State {
+                    a: idx,
+                    b: used + cost,
+                    c: 0,
+                },
+            }
+        }
+        Algorithm::SlidingWindowCounter | Algorithm::SlidingWindowLog => {
+            sliding_counter(p, state, cost, now_ms, window)
+        }
+        Algorithm::TokenBucket => token_bucket(p, state, cost, now_ms),
+    }
+}
+
+fn sliding_counter(p: &Params, state: State, cost: u64, now_ms: u64, window: u64) -> Outcome {
+    let idx = now_ms / window;
+    let (cur, prev) = if state.a == idx {
+        (state.b, state.c)
+    } else if state.a + 1 == idx {
+        (0, state.b)
+    } else {
+        (0, 0)
+    };
+    let into = now_ms % window;
+    let limit = p.requests as f64;
+    let (w, curf, prevf, costf) = (window as f64, cur as f64, prev as f64, cost as f64);
+    let used = prevf * (w - into as f64) / w + curf;
+    let fits = used + costf <= limit;
+    let retry = if fits || cost > p.requests {
+        0
+    } else if cur + cost <= p.requests && prev > 0 {
+        let f = 1.0 - (limit - curf - costf) / prevf;
+        ((f * w - into as f64).ceil() as u64).max(1)
+    } else {
+        let f = if cur > 0 {
+            (1.0 - (limit - costf) / curf).max(0.0)
+        } else {
+            0.0
+        };
+        ((w - into as f64 + f * w).ceil() as u64).max(1)
+    };
+    let (after_used, after_cur) = if fits {
+        (used + costf, cur + cost)
+    } else {
+        (used, cur)
+    };
+    let reset = if after_cur > 0 {
+        2 * window - into
+    } else if prev > 0 {
+        window - into
+    } else {
+        0
+    };
+    Outcome {
+        fits,
+        remaining: (limit - after_used).max(0.0).floor() as u64,
+        reset_after_ms: reset,
+        retry_after_ms: retry,
+        charged: State {
+            a: idx,
+            b: cur + cost,
+            c: prev,
+        },
+    }
+}
+
+/// GCRA: `T = window / requests`; a request of cost k fits when
+/// `max(TAT, now) + k*T - burst*T <= now`.
+fn token_bucket(p: &Params, state: State, cost: u64, now_ms: u64) -> Outcome {
+    let now_us = now_ms.saturating_mul(1000) as f64;
+    let t = p.window_ms as f64 * 1000.0 / p.requests.max(1) as f64;
+    let tat = (state.a as f64).max(now_us);
+    let new_tat = tat + t * cost as f64;
+    let allow_at = new_tat - t * p.burst as f64;
+    let fits = allow_at <= now_us;
+    let after = if fits { new_tat } else { tat };
+    Outcome {
+        fits,
+        remaining: ((t * p.burst as f64 - (after - now_us)) / t)
+            .max(0.0)
+            .floor() as u64,
+        reset_after_ms: ((after - now_us) / 1000.0).ceil().max(0.0) as u64,
+        retry_after_ms: if fits || cost > p.burst {
+            0
+        } else {
+            ((allow_at - now_us) / 1000.0).ceil() as u64
+        },
+        charged: State {
+            a: new_tat.ceil() as u64,
+            b: 0,
+            c: 0,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(algorithm: Algorithm, requests: u64, window_ms: u64, burst: u64) -> Params {
+        Params {
+            algorithm,
+            requests,
+            window_ms,
+            burst,
+        }
+    }
+
+    /// Runs requests at the given times, storing state on admission.
+    fn run(p: &Params, times: &[u64]) -> Vec<bool> {
+        let mut state = State::default();
+        times
+            .iter()
+            .map(|&now| {
+                let o = evaluate(p, state, 1, now);
+                if o.fits {
+                    state = o.charged;
+                }
+                o.fits
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fixed_window_allows_a_burst_on_each_side_of_an_edge() {
+        let p = params(Algorithm::FixedWindow, 3, 1000, 3);
+        let admitted = run(
+            &p,
+            &[
+                10_990, 10_991, 10_992, 10_993, 11_000, 11_001, 11_002, 11_003,
+            ],
+        );
+        assert_eq!(admitted, [true, true, true, false, true, true, true, false]);
+    }
+
+    #[test]
+    fn sliding_counter_weighs_the_previous_window() {
+        let p = params(Algorithm::SlidingWindowCounter, 10, 1000, 10);
+        let mut state = State::default();
+        for _ in 0..10 {
+            let o = evaluate(&p, state, 1, 10_000);
+            assert!(o.fits);
+            state = o.charged;
+        }
+        // Half-way through the next window, half of the 10 still count.
+        let mut admitted = 0;
+        for _ in 0..10 {
+            let o = evaluate(&p, state, 1, 11_500);
+            if o.fits {
+                admitted += 1;
+                state = o.charged;
+            }
+        }
+        assert_eq!(admitted, 5);
+        let denied = evaluate(&p, state, 1, 11_500);
+        assert!(!denied.fits);
+        // 5 (prev weighted at 0.5) + 5 cur + 1 > 10 until the previous
+        // window's weight drops below 0.4, i.e. at 11_600.
+        assert_eq!(denied.retry_after_ms, 100);
+        assert!(evaluate(&p, state, 1, 11_600).fits);
+    }
+
+    #[test]
+    fn token_bucket_spaces_requests_and_honours_burst() {
+        // 10 per second, burst 3: three at once, then one every 100 ms.
+        let p = params(Algorithm::TokenBucket, 10, 1000, 3);
+        let mut state = State::default();
+        let now = 50_000;
+        for i in 0..3 {
+            let o = evaluate(&p, state, 1, now);
+            assert!(o.fits, "burst request {i}");
+            state = o.charged;
+        }
+        let denied = evaluate(&p, state, 1, now);
+        assert!(!denied.fits);
+        assert_eq!(denied.retry_after_ms, 100);
+        assert_eq!(denied.remaining, 0);
+        assert!(!evaluate(&p, state, 1, now + 99).fits);
+        let later = evaluate(&p, state, 1, now + 100);
+        assert!(later.fits);
+        // A full refill takes burst * T.
+        assert_eq!(evaluate(&p, state, 1, now).reset_after_ms, 300);
+    }
+
+    #[test]
+    fn cost_counts_as_several_requests() {
+        let p = params(Algorithm::FixedWindow, 10, 1000, 10);
+        let o = evaluate(&p, State::default(), 5, 0);
+        assert!(o.fits);
+        assert_eq!(o.remaining, 5);
+        assert!(!evaluate(&p, State::default(), 11, 0).fits);
+        let tb = params(Algorithm::TokenBucket, 10, 1000, 10);
+        let o = evaluate(&tb, State::default(), 11, 0);
+        assert!(!o.fits);
+        assert_eq!(o.retry_after_ms, 0, "waiting never makes 11 fit in 10");
+    }
+
+    #[test]
+    fn stale_state_is_ignored() {
+        let p = params(Algorithm::SlidingWindowCounter, 2, 1000, 2);
+        let old = State { a: 3, b: 2, c: 2 };
+        assert!(evaluate(&p, old, 2, 9_000).fits);
+        let f = params(Algorithm::FixedWindow, 2, 1000, 2);
+        assert!(evaluate(&f, State { a: 3, b: 2, c: 0 }, 2, 9_000).fits);
+    }
+}

@@ -1,0 +1,135 @@
+//! Helpers shared by the end-to-end test files.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use meshlimit_testbed::http::Response;
+use meshlimit_testbed::{Topology, TopologyOptions};
+
+/// The limit every test config uses: 20 requests per minute.
+pub const LIMIT: usize = 20;
+
+/// A plugin config for tests. The timeout is generous so that a loaded CI
+/// machine does not turn global decisions into (correct, but different)
+/// fallback decisions; tests about failures stop the service instead.
+pub fn plugin_config(client_id: &str, failure_mode: &str) -> String {
+    format!(
+        r#"{{
+  "service": {{"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "1s"}},
+  "client_id": {client_id},
+  "rules": [
+    {{"name": "api", "match": {{"path_prefix": "/"}},
+     "limits": [{{"name": "per-minute", "requests": {LIMIT}, "window": "60s"}}]}}
+  ],
+  "failure_mode": "{failure_mode}"
+}}"#
+    )
+}
+
+pub fn keyed_config(failure_mode: &str) -> String {
+    plugin_config(
+        r#"{"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1}"#,
+        failure_mode,
+    )
+}
+
+pub fn topology(plugin_config: String) -> Topology {
+    Topology::start(TopologyOptions {
+        plugin_config,
+        ..TopologyOptions::default()
+    })
+}
+
+/// Windows are aligned to Redis time; a burst that straddles a minute
+/// boundary would be counted in two windows. Start bursts early in a window.
+pub fn wait_for_fresh_window(needed: Duration) {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let into = now.as_millis() as u64 % 60_000;
+    if into + needed.as_millis() as u64 > 58_000 {
+        std::thread::sleep(Duration::from_millis(60_000 - into + 300));
+    }
+}
+
+pub fn key(id: &str) -> Vec<(&'static str, Vec<u8>)> {
+    vec![("x-api-key", id.as_bytes().to_vec())]
+}
+
+pub fn send(t: &Topology, headers: &[(&'static str, Vec<u8>)]) -> Response {
+    let refs: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+    t.get("/api/items", &refs)
+}
+
+/// (allowed, denied) over `n` sequential requests; any other status fails.
+pub fn burst(t: &Topology, headers: &[(&'static str, Vec<u8>)], n: usize) -> (usize, usize) {
+    let (mut ok, mut denied) = (0, 0);
+    for _ in 0..n {
+        let r = send(t, headers);
+        match r.status {
+            200 => ok += 1,
+            429 => denied += 1,
+            other => panic!("unexpected status {other}: {}", r.body),
+        }
+    }
+    (ok, denied)
+}
+
+/// Sends requests until one is decided by the service again (no fallback
+/// stat moves), for at most `within`.
+pub fn wait_for_global_decisions(t: &Topology, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let before =
+            t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+        let probe = send(t, &key(&format!("probe-{}", before)));
+        assert_eq!(probe.status, 200);
+        let after =
+            t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+        if after == before {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still falling back after {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A config with one rule holding `limits` (JSON array text) and extra rule
+/// fields (e.g. `"shadow": true,`).
+pub fn rule_config(rule_extra: &str, limits: &str) -> String {
+    format!(
+        r#"{{
+  "service": {{"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "1s"}},
+  "client_id": {{"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1}},
+  "rules": [{{"name": "api", {rule_extra} "match": {{"path_prefix": "/"}}, "limits": {limits}}}]
+}}"#
+    )
+}
+
+/// Requests admitted out of `per_thread * threads`, sent concurrently; any
+/// status but 200 and 429 fails the test.
+pub fn concurrent_allowed(t: &Topology, id: &str, threads: usize, per_thread: usize) -> usize {
+    let allowed = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                for _ in 0..per_thread {
+                    let r = send(t, &key(id));
+                    assert!(
+                        r.status == 200 || r.status == 429,
+                        "status {}: {}",
+                        r.status,
+                        r.body
+                    );
+                    if r.status == 200 {
+                        allowed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    allowed.into_inner()
+}
