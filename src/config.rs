@@ -11,6 +11,7 @@ use std::fmt;
 use meshlimit_protocol::Algorithm;
 use serde::Deserialize;
 
+pub use crate::breaker::BreakerConfig;
 use crate::duration;
 
 /// A configuration the filter refuses to run with.
@@ -51,6 +52,9 @@ pub struct Config {
     pub failure_mode: FailureMode,
     pub response: ResponseConfig,
     pub local: LocalConfig,
+    pub breaker: BreakerConfig,
+    /// Deny-cache slots; 0 turns the cache off.
+    pub deny_cache_slots: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -189,6 +193,40 @@ struct RawConfig {
     response: RawResponse,
     #[serde(default)]
     local: RawLocal,
+    #[serde(default)]
+    breaker: RawBreaker,
+    #[serde(default)]
+    deny_cache: RawDenyCache,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawBreaker {
+    failures: u32,
+    open: String,
+    max_open: String,
+}
+
+impl Default for RawBreaker {
+    fn default() -> Self {
+        RawBreaker {
+            failures: 5,
+            open: "250ms".into(),
+            max_open: "2s".into(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawDenyCache {
+    slots: u32,
+}
+
+impl Default for RawDenyCache {
+    fn default() -> Self {
+        RawDenyCache { slots: 4096 }
+    }
 }
 
 fn default_failure_mode() -> FailureMode {
@@ -377,6 +415,13 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             format!("must be between {MIN_SLOTS} and {MAX_SLOTS}"),
         ));
     }
+    let breaker = validate_breaker(raw.breaker)?;
+    if raw.deny_cache.slots > MAX_SLOTS {
+        return Err(err(
+            "deny_cache.slots",
+            format!("must be at most {MAX_SLOTS} (0 turns the cache off)"),
+        ));
+    }
     Ok(Config {
         service,
         client_id,
@@ -386,6 +431,32 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         local: LocalConfig {
             slots: raw.local.slots,
         },
+        breaker,
+        deny_cache_slots: raw.deny_cache.slots,
+    })
+}
+
+fn validate_breaker(raw: RawBreaker) -> Result<BreakerConfig, ConfigError> {
+    if raw.failures == 0 || raw.failures > 1000 {
+        return Err(err("breaker.failures", "must be between 1 and 1000"));
+    }
+    let open_ms =
+        duration::parse_millis(&raw.open).map_err(|e| err("breaker.open", e.to_string()))?;
+    let max_open_ms = duration::parse_millis(&raw.max_open)
+        .map_err(|e| err("breaker.max_open", e.to_string()))?;
+    if open_ms == 0 || open_ms > 600_000 {
+        return Err(err("breaker.open", "must be between 1ms and 10m"));
+    }
+    if max_open_ms < open_ms || max_open_ms > 600_000 {
+        return Err(err(
+            "breaker.max_open",
+            "must be at least breaker.open and at most 10m",
+        ));
+    }
+    Ok(BreakerConfig {
+        failures: raw.failures,
+        open_ms,
+        max_open_ms,
     })
 }
 
@@ -631,6 +702,15 @@ mod tests {
         assert_eq!(c.response.status, 429);
         assert_eq!(c.response.headers, HeaderStyle::Draft);
         assert_eq!(c.local.slots, 4096);
+        assert_eq!(
+            c.breaker,
+            BreakerConfig {
+                failures: 5,
+                open_ms: 250,
+                max_open_ms: 2_000
+            }
+        );
+        assert_eq!(c.deny_cache_slots, 4096);
         let rule = &c.rules[0];
         assert_eq!(rule.path_prefix, "/");
         assert!(rule.methods.is_empty());
@@ -848,6 +928,25 @@ mod tests {
             "rules[0].match.path_prefix",
             "start with",
         );
+    }
+
+    #[test]
+    fn breaker_settings_are_checked() {
+        rejects(
+            r#"{"breaker":{"failures":0},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "breaker.failures",
+            "between 1",
+        );
+        rejects(
+            r#"{"breaker":{"open":"5s","max_open":"1s"},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "breaker.max_open",
+            "at least breaker.open",
+        );
+        let c = parse_str(
+            r#"{"deny_cache":{"slots":0},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.deny_cache_slots, 0);
     }
 
     #[test]

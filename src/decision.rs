@@ -308,6 +308,64 @@ pub fn verdict(cfg: &Config, limits: &[Applied<'_>], result: &CheckResult) -> Ve
     Verdict::Deny(deny)
 }
 
+/// A deny from the deny cache, if an enforced limit of `check` is known to
+/// be exhausted for its subject. Only cost-1 limits are cached: a retry time
+/// computed for a heavier request would over-deny a lighter one.
+pub fn cached_deny<S: crate::host::SharedStore>(
+    cfg: &Config,
+    check: &PendingCheck,
+    cache: &crate::deny_cache::DenyCache<'_, S>,
+    now_ms: u64,
+) -> Option<Verdict> {
+    let applied = check.resolve(cfg);
+    applied
+        .iter()
+        .filter(|a| !a.shadow && a.cost == 1)
+        .find_map(|a| {
+            let until = cache.denied_until(&check.subject, &a.limit.qualified_name, now_ms)?;
+            let wait = until - now_ms;
+            let result = CheckResult {
+                allowed: false,
+                limits: vec![meshlimit_protocol::LimitStatus {
+                    allowed: false,
+                    limit: a.limit.requests,
+                    remaining: 0,
+                    reset_after_ms: wait,
+                    retry_after_ms: wait,
+                    shadow: false,
+                    reason: None,
+                }],
+            };
+            Some(verdict(cfg, std::slice::from_ref(a), &result))
+        })
+}
+
+/// Remembers in the deny cache every enforced cost-1 limit that `result`
+/// reports exhausted, until it may admit again.
+pub fn remember_denials<S: crate::host::SharedStore>(
+    check: &PendingCheck,
+    applied: &[Applied<'_>],
+    result: &CheckResult,
+    cache: &crate::deny_cache::DenyCache<'_, S>,
+    now_ms: u64,
+) {
+    for (a, status) in applied.iter().zip(&result.limits) {
+        if !a.shadow
+            && a.cost == 1
+            && !status.allowed
+            && status.remaining == 0
+            && status.reason.is_none()
+            && status.retry_after_ms > 0
+        {
+            cache.remember(
+                &check.subject,
+                &a.limit.qualified_name,
+                now_ms + status.retry_after_ms,
+            );
+        }
+    }
+}
+
 /// How many shadow limits of `result` would have denied the request.
 pub fn shadow_denials(result: &CheckResult) -> usize {
     result
@@ -605,6 +663,48 @@ mod tests {
         assert!(
             matches!(verdict(&c, &limits, &result), Verdict::Allow { headers } if headers.is_empty())
         );
+    }
+
+    #[test]
+    fn denials_are_cached_until_retry_and_answered_locally() {
+        use crate::deny_cache::DenyCache;
+        use crate::host::fake::FakeStore;
+        let c = keyed();
+        let store = FakeStore::default();
+        let cache = DenyCache {
+            slots: 64,
+            seed: (1, 2),
+            store: &store,
+        };
+        let req = FakeRequest::default().with_header("x-api-key", b"A");
+        let Plan::Check(p) = plan(&c, &req, "GET", "/api/x") else {
+            panic!("expected a check")
+        };
+        assert!(cached_deny(&c, &p, &cache, 1_000).is_none());
+        let applied = p.resolve(&c);
+        let result = CheckResult {
+            allowed: false,
+            limits: vec![
+                status(false, 20, 0, 30_000),
+                status(true, 100, 50, 1000),
+                status(true, 50, 3, 10),
+            ],
+        };
+        remember_denials(&p, &applied, &result, &cache, 1_000);
+        let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 11_000) else {
+            panic!("expected a cached deny")
+        };
+        assert!(d.headers.contains(&("retry-after".into(), "20".into())));
+        assert!(d
+            .headers
+            .contains(&("ratelimit".into(), "\"api/per-minute\";r=0;t=20".into())));
+        assert!(cached_deny(&c, &p, &cache, 31_000).is_none(), "expired");
+        // Another client is not affected.
+        let other = FakeRequest::default().with_header("x-api-key", b"B");
+        let Plan::Check(q) = plan(&c, &other, "GET", "/api/x") else {
+            panic!("expected a check")
+        };
+        assert!(cached_deny(&c, &q, &cache, 11_000).is_none());
     }
 
     #[test]

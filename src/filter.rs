@@ -5,6 +5,7 @@
 //! `Result`), never through the SDK's trait helpers, which `unwrap()`: a
 //! panic would trap the VM and break every later request on this worker.
 
+use std::cell::Cell;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -13,8 +14,11 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
+use crate::abi;
+use crate::breaker::{Breaker, Gate, Transition};
 use crate::config::{self, Config, FailureMode};
 use crate::decision::{self, DenyResponse, PendingCheck, Plan, ServiceError, Verdict};
+use crate::deny_cache::DenyCache;
 use crate::headers::Headers;
 use crate::host::{RequestView, SharedStore, StoreError};
 use crate::local::{self, LocalLimiter};
@@ -37,6 +41,9 @@ struct Metrics {
     fallback_denied: Option<u32>,
     fallback_uncounted: Option<u32>,
     shadow_denied: Option<u32>,
+    deny_cache_hits: Option<u32>,
+    breaker_opened: Option<u32>,
+    breaker_open: Option<u32>,
     rejected_no_client_id: Option<u32>,
     service_errors: Vec<(&'static str, Option<u32>)>,
 }
@@ -66,6 +73,9 @@ impl Metrics {
             fallback_denied: counter(stats::FALLBACK_DENIED),
             fallback_uncounted: counter(stats::FALLBACK_UNCOUNTED),
             shadow_denied: counter(stats::SHADOW_DENIED),
+            deny_cache_hits: counter(stats::DENY_CACHE_HITS),
+            breaker_opened: counter(stats::BREAKER_OPENED),
+            breaker_open: hostcalls::define_metric(MetricType::Gauge, stats::BREAKER_OPEN).ok(),
             rejected_no_client_id: counter(stats::REJECTED_NO_CLIENT_ID),
             service_errors: stats::SERVICE_ERROR_KINDS
                 .iter()
@@ -89,6 +99,65 @@ struct Worker {
     fallback_log: LogThrottle,
     error_log: LogThrottle,
     shadow_log: LogThrottle,
+    /// The fingerprint seed shared through shared data, re-read now and
+    /// then so that workers that raced to create it converge.
+    seed: Cell<Option<(u64, u64)>>,
+    seed_read_ms: Cell<u64>,
+}
+
+/// How often a worker re-reads the shared seed.
+const SEED_REFRESH_MS: u64 = 10_000;
+
+impl Worker {
+    fn seed(&self, now: u64) -> (u64, u64) {
+        match self.seed.get() {
+            Some(seed) if now < self.seed_read_ms.get() + SEED_REFRESH_MS => seed,
+            _ => {
+                let seed = local::shared_seed(&HostStore, fresh_seed()).unwrap_or((0, 0));
+                self.seed.set(Some(seed));
+                self.seed_read_ms.set(now);
+                seed
+            }
+        }
+    }
+
+    fn breaker(&self) -> Breaker<'static, HostStore> {
+        Breaker {
+            config: self.config.breaker,
+            store: &HostStore,
+        }
+    }
+
+    fn deny_cache(&self, now: u64) -> Option<DenyCache<'static, HostStore>> {
+        (self.config.deny_cache_slots > 0).then(|| DenyCache {
+            slots: self.config.deny_cache_slots,
+            seed: self.seed(now),
+            store: &HostStore,
+        })
+    }
+
+    /// Reports a call's outcome to the breaker, and says what changed.
+    fn record_call(&self, success: bool) {
+        match self.breaker().record(success, now_ms()) {
+            Transition::None => {}
+            Transition::Opened { for_ms } => {
+                bump(self.metrics.breaker_opened);
+                if let Some(id) = self.metrics.breaker_open {
+                    let _ = hostcalls::record_metric(id, 1);
+                }
+                warn!(
+                    "breaker open: meshlimitd failing; deciding by failure_mode {:?} without calling for {for_ms}ms",
+                    self.config.failure_mode
+                );
+            }
+            Transition::Closed => {
+                if let Some(id) = self.metrics.breaker_open {
+                    let _ = hostcalls::record_metric(id, 0);
+                }
+                info!("breaker closed: meshlimitd answers again; limits are global again");
+            }
+        }
+    }
 }
 
 struct Root {
@@ -120,6 +189,8 @@ impl RootContext for Root {
                     fallback_log: LogThrottle::new(LOG_EVERY_MS),
                     error_log: LogThrottle::new(LOG_EVERY_MS),
                     shadow_log: LogThrottle::new(LOG_EVERY_MS),
+                    seed: Cell::new(None),
+                    seed_read_ms: Cell::new(0),
                 }));
                 true
             }
@@ -168,6 +239,12 @@ fn count_shadow(worker: &Worker, subject: &str, result: &meshlimit_protocol::Che
 struct InFlight {
     check: PendingCheck,
     started_ms: u64,
+}
+
+/// Whether a failed call says meshlimitd is unhealthy. A 4xx says our
+/// request was wrong, which no amount of waiting fixes.
+fn trips_breaker(e: &ServiceError) -> bool {
+    !matches!(e, ServiceError::BadStatus(s) if *s < 500)
 }
 
 struct Stream {
@@ -236,35 +313,52 @@ fn fresh_seed() -> (u64, u64) {
 }
 
 impl Context for Stream {
-    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _: usize) {
+    fn on_http_call_response(&mut self, _token: u32, headers: usize, body_size: usize, _: usize) {
         let (Some(worker), Some(in_flight)) = (self.worker.clone(), self.in_flight.take()) else {
             return;
         };
-        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+        // No headers: the call failed (timeout or reset) and Envoy has no
+        // response to read; asking for one anyway would be an error status.
+        let status = if headers > 0 {
+            abi::call_response_header(":status")
+                .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok())
+        } else {
+            None
+        };
         // Read one byte more than we accept, so an oversized body is seen
         // as oversized rather than as truncated JSON.
-        let want = body_size.min(decision::MAX_ANSWER_BYTES + 1);
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, want)
-            .ok()
-            .flatten();
+        let body = if status.is_some() && body_size > 0 {
+            abi::call_response_body(body_size.min(decision::MAX_ANSWER_BYTES + 1))
+        } else {
+            None
+        };
         let elapsed = now_ms().saturating_sub(in_flight.started_ms);
-        let timed_out = elapsed + 1 >= worker.config.service.timeout_ms;
+        // Envoy's timer and the wall clock we read can disagree by a
+        // millisecond or two: no answer after 90% of the timeout is one.
+        let timed_out = elapsed * 10 >= worker.config.service.timeout_ms * 9;
         let limits = in_flight.check.resolve(&worker.config);
         let verdict = match decision::read_answer(status, body.as_deref(), limits.len(), timed_out)
         {
             Ok(result) => {
+                worker.record_call(true);
                 bump(if result.allowed {
                     worker.metrics.allowed
                 } else {
                     worker.metrics.denied
                 });
                 count_shadow(&worker, &in_flight.check.subject, &result);
+                let now = now_ms();
+                if let Some(cache) = worker.deny_cache(now) {
+                    decision::remember_denials(&in_flight.check, &limits, &result, &cache, now);
+                }
                 decision::verdict(&worker.config, &limits, &result)
             }
-            Err(e) => self.fallback(&worker, &in_flight.check, &e),
+            Err(e) => {
+                if trips_breaker(&e) {
+                    worker.record_call(false);
+                }
+                self.fallback(&worker, &in_flight.check, Some(&e))
+            }
         };
         self.apply(verdict, true);
     }
@@ -284,7 +378,24 @@ impl HttpContext for Stream {
                 self.send(&deny);
                 Action::Pause
             }
-            Plan::Check(check) => self.ask_service(&worker, check),
+            Plan::Check(check) => {
+                let now = now_ms();
+                if let Some(cache) = worker.deny_cache(now) {
+                    if let Some(verdict) =
+                        decision::cached_deny(&worker.config, &check, &cache, now)
+                    {
+                        bump(worker.metrics.deny_cache_hits);
+                        return self.apply(verdict, false);
+                    }
+                }
+                match worker.breaker().gate(now, worker.config.service.timeout_ms) {
+                    Gate::Skip => {
+                        let verdict = self.fallback(&worker, &check, None);
+                        self.apply(verdict, false)
+                    }
+                    Gate::Call | Gate::Probe => self.ask_service(&worker, check),
+                }
+            }
         }
     }
 
@@ -302,7 +413,8 @@ impl Stream {
         let body = match serde_json::to_vec(&check.to_request(&worker.config)) {
             Ok(body) => body,
             Err(e) => {
-                let verdict = self.fallback(worker, &check, &ServiceError::BadBody(e.to_string()));
+                let verdict =
+                    self.fallback(worker, &check, Some(&ServiceError::BadBody(e.to_string())));
                 return self.apply(verdict, false);
             }
         };
@@ -335,16 +447,25 @@ impl Stream {
                         service.cluster
                     );
                 }
-                let verdict = self.fallback(worker, &check, &ServiceError::Connection);
+                worker.record_call(false);
+                let verdict = self.fallback(worker, &check, Some(&ServiceError::Connection));
                 self.apply(verdict, false)
             }
         }
     }
 
     /// Decides without meshlimitd, as `failure_mode` says, and says so in
-    /// the stats and (at most once per interval) in the log.
-    fn fallback(&self, worker: &Worker, check: &PendingCheck, why: &ServiceError) -> Verdict {
-        worker.metrics.service_error(why.kind());
+    /// the stats and (at most once per interval) in the log. `why` is the
+    /// failed call, or `None` when the open breaker skipped the call.
+    fn fallback(
+        &self,
+        worker: &Worker,
+        check: &PendingCheck,
+        why: Option<&ServiceError>,
+    ) -> Verdict {
+        if let Some(e) = why {
+            worker.metrics.service_error(e.kind());
+        }
         let config = &worker.config;
         let verdict = match config.failure_mode {
             FailureMode::Allow => Verdict::Allow {
@@ -353,7 +474,7 @@ impl Stream {
             FailureMode::Deny => decision::failure_deny(config),
             FailureMode::Local => {
                 let limits = check.resolve(config);
-                let seed = local::shared_seed(&HostStore, fresh_seed()).unwrap_or((0, 0));
+                let seed = worker.seed(now_ms());
                 let decided = LocalLimiter::new(config.local.slots, seed).check(
                     &HostStore,
                     &check.subject,
@@ -374,6 +495,7 @@ impl Stream {
             worker.metrics.fallback_denied
         });
         if let Some(skipped) = worker.fallback_log.allow(now_ms()) {
+            let why = why.map_or_else(|| "breaker open".to_string(), ToString::to_string);
             warn!(
                 "{why}; deciding by failure_mode {:?} (this one: {}; {skipped} fallback decisions since the last line)",
                 config.failure_mode,

@@ -17,9 +17,11 @@
 )]
 
 pub mod algorithms;
+pub mod breaker;
 pub mod client_id;
 pub mod config;
 pub mod decision;
+pub mod deny_cache;
 pub mod duration;
 pub mod headers;
 pub mod host;
@@ -28,5 +30,7 @@ pub mod rules;
 pub mod stats;
 pub mod throttle;
 
+#[cfg(target_arch = "wasm32")]
+mod abi;
 #[cfg(target_arch = "wasm32")]
 mod filter;

@@ -11,6 +11,12 @@ pub const FALLBACK_DENIED: &str = "meshlimit.fallback_denied";
 pub const FALLBACK_UNCOUNTED: &str = "meshlimit.fallback_uncounted";
 /// Requests a shadow rule would have denied (they were not denied).
 pub const SHADOW_DENIED: &str = "meshlimit.shadow_denied";
+/// Requests denied by the deny cache without calling meshlimitd.
+pub const DENY_CACHE_HITS: &str = "meshlimit.deny_cache_hits";
+/// Times the circuit breaker opened.
+pub const BREAKER_OPENED: &str = "meshlimit.breaker_opened";
+/// Gauge: 1 while the breaker is open, 0 once it closed again.
+pub const BREAKER_OPEN: &str = "meshlimit.breaker_open";
 /// Requests refused for lack of a client id.
 pub const REJECTED_NO_CLIENT_ID: &str = "meshlimit.rejected_no_client_id";
 /// Failed calls to meshlimitd, one stat per [`crate::decision::ServiceError`] kind.

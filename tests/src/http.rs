@@ -124,3 +124,89 @@ pub fn envoy_stats(admin: &str, filter: &str) -> Vec<(String, u64)> {
         Err(_) => Vec::new(),
     }
 }
+
+/// A keep-alive HTTP/1.1 connection, for load: responses are read by
+/// their content-length (every response in these tests carries one).
+pub struct Conn {
+    addr: String,
+    stream: Option<std::io::BufReader<TcpStream>>,
+}
+
+impl Conn {
+    pub fn new(addr: &str) -> Conn {
+        Conn {
+            addr: addr.to_string(),
+            stream: None,
+        }
+    }
+
+    /// One GET; reconnects once if the kept connection was closed.
+    pub fn get(&mut self, path: &str, headers: &[(&str, &[u8])]) -> std::io::Result<Response> {
+        match self.try_get(path, headers) {
+            Ok(r) => Ok(r),
+            Err(_) => {
+                self.stream = None;
+                self.try_get(path, headers)
+            }
+        }
+    }
+
+    fn try_get(&mut self, path: &str, headers: &[(&str, &[u8])]) -> std::io::Result<Response> {
+        use std::io::BufRead;
+        if self.stream.is_none() {
+            let s = TcpStream::connect(&self.addr)?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            s.set_nodelay(true)?;
+            self.stream = Some(std::io::BufReader::new(s));
+        }
+        let reader = self.stream.as_mut().ok_or_else(|| bad("no connection"))?;
+        let mut req = format!("GET {path} HTTP/1.1\r\nhost: meshlimit.test\r\n").into_bytes();
+        for (k, v) in headers {
+            req.extend_from_slice(k.as_bytes());
+            req.extend_from_slice(b": ");
+            req.extend_from_slice(v);
+            req.extend_from_slice(b"\r\n");
+        }
+        req.extend_from_slice(b"\r\n");
+        reader.get_mut().write_all(&req)?;
+        let mut status_line = String::new();
+        if reader.read_line(&mut status_line)? == 0 {
+            return Err(bad("connection closed"));
+        }
+        let status = status_line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| bad("bad status line"))?;
+        let mut headers = Vec::new();
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = line.split_once(':') {
+                headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+            }
+        }
+        let len: usize = headers
+            .iter()
+            .find(|(k, _)| k == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0);
+        let mut body = vec![0u8; len];
+        reader.read_exact(&mut body)?;
+        if headers
+            .iter()
+            .any(|(k, v)| k == "connection" && v == "close")
+        {
+            self.stream = None;
+        }
+        Ok(Response {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        })
+    }
+}

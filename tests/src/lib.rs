@@ -6,6 +6,7 @@
 //! port numbers never collide between tests running in parallel, and
 //! every process is killed by PID when its handle drops.
 
+pub mod fake;
 pub mod http;
 pub mod procs;
 pub mod render;

@@ -58,6 +58,10 @@ impl RedisServer {
         self.proc.stop();
     }
 
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.pid()
+    }
+
     /// Runs `redis-cli` against this server and returns its output.
     pub fn cli(&self, args: &[&str]) -> String {
         cli(&self.host, args)

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use crate::fake::{Behavior, FakeService};
 use crate::http::{self, Response};
 use crate::procs::{wait_until, Proc, TempDir};
 use crate::render::{self, indent_block, render, PLUGIN_CONFIG_INDENT};
@@ -31,6 +32,10 @@ pub struct TopologyOptions {
     pub replica_workers: u32,
     /// Whether to start meshlimitd (and Redis) at all.
     pub start_service: bool,
+    /// A misbehaving stand-in to run at meshlimitd's address instead.
+    pub fake: Option<Behavior>,
+    /// Extra meshlimitd flags.
+    pub meshlimitd_args: Vec<String>,
 }
 
 impl Default for TopologyOptions {
@@ -41,6 +46,8 @@ impl Default for TopologyOptions {
             front: true,
             replica_workers: 2,
             start_service: true,
+            fake: None,
+            meshlimitd_args: Vec::new(),
         }
     }
 }
@@ -59,6 +66,7 @@ pub struct Topology {
     upstream: Option<Proc>,
     replicas: Vec<Proc>,
     front: Option<Proc>,
+    fake: Option<FakeService>,
 }
 
 impl Topology {
@@ -73,17 +81,33 @@ impl Topology {
             upstream: None,
             replicas: Vec::new(),
             front: None,
+            fake: None,
         };
-        if t.options.start_service {
+        if let Some(behavior) = t.options.fake.clone() {
+            t.fake = Some(FakeService::start(&t.meshlimitd_addr(), behavior));
+        } else if t.options.start_service {
             t.start_redis();
             t.start_meshlimitd();
         }
+        let wait_healthy =
+            t.options.start_service && !matches!(t.options.fake, Some(Behavior::Unhealthy));
         let upstream = t.start_envoy("upstream", &t.upstream_config(), 1);
         t.upstream = Some(upstream);
         for i in 1..=t.options.replicas {
             let config = t.replica_config(i);
-            let replica =
+            let mut replica =
                 t.start_envoy(&format!("replica-{i}"), &config, t.options.replica_workers);
+            if wait_healthy {
+                // Envoy counts meshlimitd unhealthy until its first health
+                // check passes; calls made before then are fallbacks.
+                let admin = t.replica_admin(i);
+                wait_until(
+                    &mut replica,
+                    "seeing meshlimitd healthy",
+                    Duration::from_secs(15),
+                    || meshlimitd_healthy(&admin),
+                );
+            }
             t.replicas.push(replica);
         }
         if t.options.front {
@@ -211,7 +235,56 @@ impl Topology {
 
     pub fn start_meshlimitd(&mut self) {
         let url = format!("redis://{}", self.addr(REDIS_PORT));
-        self.meshlimitd = Some(Meshlimitd::start(&self.host, &url, self.dir.path(), &[]));
+        let extra: Vec<&str> = self
+            .options
+            .meshlimitd_args
+            .iter()
+            .map(String::as_str)
+            .collect();
+        self.meshlimitd = Some(Meshlimitd::start(&self.host, &url, self.dir.path(), &extra));
+    }
+
+    /// The meshlimitd process handle, e.g. to signal it or wait for it.
+    pub fn meshlimitd_proc(&mut self) -> Option<&mut Proc> {
+        self.meshlimitd.as_mut().map(|m| &mut m.proc)
+    }
+
+    /// The Redis process id, e.g. to SIGSTOP it (a black hole).
+    pub fn redis_pid(&self) -> Option<u32> {
+        self.redis.as_ref().and_then(|r| r.pid())
+    }
+
+    /// Resident memory of replica `i`'s Envoy process, in KiB.
+    pub fn replica_rss_kib(&self, i: usize) -> u64 {
+        self.replicas
+            .get(i - 1)
+            .and_then(Proc::pid)
+            .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
+    /// Waits until every replica's health check sees meshlimitd again.
+    pub fn wait_meshlimitd_healthy(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        for i in 1..=self.options.replicas {
+            while !meshlimitd_healthy(&self.replica_admin(i)) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "replica-{i} never saw meshlimitd healthy"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// The meshlimitd process, e.g. to signal it.
+    pub fn meshlimitd_pid(&self) -> Option<u32> {
+        self.meshlimitd.as_ref().and_then(|m| m.proc.pid())
     }
 
     pub fn stop_meshlimitd(&mut self) {
@@ -268,6 +341,7 @@ impl Drop for Topology {
         // Front first, so no client request reaches a half-stopped system.
         self.front.take();
         self.replicas.clear();
+        self.fake.take();
         self.upstream.take();
         self.meshlimitd.take();
         self.redis.take();
@@ -276,6 +350,12 @@ impl Drop for Topology {
 
 fn write(path: &Path, text: &str) {
     std::fs::write(path, text).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+}
+
+fn meshlimitd_healthy(admin: &str) -> bool {
+    http::envoy_stats(admin, "^cluster\\.meshlimit\\.membership_healthy$")
+        .first()
+        .is_some_and(|(_, v)| *v > 0)
 }
 
 /// Runs `envoy --mode validate` on a config text; returns (ok, output).

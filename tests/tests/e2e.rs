@@ -35,10 +35,11 @@ fn global_limit_holds_exactly_across_two_replicas() {
     assert!(r1 > 0 && r2 > 0, "both replicas must serve: {r1} / {r2}");
     assert_eq!(r1 + r2, 120);
     assert_eq!(t.stat_total("meshlimit.requests_allowed"), 2 * LIMIT as u64);
-    assert_eq!(
-        t.stat_total("meshlimit.requests_denied"),
-        120 - 2 * LIMIT as u64
-    );
+    // Denials come from meshlimitd first, then from the deny cache.
+    let denied =
+        t.stat_total("meshlimit.requests_denied") + t.stat_total("meshlimit.deny_cache_hits");
+    assert_eq!(denied, 120 - 2 * LIMIT as u64);
+    assert!(t.stat_total("meshlimit.deny_cache_hits") > 0);
     assert_eq!(t.stat_total("meshlimit.fallback_allowed"), 0);
 }
 
@@ -136,7 +137,10 @@ fn redis_outage_falls_back_per_replica_and_recovers() {
         t.stat_total("meshlimit.fallback_denied"),
         60 - 2 * LIMIT as u64
     );
-    assert!(t.stat_total("meshlimit.service_errors.unavailable") >= 60);
+    // The breaker opened after a few failed calls; the rest were not made.
+    let unavailable = t.stat_total("meshlimit.service_errors.unavailable");
+    assert!((5..60).contains(&unavailable), "{unavailable} failed calls");
+    assert!(t.stat_total("meshlimit.breaker_opened") >= 1);
     assert_eq!(t.stat_total("meshlimit.requests_allowed"), 0);
     // Redis back: no restart of Envoy or meshlimitd, the global limit returns.
     t.start_redis();
@@ -154,7 +158,8 @@ fn meshlimitd_down_is_a_fallback_not_an_error() {
     t.stop_meshlimitd();
     let (ok, denied) = burst(&t, &key("no-service"), 50);
     assert_eq!((ok, denied), (2 * LIMIT, 50 - 2 * LIMIT));
-    assert!(t.stat_total("meshlimit.service_errors.connection") >= 50);
+    assert!(t.stat_total("meshlimit.service_errors.connection") >= 5);
+    assert!(t.stat_total("meshlimit.breaker_opened") >= 1);
     t.start_meshlimitd();
     wait_for_global_decisions(&t, Duration::from_secs(10));
 }
@@ -269,6 +274,7 @@ fn hostile_client_ids_get_their_own_counters_and_never_crash_the_filter() {
     }
     // The VMs are alive and count correctly afterwards.
     assert_eq!(burst(&t, &key("after-hostile"), LIMIT + 1), (LIMIT, 1));
+    assert_no_vm_panics(&t);
     let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
     assert!(
         keys.lines().all(|k| k.len() < 200),

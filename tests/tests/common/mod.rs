@@ -75,25 +75,29 @@ pub fn burst(t: &Topology, headers: &[(&'static str, Vec<u8>)], n: usize) -> (us
     (ok, denied)
 }
 
-/// Sends requests until one is decided by the service again (no fallback
-/// stat moves), for at most `within`.
+/// Sends requests until several in a row (so every replica's breaker has
+/// closed) are decided by the service, for at most `within`.
 pub fn wait_for_global_decisions(t: &Topology, within: Duration) {
+    let fallbacks =
+        || t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
     let deadline = Instant::now() + within;
-    loop {
-        let before =
-            t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
-        let probe = send(t, &key(&format!("probe-{}", before)));
+    let mut in_a_row = 0;
+    let mut n = 0;
+    while in_a_row < 6 {
+        let before = fallbacks();
+        n += 1;
+        let probe = send(t, &key(&format!("probe-{n}")));
         assert_eq!(probe.status, 200);
-        let after =
-            t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
-        if after == before {
-            return;
+        if fallbacks() == before {
+            in_a_row += 1;
+        } else {
+            in_a_row = 0;
+            std::thread::sleep(Duration::from_millis(100));
         }
         assert!(
             Instant::now() < deadline,
             "still falling back after {within:?}"
         );
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
@@ -132,4 +136,21 @@ pub fn concurrent_allowed(t: &Topology, id: &str, threads: usize, per_thread: us
         }
     });
     allowed.into_inner()
+}
+
+/// Fails if any replica's VM panicked (a trap breaks every later request
+/// on that worker until the VM is reloaded).
+pub fn assert_no_vm_panics(t: &Topology) {
+    for i in 1..=t.options.replicas {
+        let log = t.logs(&format!("replica-{i}"));
+        let panics: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("panicked") || l.contains("RuntimeError"))
+            .collect();
+        assert!(
+            panics.is_empty(),
+            "replica-{i} VM trapped:\n{}",
+            panics.join("\n")
+        );
+    }
 }

@@ -1,0 +1,272 @@
+//! Circuit breaker around calls to meshlimitd, shared by every worker of an
+//! Envoy through one shared-data key.
+//!
+//! Closed: every check calls meshlimitd. After `failures` consecutive failed
+//! calls it opens for `open`, and decides by `failure_mode` without calling,
+//! so an outage costs the local decision, not the call timeout. When the
+//! interval ends, exactly one request probes (the CAS on the shared state
+//! elects it); success closes the breaker, failure reopens it for twice as
+//! long, up to `max_open`.
+
+use crate::host::{SharedStore, StoreError};
+
+pub const KEY: &str = "meshlimit.breaker";
+const MAX_CAS_RETRIES: usize = 8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Consecutive failed calls that open the breaker.
+    pub failures: u32,
+    /// First open interval.
+    pub open_ms: u64,
+    /// Longest open interval.
+    pub max_open_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct State {
+    consecutive_failures: u32,
+    /// Until when calls are skipped (0: closed).
+    open_until_ms: u64,
+    /// The interval the next opening will last.
+    next_open_ms: u64,
+    /// A probe is in flight until then; others keep skipping.
+    probe_until_ms: u64,
+}
+
+/// What to do with a check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// Closed: call.
+    Call,
+    /// Half-open and elected: call, and report how it went.
+    Probe,
+    /// Open: decide by `failure_mode` without calling.
+    Skip,
+}
+
+/// What a reported outcome changed, for stats and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    None,
+    Opened { for_ms: u64 },
+    Closed,
+}
+
+pub struct Breaker<'a, S: SharedStore> {
+    pub config: BreakerConfig,
+    pub store: &'a S,
+}
+
+impl<S: SharedStore> Breaker<'_, S> {
+    /// Whether this check may call meshlimitd now.
+    pub fn gate(&self, now_ms: u64, call_timeout_ms: u64) -> Gate {
+        for _ in 0..MAX_CAS_RETRIES {
+            let Ok((state, cas)) = self.load() else {
+                // Shared data failing is no reason to stop limiting globally.
+                return Gate::Call;
+            };
+            if state.open_until_ms == 0 {
+                return Gate::Call;
+            }
+            if now_ms < state.open_until_ms || now_ms < state.probe_until_ms {
+                return Gate::Skip;
+            }
+            // Half-open: try to be the one probe.
+            let next = State {
+                probe_until_ms: now_ms + 2 * call_timeout_ms.max(1),
+                ..state
+            };
+            match self.save(&next, cas) {
+                Ok(()) => return Gate::Probe,
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Failed) => return Gate::Skip,
+            }
+        }
+        Gate::Skip
+    }
+
+    /// Records a call's outcome.
+    pub fn record(&self, success: bool, now_ms: u64) -> Transition {
+        for _ in 0..MAX_CAS_RETRIES {
+            let Ok((state, cas)) = self.load() else {
+                return Transition::None;
+            };
+            let (next, transition) = if success {
+                if state == State::default() {
+                    return Transition::None;
+                }
+                let was_open = state.open_until_ms != 0;
+                (
+                    State::default(),
+                    if was_open {
+                        Transition::Closed
+                    } else {
+                        Transition::None
+                    },
+                )
+            } else {
+                let failures = state.consecutive_failures.saturating_add(1);
+                let open_now = state.open_until_ms != 0 || failures >= self.config.failures;
+                if open_now {
+                    let for_ms = state
+                        .next_open_ms
+                        .max(self.config.open_ms)
+                        .min(self.config.max_open_ms);
+                    (
+                        State {
+                            consecutive_failures: failures,
+                            open_until_ms: now_ms + for_ms,
+                            next_open_ms: (for_ms * 2).min(self.config.max_open_ms),
+                            probe_until_ms: 0,
+                        },
+                        // A failure that lands while already open (a call
+                        // that was in flight) only extends it.
+                        if state.open_until_ms == 0 || now_ms >= state.open_until_ms {
+                            Transition::Opened { for_ms }
+                        } else {
+                            Transition::None
+                        },
+                    )
+                } else {
+                    (
+                        State {
+                            consecutive_failures: failures,
+                            ..state
+                        },
+                        Transition::None,
+                    )
+                }
+            };
+            match self.save(&next, cas) {
+                Ok(()) => return transition,
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Failed) => return Transition::None,
+            }
+        }
+        Transition::None
+    }
+
+    fn load(&self) -> Result<(State, Option<u32>), StoreError> {
+        let (bytes, cas) = self.store.get(KEY)?;
+        let word = |i: usize| -> u64 {
+            bytes
+                .as_deref()
+                .and_then(|b| b.get(i * 8..i * 8 + 8))
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_le_bytes)
+        };
+        Ok((
+            State {
+                consecutive_failures: word(0).min(u64::from(u32::MAX)) as u32,
+                open_until_ms: word(1),
+                next_open_ms: word(2),
+                probe_until_ms: word(3),
+            },
+            cas,
+        ))
+    }
+
+    fn save(&self, state: &State, cas: Option<u32>) -> Result<(), StoreError> {
+        let mut out = Vec::with_capacity(32);
+        for w in [
+            u64::from(state.consecutive_failures),
+            state.open_until_ms,
+            state.next_open_ms,
+            state.probe_until_ms,
+        ] {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        self.store.set(KEY, &out, cas)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeStore;
+
+    const CFG: BreakerConfig = BreakerConfig {
+        failures: 3,
+        open_ms: 250,
+        max_open_ms: 1_000,
+    };
+
+    fn breaker(store: &FakeStore) -> Breaker<'_, FakeStore> {
+        Breaker { config: CFG, store }
+    }
+
+    #[test]
+    fn opens_after_consecutive_failures_only() {
+        let s = FakeStore::default();
+        let b = breaker(&s);
+        assert_eq!(b.record(false, 0), Transition::None);
+        assert_eq!(b.record(false, 0), Transition::None);
+        assert_eq!(b.record(true, 0), Transition::None);
+        assert_eq!(b.gate(0, 20), Gate::Call, "a success resets the count");
+        b.record(false, 10);
+        b.record(false, 10);
+        assert_eq!(b.record(false, 10), Transition::Opened { for_ms: 250 });
+        assert_eq!(b.gate(11, 20), Gate::Skip);
+        assert_eq!(b.gate(259, 20), Gate::Skip);
+    }
+
+    #[test]
+    fn one_probe_when_the_interval_ends_and_success_closes() {
+        let s = FakeStore::default();
+        let b = breaker(&s);
+        for _ in 0..3 {
+            b.record(false, 0);
+        }
+        assert_eq!(b.gate(250, 20), Gate::Probe);
+        assert_eq!(b.gate(251, 20), Gate::Skip, "only one probe at a time");
+        assert_eq!(b.record(true, 260), Transition::Closed);
+        assert_eq!(b.gate(261, 20), Gate::Call);
+    }
+
+    #[test]
+    fn failed_probes_double_the_interval_up_to_the_cap() {
+        let s = FakeStore::default();
+        let b = breaker(&s);
+        for _ in 0..3 {
+            b.record(false, 0);
+        }
+        let mut now = 0;
+        let mut intervals = Vec::new();
+        for _ in 0..5 {
+            // Wait until the probe is allowed, then fail it.
+            while b.gate(now, 20) != Gate::Probe {
+                now += 1;
+            }
+            if let Transition::Opened { for_ms } = b.record(false, now) {
+                intervals.push(for_ms);
+            }
+        }
+        assert_eq!(intervals, [500, 1_000, 1_000, 1_000, 1_000]);
+    }
+
+    #[test]
+    fn a_lost_probe_does_not_block_forever() {
+        let s = FakeStore::default();
+        let b = breaker(&s);
+        for _ in 0..3 {
+            b.record(false, 0);
+        }
+        assert_eq!(b.gate(300, 20), Gate::Probe);
+        // The probe's stream vanished without an outcome: after twice the
+        // call timeout another request may probe.
+        assert_eq!(b.gate(339, 20), Gate::Skip);
+        assert_eq!(b.gate(340, 20), Gate::Probe);
+    }
+
+    #[test]
+    fn broken_shared_data_keeps_calling() {
+        let s = FakeStore {
+            broken: true,
+            ..FakeStore::default()
+        };
+        let b = breaker(&s);
+        assert_eq!(b.record(false, 0), Transition::None);
+        assert_eq!(b.gate(0, 20), Gate::Call);
+    }
+}

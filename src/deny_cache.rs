@@ -1,0 +1,114 @@
+//! Deny cache: once meshlimitd says a subject is out of quota on a limit
+//! until T, this Envoy denies it locally until T, without a call. Abusive
+//! clients then cost no round trip.
+//!
+//! Entries live in a fixed set of shared-data slots (`slots`), each holding
+//! one (fingerprint, until) pair; a new deny overwrites its slot. A lookup
+//! only denies when the full 64-bit keyed fingerprint matches: a collision
+//! can only cost a call (the other entry is missing), never a wrong deny.
+
+use crate::host::SharedStore;
+
+#[derive(Debug, Clone, Copy)]
+pub struct DenyCache<'a, S: SharedStore> {
+    pub slots: u32,
+    pub seed: (u64, u64),
+    pub store: &'a S,
+}
+
+impl<S: SharedStore> DenyCache<'_, S> {
+    /// Until when `subject` is known to be denied on `limit`, if it is.
+    pub fn denied_until(&self, subject: &str, limit: &str, now_ms: u64) -> Option<u64> {
+        let fp = self.fingerprint(subject, limit);
+        let (bytes, _) = self.store.get(&self.key(fp)).ok()?;
+        let bytes = bytes?;
+        let word = |i: usize| {
+            bytes
+                .get(i * 8..i * 8 + 8)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map(u64::from_le_bytes)
+        };
+        let (stored, until) = (word(0)?, word(1)?);
+        (stored == fp && until > now_ms).then_some(until)
+    }
+
+    /// Remembers that `subject` is denied on `limit` until `until_ms`.
+    pub fn remember(&self, subject: &str, limit: &str, until_ms: u64) {
+        let fp = self.fingerprint(subject, limit);
+        let mut value = fp.to_le_bytes().to_vec();
+        value.extend_from_slice(&until_ms.to_le_bytes());
+        // Unconditional write: the slot belongs to the latest deny.
+        let _ = self.store.set(&self.key(fp), &value, None);
+    }
+
+    fn key(&self, fp: u64) -> String {
+        format!(
+            "meshlimit.deny.{}",
+            (fp ^ fp >> 29) % u64::from(self.slots.max(1))
+        )
+    }
+
+    fn fingerprint(&self, subject: &str, limit: &str) -> u64 {
+        use std::hash::{Hash, Hasher};
+        #[allow(deprecated)] // SipHasher is the keyed hash std offers.
+        let mut h = std::hash::SipHasher::new_with_keys(self.seed.1, self.seed.0);
+        limit.hash(&mut h);
+        subject.hash(&mut h);
+        h.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeStore;
+
+    #[test]
+    fn remembers_until_the_deadline() {
+        let s = FakeStore::default();
+        let c = DenyCache {
+            slots: 64,
+            seed: (1, 2),
+            store: &s,
+        };
+        assert_eq!(c.denied_until("a", "api/m", 0), None);
+        c.remember("a", "api/m", 5_000);
+        assert_eq!(c.denied_until("a", "api/m", 4_999), Some(5_000));
+        assert_eq!(c.denied_until("a", "api/m", 5_000), None);
+        assert_eq!(c.denied_until("a", "api/h", 10), None, "per limit");
+        assert_eq!(c.denied_until("b", "api/m", 10), None, "per subject");
+    }
+
+    #[test]
+    fn a_collision_costs_a_call_never_a_wrong_deny() {
+        // One slot: every entry collides.
+        let s = FakeStore::default();
+        let c = DenyCache {
+            slots: 1,
+            seed: (1, 2),
+            store: &s,
+        };
+        c.remember("abuser", "api/m", 9_000);
+        assert_eq!(c.denied_until("innocent", "api/m", 10), None);
+        c.remember("other", "api/m", 9_000);
+        assert_eq!(
+            c.denied_until("abuser", "api/m", 10),
+            None,
+            "evicted: a call, not a deny"
+        );
+    }
+
+    #[test]
+    fn bounded_whatever_the_number_of_subjects() {
+        let s = FakeStore::default();
+        let c = DenyCache {
+            slots: 32,
+            seed: (1, 2),
+            store: &s,
+        };
+        for i in 0..10_000 {
+            c.remember(&format!("c{i}"), "api/m", 1_000);
+        }
+        assert!(s.data.borrow().len() <= 32);
+    }
+}

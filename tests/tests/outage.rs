@@ -1,0 +1,325 @@
+//! Bad days, end to end: Redis black-holed under traffic, meshlimitd gone
+//! in three ways, bad answers, an abusive client, a flood of distinct ids,
+//! and meshlimitd stopped under load.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use meshlimit_testbed::fake::Behavior;
+use meshlimit_testbed::http::{self, Conn};
+use meshlimit_testbed::{Topology, TopologyOptions};
+
+fn config(timeout: &str, failure_mode: &str, breaker: &str) -> String {
+    format!(
+        r#"{{
+  "service": {{"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "{timeout}"}},
+  "client_id": {{"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1}},
+  "rules": [{{"name": "api", "limits": [{{"name": "per-minute", "requests": 20, "window": "60s"}}]}}],
+  "failure_mode": "{failure_mode}",
+  "breaker": {breaker}
+}}"#
+    )
+}
+
+fn single_replica(plugin_config: String, fake: Option<Behavior>) -> Topology {
+    Topology::start(TopologyOptions {
+        plugin_config,
+        replicas: 1,
+        front: false,
+        fake,
+        ..TopologyOptions::default()
+    })
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// Sends `n` requests for distinct clients on one connection; returns the
+/// latency of each. Any status but 200 or 429 fails the test.
+fn timed(conn: &mut Conn, tag: &str, n: usize) -> Vec<Duration> {
+    (0..n)
+        .map(|i| {
+            let id = format!("{tag}-{i}");
+            let start = Instant::now();
+            let r = conn
+                .get("/api/x", &[("x-api-key", id.as_bytes())])
+                .unwrap_or_else(|e| panic!("request failed: {e}"));
+            assert!(
+                r.status == 200 || r.status == 429,
+                "status {}: {}",
+                r.status,
+                r.body
+            );
+            start.elapsed()
+        })
+        .collect()
+}
+
+fn signal(pid: Option<u32>, sig: &str) {
+    let pid = pid.expect("process is running").to_string();
+    let ok = Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid} failed");
+}
+
+#[test]
+fn every_kind_of_bad_answer_is_a_service_error_not_a_client_error() {
+    let cases: Vec<(Behavior, &str)> = vec![
+        (
+            Behavior::Answer(200, r#"{"nonsense": true}"#.into()),
+            "bad_body",
+        ),
+        (Behavior::Answer(200, String::new()), "bad_body"),
+        (
+            Behavior::Answer(418, r#"{"error":"teapot"}"#.into()),
+            "bad_status",
+        ),
+        (Behavior::Answer(500, "oops".into()), "bad_status"),
+        (Behavior::Huge(4 * 1024 * 1024), "bad_body"),
+        (Behavior::SlowBody(Duration::from_millis(400)), "timeout"),
+    ];
+    let no_breaker = r#"{"failures": 1000}"#;
+    for (behavior, kind) in cases {
+        let t = single_replica(config("100ms", "local", no_breaker), Some(behavior.clone()));
+        for _ in 0..5 {
+            let r = send(&t, &key("anyone"));
+            assert_eq!(r.status, 200, "{behavior:?}: {}", r.body);
+        }
+        let errors = t.stat(1, &format!("meshlimit.service_errors.{kind}"));
+        // A huge body may also be cut off by Envoy before we see it: then it
+        // is a failed call of another kind, still a service error.
+        let all: u64 = [
+            "timeout",
+            "connection",
+            "unavailable",
+            "bad_status",
+            "bad_body",
+        ]
+        .iter()
+        .map(|k| t.stat(1, &format!("meshlimit.service_errors.{k}")))
+        .sum();
+        assert_eq!(all, 5, "{behavior:?}");
+        if !matches!(behavior, Behavior::Huge(_)) {
+            assert_eq!(errors, 5, "{behavior:?} counted as {kind}");
+        }
+        assert_eq!(t.stat(1, "meshlimit.fallback_allowed"), 5);
+        assert_no_vm_panics(&t);
+    }
+}
+
+#[test]
+fn meshlimitd_unreachable_three_ways_costs_no_more_than_the_timeout() {
+    let breaker = r#"{"failures": 3, "open": "5s", "max_open": "10s"}"#;
+    let timeout = Duration::from_millis(50);
+    // Generous: a loaded two-core CI machine runs several Envoys at once.
+    let margin = Duration::from_millis(250);
+    for way in ["stopped", "hangs", "no healthy endpoint"] {
+        let fake = match way {
+            "hangs" => Some(Behavior::Hang),
+            "no healthy endpoint" => Some(Behavior::Unhealthy),
+            _ => None,
+        };
+        let mut t = single_replica(config("50ms", "local", breaker), fake);
+        if way == "stopped" {
+            t.stop_meshlimitd();
+        }
+        if way == "no healthy endpoint" {
+            // Let the active health check mark the only endpoint unhealthy.
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        let mut conn = Conn::new(&t.entry());
+        let first = timed(&mut conn, way, 3);
+        let rest = timed(&mut conn, way, 30);
+        let slowest = first.iter().chain(&rest).max().copied().unwrap_or_default();
+        assert!(
+            slowest <= timeout + margin,
+            "{way}: a request took {slowest:?}"
+        );
+        let open = median(rest.clone());
+        assert!(
+            open < timeout / 2,
+            "{way}: median {open:?} with the breaker open"
+        );
+        assert!(t.stat(1, "meshlimit.breaker_opened") >= 1, "{way}");
+        assert_eq!(t.stat(1, "meshlimit.fallback_allowed"), 33, "{way}");
+        assert_no_vm_panics(&t);
+    }
+}
+
+#[test]
+fn redis_black_holed_under_traffic_then_back() {
+    let mut t = Topology::start(TopologyOptions {
+        plugin_config: config(
+            "100ms",
+            "local",
+            r#"{"failures": 3, "open": "250ms", "max_open": "2s"}"#,
+        ),
+        ..TopologyOptions::default()
+    });
+    let entry = t.entry();
+    let mut conn = Conn::new(&entry);
+    let _warm = timed(&mut conn, "warm", 20);
+    let healthy = median(timed(&mut conn, "healthy", 60));
+    // SIGSTOP: Redis keeps its port and answers nothing, like a dead host.
+    signal(t.redis_pid(), "-STOP");
+    let during = timed(&mut conn, "blackhole", 200);
+    let opened = t.stat_total("meshlimit.breaker_opened");
+    assert!(opened >= 1, "the breaker opened");
+    let late = median(during[100..].to_vec());
+    assert!(
+        late <= healthy * 2 + Duration::from_millis(1),
+        "median {late:?} with the breaker open vs {healthy:?} healthy"
+    );
+    signal(t.redis_pid(), "-CONT");
+    let back = Instant::now();
+    wait_for_global_decisions(&t, Duration::from_secs(5));
+    let took = back.elapsed();
+    assert!(
+        took <= Duration::from_secs(5),
+        "global again after {took:?}"
+    );
+    wait_for_fresh_window(Duration::from_secs(10));
+    assert_eq!(burst(&t, &key("after-blackhole"), 30), (LIMIT, 10));
+    let _ = t.replica_requests(1);
+    drop(conn);
+    assert_eq!(
+        http::get(&entry, "/", &[]).map(|r| r.status).unwrap_or(0),
+        200
+    );
+}
+
+fn meshlimitd_decisions(t: &Topology) -> u64 {
+    let metrics = http::get(&t.meshlimitd_addr(), "/metrics", &[])
+        .map(|r| r.body)
+        .unwrap_or_default();
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("meshlimitd_decisions_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[test]
+fn an_abusive_client_stops_reaching_meshlimitd_after_its_first_denial() {
+    let t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(15));
+    let before = meshlimitd_decisions(&t);
+    assert_eq!(burst(&t, &key("abuser"), 200), (LIMIT, 200 - LIMIT));
+    let calls = meshlimitd_decisions(&t) - before;
+    // 20 admitted, then one denial per replica fills its deny cache.
+    assert_eq!(calls, LIMIT as u64 + 2, "abuse must not cost round trips");
+    assert_eq!(
+        t.stat_total("meshlimit.deny_cache_hits"),
+        200 - LIMIT as u64 - 2
+    );
+    // A well-behaved client is still decided globally.
+    let before = meshlimitd_decisions(&t);
+    assert_eq!(burst(&t, &key("polite"), 5), (5, 0));
+    assert_eq!(meshlimitd_decisions(&t) - before, 5);
+}
+
+#[test]
+fn two_hundred_thousand_distinct_ids_leave_memory_flat() {
+    let mut t = single_replica(config("20ms", "local", r#"{}"#), None);
+    t.stop_redis();
+    let entry = t.entry();
+    let run = |from: usize, to: usize| {
+        std::thread::scope(|s| {
+            for w in 0..4 {
+                let entry = entry.clone();
+                s.spawn(move || {
+                    let mut conn = Conn::new(&entry);
+                    for i in (from + w..to).step_by(4) {
+                        let id = format!(
+                            "flood-{i:08x}-{}",
+                            i.wrapping_mul(2_654_435_761) % 1_000_003
+                        );
+                        let r = conn.get("/api/x", &[("x-api-key", id.as_bytes())]);
+                        let status = r.map(|r| r.status).unwrap_or(0);
+                        assert!(status == 200 || status == 429, "status {status}");
+                    }
+                });
+            }
+        });
+    };
+    run(0, 10_000);
+    let after_warmup = t.replica_rss_kib(1);
+    run(10_000, 200_000);
+    let after = t.replica_rss_kib(1);
+    let growth = after.saturating_sub(after_warmup);
+    eprintln!(
+        "Envoy RSS after 10k ids: {after_warmup} KiB, after 200k: {after} KiB (+{growth} KiB)"
+    );
+    // Documented bound (README: bounded memory): shared data is fixed-size
+    // slots, so growth after warm-up stays under 16 MiB (allocator noise).
+    assert!(
+        growth < 16 * 1024,
+        "Envoy grew by {growth} KiB after warm-up"
+    );
+    let decided = t.stat(1, "meshlimit.fallback_allowed") + t.stat(1, "meshlimit.fallback_denied");
+    assert_eq!(decided, 200_000);
+    assert_no_vm_panics(&t);
+}
+
+#[test]
+fn sigterm_to_meshlimitd_under_load_loses_no_request() {
+    let mut t = topology(keyed_config("local"));
+    let entry = t.entry();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (decided, bad) = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..4)
+            .map(|w| {
+                let (entry, stop) = (entry.clone(), &stop);
+                s.spawn(move || {
+                    let mut conn = Conn::new(&entry);
+                    let (mut n, mut bad) = (0u64, Vec::new());
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let id = format!("term-{w}-{}", n % 50);
+                        match conn.get("/api/x", &[("x-api-key", id.as_bytes())]) {
+                            Ok(r) if r.status == 200 || r.status == 429 => {}
+                            Ok(r) => bad.push(format!("status {}", r.status)),
+                            Err(e) => bad.push(e.to_string()),
+                        }
+                        n += 1;
+                    }
+                    (n, bad)
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(700));
+        signal(t.meshlimitd_pid(), "-TERM");
+        let code = t
+            .meshlimitd_proc()
+            .and_then(|p| p.wait(Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(700));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(code, Some(0), "meshlimitd exits 0 on SIGTERM");
+        workers.into_iter().fold((0, Vec::new()), |(n, mut b), h| {
+            let (k, more) = h.join().unwrap_or_default();
+            b.extend(more);
+            (n + k, b)
+        })
+    });
+    assert!(
+        bad.is_empty(),
+        "{} of {decided} requests failed: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+    assert!(decided > 100);
+    let fallbacks =
+        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+    assert!(
+        fallbacks > 0,
+        "after the exit, requests were decided locally"
+    );
+    let log = t.logs("meshlimitd");
+    assert!(log.contains("shutting down"), "{log}");
+}
