@@ -155,7 +155,7 @@ fn meshlimitd_unreachable_three_ways_costs_no_more_than_the_timeout() {
 
 #[test]
 fn redis_black_holed_under_traffic_then_back() {
-    let mut t = Topology::start(TopologyOptions {
+    let t = Topology::start(TopologyOptions {
         plugin_config: config(
             "100ms",
             "local",
