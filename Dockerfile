@@ -8,5 +8,5 @@ FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /src/target/release/meshlimitd /usr/local/bin/meshlimitd
 ENV MESHLIMITD_LISTEN=0.0.0.0:8080
 EXPOSE 8080
-USER nonroot
+USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/meshlimitd"]

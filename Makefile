@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy
+.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz images
 
 all: build
 
@@ -22,9 +22,10 @@ lint: setup
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --release --target wasm32-wasip1 -p meshlimit -- -D warnings
 
-## test: lint, unit tests, meshlimitd on a real redis-server, end to end with real Envoy.
+## test: lint, unit tests, meshlimitd on a real redis-server, end to end with real Envoy, deploy/ manifests.
 test: build lint
 	$(CARGO) test --workspace --no-fail-fast
+	.venv/bin/pytest -q deploy/
 
 ## demo: starts Redis, meshlimitd and four Envoys on loopback and shows the limit at work.
 demo: build
@@ -43,3 +44,27 @@ clean:
 ## accuracy: replays traffic traces through meshlimitd on a real Redis; writes docs/accuracy.md.
 accuracy: build
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-accuracy
+
+## soak: 10 minutes of mixed traffic with Redis restarted every 2 minutes (SOAK_SECONDS, SOAK_RESTART_SECONDS); writes docs/soak.md.
+soak: build
+	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-soak
+
+## memory: a million distinct client ids through one Envoy (fallback, then global); writes docs/memory.md.
+memory: build
+	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-soak -- --flood $${FLOOD_IDS:-1000000}
+
+## fuzz: the plugin-config parser and the check-API decoders, FUZZ_SECONDS each (default 60); needs cargo-fuzz.
+FUZZ_SECONDS ?= 60
+fuzz: setup
+	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz
+	# cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets the stable toolchain accept them.
+	for target in plugin_config check_api; do \
+	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --fuzz-dir fuzz $$target -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	done
+
+## images: meshlimitd and the wasm OCI image for Istio (needs a Docker engine).
+IMAGE_REGISTRY ?= ghcr.io/meshlimit
+IMAGE_TAG ?= 0.1.0
+images: build
+	docker build -t $(IMAGE_REGISTRY)/meshlimitd:$(IMAGE_TAG) .
+	docker build -f Dockerfile.wasm -t $(IMAGE_REGISTRY)/meshlimit-wasm:$(IMAGE_TAG) .

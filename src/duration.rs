@@ -89,3 +89,21 @@ mod tests {
         assert!(parse_millis("18446744073709551615d").is_err());
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn any_text_is_parsed_or_refused_never_a_panic(text in "\\PC{0,40}") {
+            let _ = parse_millis(&text);
+        }
+
+        #[test]
+        fn number_and_unit_round_trip(n in 0u64..1_000_000, unit in prop::sample::select(vec![("ms", 1u64), ("s", 1_000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000)])) {
+            prop_assert_eq!(parse_millis(&format!("{n}{}", unit.0)), Ok(n * unit.1));
+        }
+    }
+}

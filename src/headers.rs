@@ -206,3 +206,51 @@ mod tests {
         assert_eq!(retry_after_secs(1001), 2);
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use crate::config::LimitConfig;
+    use meshlimit_protocol::Algorithm;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn header_values_are_always_valid_field_values(
+            name in "[A-Za-z0-9_.-]{1,20}",
+            requests in 1u64..u64::MAX / 2,
+            window_ms in 1u64..u64::MAX / 2,
+            remaining in any::<u64>(),
+            reset in any::<u64>(),
+            allowed in any::<bool>(),
+            style in prop::sample::select(vec![HeaderStyle::Draft, HeaderStyle::XRatelimit, HeaderStyle::None]),
+        ) {
+            let limit = LimitConfig {
+                name: name.clone(),
+                qualified_name: format!("r/{name}"),
+                requests,
+                window_ms,
+                algorithm: Algorithm::FixedWindow,
+                burst: None,
+            };
+            let applied = Applied { limit: &limit, cost: 1, shadow: false };
+            let result = CheckResult {
+                allowed,
+                limits: vec![LimitStatus {
+                    allowed,
+                    limit: requests,
+                    remaining,
+                    reset_after_ms: reset,
+                    retry_after_ms: reset,
+                    shadow: false,
+                    reason: None,
+                }],
+            };
+            for (k, v) in rate_limit_headers(style, &[applied], &result) {
+                prop_assert!(k.bytes().all(|b| b.is_ascii_lowercase() || b == b'-'));
+                prop_assert!(v.bytes().all(|b| (0x20..0x7f).contains(&b)), "{}: {}", k, v);
+            }
+            prop_assert!(retry_after_secs(reset) >= 1);
+        }
+    }
+}

@@ -26,6 +26,63 @@ const MAX_WINDOW_MS: u64 = 31 * 86_400_000;
 pub struct AppState {
     pub limiter: Limiter,
     pub metrics: Metrics,
+    pub limits: Limits,
+    /// Checks being decided now; waiting for a permit is the queue.
+    pub in_flight: std::sync::Arc<tokio::sync::Semaphore>,
+    pub error_log: std::sync::Arc<LogEvery>,
+}
+
+/// Bounds on work in progress.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Requests decided at once; more wait up to `queue_timeout`.
+    pub max_in_flight: usize,
+    pub queue_timeout: std::time::Duration,
+    /// Deadline for a whole request, queueing included.
+    pub request_timeout: std::time::Duration,
+}
+
+impl AppState {
+    pub fn new(limiter: Limiter, metrics: Metrics, limits: Limits) -> Self {
+        AppState {
+            limiter,
+            metrics,
+            limits,
+            in_flight: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                limits.max_in_flight.max(1),
+            )),
+            error_log: std::sync::Arc::new(LogEvery::default()),
+        }
+    }
+}
+
+/// Lets one log line through per second: an outage must not flood the log
+/// with one line per request.
+#[derive(Default)]
+pub struct LogEvery {
+    last_s: std::sync::atomic::AtomicU64,
+    suppressed: std::sync::atomic::AtomicU64,
+}
+
+impl LogEvery {
+    /// `Some(n)` when a line may be written now, `n` lines having been held back.
+    pub fn allow(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let last = self.last_s.load(Ordering::Relaxed);
+        if now > last
+            && self
+                .last_s
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
 }
 
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
@@ -51,9 +108,38 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 async fn check(State(state): State<AppState>, body: Bytes) -> Response {
     // The body is read in full before anything is answered: Envoy only
     // reuses the upstream connection of a call whose request was consumed.
-    let response = decide(&state, &body).await;
+    let limits = state.limits;
+    let response = match tokio::time::timeout(limits.request_timeout, guarded(&state, &body)).await
+    {
+        Ok(response) => response,
+        Err(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not decided within {:?}", limits.request_timeout),
+        ),
+    };
     state.metrics.response(response.status().as_u16());
     response
+}
+
+/// Decides with a permit: at most `max_in_flight` at once, and a caller
+/// waits at most `queue_timeout` for one (then 503: the filter falls back,
+/// which beats queueing behind a backlog it would time out on anyway).
+async fn guarded(state: &AppState, body: &[u8]) -> Response {
+    let permit = tokio::time::timeout(
+        state.limits.queue_timeout,
+        state.in_flight.clone().acquire_owned(),
+    )
+    .await;
+    match permit {
+        Ok(Ok(_permit)) => decide(state, body).await,
+        _ => {
+            state.metrics.overloaded();
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded: too many checks in flight",
+            )
+        }
+    }
 }
 
 async fn decide(state: &AppState, body: &[u8]) -> Response {
@@ -77,7 +163,9 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
                 results.push(result);
             }
             Err(e) => {
-                warn!(error = %e, "cannot decide: answering 503 so the caller falls back");
+                if let Some(suppressed) = state.error_log.allow() {
+                    warn!(error = %e, suppressed, "cannot decide: answering 503 so the caller falls back");
+                }
                 return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
             }
         }

@@ -129,3 +129,31 @@ mod tests {
         assert_eq!(subject_tag("a\u{0}b\u{7f}"), "e:a%00b%7F");
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn tags_never_contain_braces_and_stay_small(subject in "\\PC{0,300}") {
+            let tag = subject_tag(&subject);
+            prop_assert!(!tag.contains(['{', '}']), "braces in {}", tag);
+            prop_assert!(tag.len() <= 66);
+            prop_assert!(tag.bytes().all(|b| b.is_ascii_graphic()));
+        }
+
+        #[test]
+        fn different_subjects_get_different_tags(a in "\\PC{0,80}", b in "\\PC{0,80}") {
+            prop_assume!(a != b);
+            prop_assert_ne!(subject_tag(&a), subject_tag(&b));
+        }
+
+        #[test]
+        fn near_identical_subjects_stay_apart(base in "[a-z{}%]{0,70}", suffix in "[{}%a]") {
+            let longer = format!("{base}{suffix}");
+            prop_assert_ne!(subject_tag(&base), subject_tag(&longer));
+        }
+    }
+}

@@ -30,6 +30,15 @@ struct Args {
     /// Time allowed for one Redis script run before answering 503.
     #[arg(long, env = "MESHLIMITD_REDIS_TIMEOUT_MS", default_value_t = 50)]
     redis_timeout_ms: u64,
+    /// Checks decided at once; more wait for a slot (see --queue-timeout-ms).
+    #[arg(long, env = "MESHLIMITD_MAX_IN_FLIGHT", default_value_t = 1024)]
+    max_in_flight: usize,
+    /// How long a check may wait for a slot before a 503 "overloaded".
+    #[arg(long, env = "MESHLIMITD_QUEUE_TIMEOUT_MS", default_value_t = 20)]
+    queue_timeout_ms: u64,
+    /// Deadline for a whole request, queueing included (then 503).
+    #[arg(long, env = "MESHLIMITD_REQUEST_TIMEOUT_MS", default_value_t = 200)]
+    request_timeout_ms: u64,
     /// Log format: text or json.
     #[arg(long, env = "MESHLIMITD_LOG_FORMAT", default_value = "text")]
     log_format: String,
@@ -69,7 +78,12 @@ async fn run(args: Args) -> Result<(), String> {
         metrics.clone(),
     )
     .map_err(|e| format!("invalid --redis-url: {e}"))?;
-    let app = api::router(AppState { limiter, metrics }, args.max_body_bytes);
+    let limits = api::Limits {
+        max_in_flight: args.max_in_flight.max(1),
+        queue_timeout: Duration::from_millis(args.queue_timeout_ms),
+        request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
+    };
+    let app = api::router(AppState::new(limiter, metrics, limits), args.max_body_bytes);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;

@@ -32,6 +32,7 @@ pub struct Metrics {
     redis_errors: Family<KindLabel, Counter>,
     redis_latency: Histogram,
     responses: Family<StatusLabel, Counter>,
+    overloaded: Counter,
 }
 
 impl Default for Metrics {
@@ -52,7 +53,7 @@ impl Metrics {
         let redis_errors = Family::<KindLabel, Counter>::default();
         registry.register(
             "redis_errors",
-            "Failed Redis calls, by kind (timeout, connection, command, reply)",
+            "Failed Redis calls, by kind (timeout, connection, command, reply, unhealthy)",
             redis_errors.clone(),
         );
         // 50us .. ~100ms: loopback Redis answers in tens of microseconds;
@@ -71,7 +72,14 @@ impl Metrics {
             "Answers to /v1/check, by HTTP status",
             responses.clone(),
         );
+        let overloaded = Counter::default();
+        registry.register(
+            "overloaded",
+            "Checks refused with 503 because too many were in flight",
+            overloaded.clone(),
+        );
         Metrics {
+            overloaded,
             registry: Arc::new(registry),
             decisions,
             redis_errors,
@@ -91,6 +99,10 @@ impl Metrics {
 
     pub fn observe_redis(&self, elapsed: Duration) {
         self.redis_latency.observe(elapsed.as_secs_f64());
+    }
+
+    pub fn overloaded(&self) {
+        self.overloaded.inc();
     }
 
     pub fn response(&self, status: u16) {

@@ -1,0 +1,190 @@
+"""Offline checks of everything in deploy/ (run by `make test`).
+
+- Kubernetes manifests validate against the Kubernetes API schemas
+  (kubernetes-validate, which ships them) for KUBERNETES_VERSION.
+- Each WasmPlugin is checked field by field against the documented
+  extensions.istio.io/v1alpha1 API (WASMPLUGIN_SPEC below, from Istio 1.27's
+  CRD): a misspelt, unknown or mistyped field fails.
+- Every pluginConfig is accepted by the filter's own parser, and points at
+  the meshlimitd Service that deploy/kubernetes defines.
+- The Dockerfiles pass hadolint.
+"""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KUBERNETES_VERSION = "1.33.0"
+
+
+def docs(pattern):
+    out = []
+    for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+        with open(path) as f:
+            out += [(os.path.relpath(path, ROOT), d) for d in yaml.safe_load_all(f) if d]
+    return out
+
+
+K8S = docs("deploy/kubernetes/*.yaml")
+WASMPLUGINS = docs("deploy/istio/*.yaml")
+
+
+@pytest.mark.parametrize("path,doc", K8S, ids=[f"{p}:{d['kind']}/{d['metadata']['name']}" for p, d in K8S])
+def test_kubernetes_manifest_is_valid(path, doc):
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def find(kind, name):
+    return next(d for _, d in K8S if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def test_meshlimitd_deployment_is_production_shaped():
+    dep = find("Deployment", "meshlimitd")
+    spec = dep["spec"]
+    assert spec["replicas"] == 2
+    pod = spec["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and {"cpu", "memory"} <= set(c["resources"]["limits"])
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    labels = spec["template"]["metadata"]["labels"]
+    for kind in ("Service", "PodDisruptionBudget"):
+        other = find(kind, "meshlimitd")
+        selector = other["spec"]["selector"]
+        selector = selector.get("matchLabels", selector)
+        assert selector.items() <= labels.items(), f"{kind} does not select the pods"
+
+
+# extensions.istio.io/v1alpha1 WasmPlugin spec (Istio 1.27 CRD): field -> type
+# or nested spec; enums as sets. Unknown fields are errors.
+PORT = {"number": int}
+WASMPLUGIN_SPEC = {
+    "selector": {"matchLabels": {str: str}},
+    "targetRef": {"group": str, "kind": str, "name": str, "namespace": str},
+    "targetRefs": [{"group": str, "kind": str, "name": str, "namespace": str}],
+    "url": str,
+    "sha256": str,
+    "imagePullPolicy": {"UNSPECIFIED_POLICY", "IfNotPresent", "Always"},
+    "imagePullSecret": str,
+    "verificationKey": str,
+    "pluginConfig": dict,
+    "pluginName": str,
+    "phase": {"UNSPECIFIED_PHASE", "AUTHN", "AUTHZ", "STATS"},
+    "priority": int,
+    "vmConfig": {"env": [{"name": str, "value": str, "valueFrom": {"INLINE", "HOST"}}]},
+    "match": [{"mode": {"UNDEFINED", "CLIENT", "SERVER", "CLIENT_AND_SERVER"}, "ports": [PORT]}],
+    "type": {"UNSPECIFIED_PLUGIN_TYPE", "HTTP", "NETWORK"},
+    "failStrategy": {"FAIL_CLOSE", "FAIL_OPEN", "FAIL_RELOAD"},
+}
+REQUIRED = {"url"}
+
+
+def check(value, spec, at):
+    """Returns the problems of `value` against `spec`."""
+    if spec is dict:
+        return [] if isinstance(value, dict) else [f"{at}: expected an object"]
+    if isinstance(spec, type):
+        return [] if isinstance(value, spec) and not isinstance(value, bool) else [f"{at}: expected {spec.__name__}"]
+    if isinstance(spec, set):
+        return [] if value in spec else [f"{at}: {value!r} is not one of {sorted(spec)}"]
+    if isinstance(spec, list):
+        if not isinstance(value, list):
+            return [f"{at}: expected a list"]
+        return [p for i, v in enumerate(value) for p in check(v, spec[0], f"{at}[{i}]")]
+    if not isinstance(value, dict):
+        return [f"{at}: expected an object"]
+    if len(spec) == 1 and next(iter(spec)) is str:  # a map
+        return [p for k, v in value.items() for p in check(v, spec[str], f"{at}.{k}")]
+    problems = [f"{at}.{k}: unknown field" for k in value if k not in spec]
+    return problems + [p for k, v in value.items() if k in spec for p in check(v, spec[k], f"{at}.{k}")]
+
+
+def wasmplugin_problems(doc):
+    problems = []
+    if doc.get("apiVersion") != "extensions.istio.io/v1alpha1" or doc.get("kind") != "WasmPlugin":
+        problems.append("not an extensions.istio.io/v1alpha1 WasmPlugin")
+    problems += [f"metadata.{k}: unknown field" for k in doc.get("metadata", {}) if k not in ("name", "namespace", "labels", "annotations")]
+    spec = doc.get("spec", {})
+    problems += [f"spec.{k}: required" for k in REQUIRED if k not in spec]
+    problems += check(spec, WASMPLUGIN_SPEC, "spec")
+    if not re.match(r"^(oci|https?|file)://", spec.get("url", "")):
+        problems.append("spec.url: must be oci://, http(s):// or file://")
+    return problems
+
+
+@pytest.mark.parametrize("path,doc", WASMPLUGINS, ids=[p for p, _ in WASMPLUGINS])
+def test_wasmplugin_matches_the_istio_api(path, doc):
+    assert wasmplugin_problems(doc) == []
+    spec = doc["spec"]
+    assert spec["phase"] == "AUTHZ"
+    assert spec["failStrategy"] in ("FAIL_OPEN", "FAIL_CLOSE", "FAIL_RELOAD")
+
+
+def test_the_field_check_catches_mistakes():
+    _, good = WASMPLUGINS[0]
+    bad = json.loads(json.dumps(good))
+    bad["spec"]["pluginConf"] = bad["spec"].pop("pluginConfig")
+    bad["spec"]["phase"] = "AUTHORIZATION"
+    bad["spec"]["selector"]["matchLabel"] = {}
+    del bad["spec"]["url"]
+    problems = wasmplugin_problems(bad)
+    for expected in ("spec.pluginConf: unknown field", "spec.phase: 'AUTHORIZATION'", "spec.selector.matchLabel: unknown field", "spec.url: required"):
+        assert any(p.startswith(expected) for p in problems), (expected, problems)
+
+
+def meshlimitd_cluster():
+    svc = find("Service", "meshlimitd")
+    port = svc["spec"]["ports"][0]["port"]
+    return f"outbound|{port}||meshlimitd.{svc['metadata']['namespace']}.svc.cluster.local"
+
+
+@pytest.mark.parametrize("path,doc", WASMPLUGINS, ids=[p for p, _ in WASMPLUGINS])
+def test_plugin_config_is_accepted_by_the_filter(path, doc):
+    config = doc["spec"]["pluginConfig"]
+    assert config["service"]["cluster"] == meshlimitd_cluster()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    try:
+        out = subprocess.run(
+            ["cargo", "run", "-q", "-p", "meshlimit-testbed", "--bin", "meshlimit-config", "--", f.name],
+            cwd=ROOT, capture_output=True, text=True, check=False,
+        )
+    finally:
+        os.unlink(f.name)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ": ok (" in out.stdout
+
+
+def test_the_filter_parser_refuses_a_bad_plugin_config():
+    _, doc = WASMPLUGINS[0]
+    config = json.loads(json.dumps(doc["spec"]["pluginConfig"]))
+    config["rules"][0]["limits"][0]["requets"] = config["rules"][0]["limits"][0].pop("requests")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    try:
+        out = subprocess.run(
+            ["cargo", "run", "-q", "-p", "meshlimit-testbed", "--bin", "meshlimit-config", "--", f.name],
+            cwd=ROOT, capture_output=True, text=True, check=False,
+        )
+    finally:
+        os.unlink(f.name)
+    assert out.returncode == 1
+    assert "field `rules[0].limits[0].requets`: unknown field" in out.stdout
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.wasm"])
+def test_dockerfile_passes_hadolint(dockerfile):
+    hadolint = os.path.join(ROOT, ".venv", "bin", "hadolint")
+    out = subprocess.run([hadolint, os.path.join(ROOT, dockerfile)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr

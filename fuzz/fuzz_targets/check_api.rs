@@ -1,0 +1,19 @@
+//! Any bytes as a check request (meshlimitd's decoder and validation) and
+//! as a check answer (the filter's decoder): decoded or refused, never a
+//! panic; and an accepted request's subjects always become safe key tags.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    if let Ok(request) = serde_json::from_slice::<meshlimit_protocol::CheckRequest>(data) {
+        if meshlimitd::api::validate(&request).is_ok() {
+            for check in &request.checks {
+                let tag = meshlimitd::keys::subject_tag(&check.subject);
+                assert!(!tag.contains(['{', '}']));
+                assert!(tag.len() <= 66);
+            }
+        }
+    }
+    for status in [None, Some(200), Some(503), Some(504)] {
+        let _ = meshlimit::decision::read_answer(status, Some(data), 1, false);
+    }
+});

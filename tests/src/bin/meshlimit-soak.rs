@@ -1,0 +1,228 @@
+//! `make soak`: mixed traffic for SOAK_SECONDS (default 600) through two
+//! replicas, with Redis restarted every SOAK_RESTART_SECONDS (default 120).
+//! Reports 5xx (must be 0), decisions by kind and path, and memory before
+//! and after; writes docs/soak.md.
+//!
+//! `make memory` (`meshlimit-soak --flood N`): N distinct client ids through
+//! one Envoy with Redis down (local fallback), then through meshlimitd with
+//! Redis up; reports resident memory along the way; writes docs/memory.md.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use meshlimit_testbed::http::Conn;
+use meshlimit_testbed::tools;
+use meshlimit_testbed::{Topology, TopologyOptions};
+
+fn env_secs(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn rss_kib(pid: Option<u32>) -> u64 {
+    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+const SOAK_CONFIG: &str = r#"{
+  "service": {"timeout": "50ms"},
+  "client_id": {"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1},
+  "rules": [
+    {"name": "fixed", "match": {"path_prefix": "/fixed"}, "limits": [{"name": "m", "requests": 30, "window": "10s"}]},
+    {"name": "log", "match": {"path_prefix": "/log"}, "limits": [{"name": "m", "requests": 30, "window": "10s", "algorithm": "sliding_window_log"}]},
+    {"name": "bucket", "match": {"path_prefix": "/bucket"}, "limits": [{"name": "m", "requests": 3, "window": "1s", "algorithm": "token_bucket", "burst": 5}]}
+  ]
+}"#;
+
+#[derive(Default)]
+struct Counts {
+    ok: AtomicU64,
+    denied: AtomicU64,
+    server_errors: AtomicU64,
+    other: AtomicU64,
+}
+
+fn soak() {
+    let seconds = env_secs("SOAK_SECONDS", 600);
+    let restart_every = env_secs("SOAK_RESTART_SECONDS", 120);
+    let mut t = Topology::start(TopologyOptions {
+        plugin_config: SOAK_CONFIG.into(),
+        ..TopologyOptions::default()
+    });
+    println!("soak: {seconds}s of mixed traffic, Redis restarted every {restart_every}s");
+    let rss_before = (t.replica_rss_kib(1), t.replica_rss_kib(2));
+    let counts = Counts::default();
+    let stop = AtomicBool::new(false);
+    let entry = t.entry();
+    let mut restarts = 0;
+    std::thread::scope(|s| {
+        for w in 0..4u64 {
+            let (entry, counts, stop) = (entry.clone(), &counts, &stop);
+            s.spawn(move || {
+                let mut conn = Conn::new(&entry);
+                let mut n = w;
+                while !stop.load(Ordering::Relaxed) {
+                    n = n
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let path = ["/fixed/a", "/log/b", "/bucket/c"][(n >> 33) as usize % 3];
+                    // 200 well-behaved clients and 3 abusive ones.
+                    let id = if n % 10 == 0 {
+                        format!("abuser-{}", (n >> 20) % 3)
+                    } else {
+                        format!("client-{}", (n >> 24) % 200)
+                    };
+                    let slot = match conn.get(path, &[("x-api-key", id.as_bytes())]) {
+                        Ok(r) if r.status == 200 => &counts.ok,
+                        Ok(r) if r.status == 429 => &counts.denied,
+                        Ok(r) if r.status >= 500 => &counts.server_errors,
+                        _ => &counts.other,
+                    };
+                    slot.fetch_add(1, Ordering::Relaxed);
+                    if w == 0 && n % 4 == 0 {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            });
+        }
+        let start = Instant::now();
+        let mut next_restart = Duration::from_secs(restart_every);
+        while start.elapsed() < Duration::from_secs(seconds) {
+            std::thread::sleep(Duration::from_millis(200));
+            if start.elapsed() >= next_restart {
+                println!("  {:>4}s: restarting Redis", start.elapsed().as_secs());
+                t.stop_redis();
+                std::thread::sleep(Duration::from_secs(2));
+                t.start_redis();
+                restarts += 1;
+                next_restart += Duration::from_secs(restart_every);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    let rss_after = (t.replica_rss_kib(1), t.replica_rss_kib(2));
+    let stat = |n: &str| t.stat_total(n);
+    let mut report = String::new();
+    let total = counts.ok.load(Ordering::Relaxed)
+        + counts.denied.load(Ordering::Relaxed)
+        + counts.server_errors.load(Ordering::Relaxed)
+        + counts.other.load(Ordering::Relaxed);
+    let _ = writeln!(
+        report,
+        "# Soak\n\nGenerated by `make soak` (tests/src/bin/meshlimit-soak.rs): {seconds} s of mixed traffic\n(4 keep-alive connections through the front Envoy, two replicas; 200\nwell-behaved clients and 3 abusive ones over three rules: fixed window,\nsliding log, token bucket), Redis stopped for 2 s and restarted every\n{restart_every} s ({restarts} restarts).\n\n| what | value |\n|---|---|\n| requests | {total} |\n| 200 | {} |\n| 429 | {} |\n| **5xx** | **{}** |\n| connection errors or other statuses | {} |\n| decided by meshlimitd (allowed / denied) | {} / {} |\n| decided by the deny cache | {} |\n| decided locally (fallback allowed / denied) | {} / {} |\n| breaker openings | {} |\n| replica-1 RSS before / after | {} / {} KiB |\n| replica-2 RSS before / after | {} / {} KiB |",
+        counts.ok.load(Ordering::Relaxed),
+        counts.denied.load(Ordering::Relaxed),
+        counts.server_errors.load(Ordering::Relaxed),
+        counts.other.load(Ordering::Relaxed),
+        stat("meshlimit.requests_allowed"),
+        stat("meshlimit.requests_denied"),
+        stat("meshlimit.deny_cache_hits"),
+        stat("meshlimit.fallback_allowed"),
+        stat("meshlimit.fallback_denied"),
+        stat("meshlimit.breaker_opened"),
+        rss_before.0,
+        rss_after.0,
+        rss_before.1,
+        rss_after.1,
+    );
+    write_report("docs/soak.md", &report);
+    if counts.server_errors.load(Ordering::Relaxed) > 0 {
+        std::process::exit(1);
+    }
+}
+
+fn flood(n: u64) {
+    let mut t = Topology::start(TopologyOptions {
+        plugin_config: SOAK_CONFIG.into(),
+        replicas: 1,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    let entry = t.entry();
+    let send = |from: u64, to: u64| {
+        std::thread::scope(|s| {
+            for w in 0..4 {
+                let entry = entry.clone();
+                s.spawn(move || {
+                    let mut conn = Conn::new(&entry);
+                    for i in (from + w..to).step_by(4) {
+                        let id = format!("flood-{i:010}");
+                        let _ = conn.get("/fixed/x", &[("x-api-key", id.as_bytes())]);
+                    }
+                });
+            }
+        });
+    };
+    let marks: Vec<u64> = [10_000, 100_000, 250_000, 500_000, 1_000_000, 2_000_000]
+        .into_iter()
+        .filter(|m| *m <= n)
+        .collect();
+    let mut report = String::new();
+    let _ = writeln!(
+        report,
+        "# Memory under a flood of distinct client ids\n\nGenerated by `make memory` (tests/src/bin/meshlimit-soak.rs --flood {n}): distinct\n`x-api-key` values, 4 keep-alive connections to one Envoy (2 workers),\nresident memory (VmRSS) of the processes after each mark.\n\n## Redis down: every request decided by the local fallback\n\n| distinct ids | Envoy RSS (KiB) |\n|---|---|"
+    );
+    t.stop_redis();
+    let mut done = 0;
+    for m in &marks {
+        send(done, *m);
+        done = *m;
+        let rss = t.replica_rss_kib(1);
+        println!("fallback: {m} ids, Envoy {rss} KiB");
+        let _ = writeln!(report, "| {m} | {rss} |");
+    }
+    t.start_redis();
+    t.wait_meshlimitd_healthy();
+    std::thread::sleep(Duration::from_secs(3));
+    let _ = writeln!(
+        report,
+        "\n## Redis up: every request decided by meshlimitd\n\n| distinct ids | Envoy RSS (KiB) | meshlimitd RSS (KiB) |\n|---|---|---|"
+    );
+    let base = done;
+    let service_marks: Vec<u64> = marks
+        .iter()
+        .copied()
+        .filter(|m| *m <= n.min(500_000))
+        .collect();
+    let mut sent = 0;
+    for m in &service_marks {
+        send(base + sent, base + m);
+        sent = *m;
+        let (envoy, service) = (t.replica_rss_kib(1), rss_kib(t.meshlimitd_pid()));
+        println!("global: {m} ids, Envoy {envoy} KiB, meshlimitd {service} KiB");
+        let _ = writeln!(report, "| {m} | {envoy} | {service} |");
+    }
+    let _ = writeln!(
+        report,
+        "\nShared data is bounded by configuration, not by clients: fallback\ncounters use `local.slots` keys of 160 bytes (4 clients each; 4096 slots =\n640 KiB), the deny cache `deny_cache.slots` keys of 16 bytes (4096 = 64 KiB),\nplus one key each for the breaker and the seed. The wasm VM allocates per\nrequest and frees at the end of the stream. meshlimitd keeps no per-client\nstate (Redis does, with an expiry on every key)."
+    );
+    write_report("docs/memory.md", &report);
+}
+
+fn write_report(rel: &str, report: &str) {
+    let path = tools::root().join(rel);
+    if let Err(e) = std::fs::write(&path, report) {
+        eprintln!("cannot write {}: {e}", path.display());
+    }
+    println!("\n{report}\nwritten to {}", path.display());
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("--flood") => flood(
+            args.get(2)
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(1_000_000),
+        ),
+        _ => soak(),
+    }
+}
