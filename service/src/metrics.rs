@@ -72,6 +72,14 @@ impl Metrics {
             "Answers to /v1/check, by HTTP status",
             responses.clone(),
         );
+        // Every known series exists from the start, at 0: alert expressions
+        // over rate() work before the first error, not only after it.
+        for result in ["allowed", "denied"] {
+            let _ = decisions.get_or_create(&ResultLabel { result });
+        }
+        for kind in ["timeout", "connection", "command", "reply", "unhealthy"] {
+            let _ = redis_errors.get_or_create(&KindLabel { kind });
+        }
         let overloaded = Counter::default();
         registry.register(
             "overloaded",
