@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz images
+.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz images bench
 
 all: build
 
@@ -68,3 +68,8 @@ IMAGE_TAG ?= 0.1.0
 images: build
 	docker build -t $(IMAGE_REGISTRY)/meshlimitd:$(IMAGE_TAG) .
 	docker build -f Dockerfile.wasm -t $(IMAGE_REGISTRY)/meshlimit-wasm:$(IMAGE_TAG) .
+
+## bench: configurations side by side, as ratios to bare Envoy (oha, redis-benchmark); writes docs/benchmarks.md and .svg.
+bench: build
+	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
+	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench

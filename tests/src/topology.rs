@@ -146,7 +146,7 @@ impl Topology {
 
     // ---- configs ----
 
-    fn base_vars(&self, admin_port: u16, listen_port: u16) -> BTreeMap<&'static str, String> {
+    pub fn base_vars(&self, admin_port: u16, listen_port: u16) -> BTreeMap<&'static str, String> {
         BTreeMap::from([
             ("ADMIN_HOST", self.host.clone()),
             ("ADMIN_PORT", admin_port.to_string()),
@@ -199,7 +199,9 @@ impl Topology {
 
     // ---- processes ----
 
-    fn start_envoy(&self, name: &str, config: &str, workers: u32) -> Proc {
+    /// Starts an Envoy from a rendered config. `name` picks its admin port:
+    /// `front`, `upstream`, or `replica-N` (admin on 19900 + N).
+    pub fn start_envoy(&self, name: &str, config: &str, workers: u32) -> Proc {
         let path = self.dir.path().join(format!("{name}.yaml"));
         write(&path, config);
         let mut proc = Proc::spawn(
@@ -247,6 +249,11 @@ impl Topology {
     /// The meshlimitd process handle, e.g. to signal it or wait for it.
     pub fn meshlimitd_proc(&mut self) -> Option<&mut Proc> {
         self.meshlimitd.as_mut().map(|m| &mut m.proc)
+    }
+
+    /// Process ids of the replicas (for pinning, memory).
+    pub fn replica_pids(&self) -> Vec<u32> {
+        self.replicas.iter().filter_map(Proc::pid).collect()
     }
 
     /// The Redis process id, e.g. to SIGSTOP it (a black hole).
