@@ -55,6 +55,8 @@ pub struct Config {
     pub breaker: BreakerConfig,
     /// Deny-cache slots; 0 turns the cache off.
     pub deny_cache_slots: u32,
+    /// Coalescing concurrent checks into one call; `None` when off.
+    pub group_commit: Option<crate::batch::BatchConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -227,6 +229,30 @@ struct RawConfig {
     breaker: RawBreaker,
     #[serde(default)]
     deny_cache: RawDenyCache,
+    #[serde(default)]
+    group_commit: RawGroupCommit,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawGroupCommit {
+    enabled: bool,
+    max_batch: usize,
+    max_queue_age: String,
+    max_queued: usize,
+    max_calls_in_flight: usize,
+}
+
+impl Default for RawGroupCommit {
+    fn default() -> Self {
+        RawGroupCommit {
+            enabled: false,
+            max_batch: 64,
+            max_queue_age: "1ms".into(),
+            max_queued: 1024,
+            max_calls_in_flight: 4,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -483,7 +509,39 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         },
         breaker,
         deny_cache_slots: raw.deny_cache.slots,
+        group_commit: validate_group_commit(raw.group_commit)?,
     })
+}
+
+fn validate_group_commit(
+    raw: RawGroupCommit,
+) -> Result<Option<crate::batch::BatchConfig>, ConfigError> {
+    if !(1..=1024).contains(&raw.max_batch) {
+        return Err(err("group_commit.max_batch", "must be between 1 and 1024"));
+    }
+    if !(1..=100_000).contains(&raw.max_queued) {
+        return Err(err(
+            "group_commit.max_queued",
+            "must be between 1 and 100000",
+        ));
+    }
+    if !(1..=64).contains(&raw.max_calls_in_flight) {
+        return Err(err(
+            "group_commit.max_calls_in_flight",
+            "must be between 1 and 64",
+        ));
+    }
+    let max_age_ms = duration::parse_millis(&raw.max_queue_age)
+        .map_err(|e| err("group_commit.max_queue_age", e.to_string()))?;
+    if max_age_ms > 1_000 {
+        return Err(err("group_commit.max_queue_age", "must be at most 1s"));
+    }
+    Ok(raw.enabled.then_some(crate::batch::BatchConfig {
+        max_batch: raw.max_batch,
+        max_age_ms,
+        max_queued: raw.max_queued,
+        max_in_flight: raw.max_calls_in_flight,
+    }))
 }
 
 fn validate_breaker(raw: RawBreaker) -> Result<BreakerConfig, ConfigError> {
@@ -781,6 +839,25 @@ mod tests {
             }
         );
         assert_eq!(c.deny_cache_slots, 4096);
+        assert_eq!(c.group_commit, None, "group commit is opt-in");
+        let on = parse_str(
+            r#"{"group_commit":{"enabled":true},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            on.group_commit,
+            Some(crate::batch::BatchConfig {
+                max_batch: 64,
+                max_age_ms: 1,
+                max_queued: 1024,
+                max_in_flight: 4
+            })
+        );
+        rejects(
+            r#"{"group_commit":{"enabled":true,"max_batch":0},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "group_commit.max_batch",
+            "between 1",
+        );
         let rule = &c.rules[0];
         assert_eq!(rule.path_prefix, "/");
         assert!(rule.methods.is_empty());

@@ -244,6 +244,21 @@ pub fn read_answer(
     expected_limits: usize,
     timed_out: bool,
 ) -> Result<CheckResult, ServiceError> {
+    let mut results = read_batch_answer(status, body, &[expected_limits], timed_out)?;
+    results
+        .pop()
+        .ok_or_else(|| ServiceError::BadBody("expected exactly one result".into()))
+}
+
+/// Reads the answer to a batch call: one result per check, in order, the
+/// i-th with `expected_limits[i]` limit statuses. Any inconsistency makes
+/// the whole answer unusable.
+pub fn read_batch_answer(
+    status: Option<u32>,
+    body: Option<&[u8]>,
+    expected_limits: &[usize],
+    timed_out: bool,
+) -> Result<Vec<CheckResult>, ServiceError> {
     let body = body.unwrap_or_default();
     match status {
         None if timed_out => return Err(ServiceError::Timeout),
@@ -264,32 +279,38 @@ pub fn read_answer(
     if body.is_empty() {
         return Err(ServiceError::BadBody("empty body".into()));
     }
-    if body.len() > MAX_ANSWER_BYTES {
+    let max = MAX_ANSWER_BYTES.saturating_mul(expected_limits.len().max(1));
+    if body.len() > max {
         return Err(ServiceError::BadBody(format!("{} bytes", body.len())));
     }
     let answer: CheckResponse =
         serde_json::from_slice(body).map_err(|e| ServiceError::BadBody(e.to_string()))?;
-    let mut results = answer.results.into_iter();
-    let (Some(result), None) = (results.next(), results.next()) else {
-        return Err(ServiceError::BadBody("expected exactly one result".into()));
-    };
-    if result.limits.len() != expected_limits {
+    if answer.results.len() != expected_limits.len() {
         return Err(ServiceError::BadBody(format!(
-            "expected {expected_limits} limit statuses, got {}",
-            result.limits.len()
+            "expected {} result(s), got {}",
+            expected_limits.len(),
+            answer.results.len()
         )));
     }
-    let enforced_allow = result
-        .limits
-        .iter()
-        .filter(|l| !l.shadow)
-        .all(|l| l.allowed);
-    if result.allowed != enforced_allow {
-        return Err(ServiceError::BadBody(
-            "overall decision contradicts the limits".into(),
-        ));
+    for (result, expected) in answer.results.iter().zip(expected_limits) {
+        if result.limits.len() != *expected {
+            return Err(ServiceError::BadBody(format!(
+                "expected {expected} limit statuses, got {}",
+                result.limits.len()
+            )));
+        }
+        let enforced_allow = result
+            .limits
+            .iter()
+            .filter(|l| !l.shadow)
+            .all(|l| l.allowed);
+        if result.allowed != enforced_allow {
+            return Err(ServiceError::BadBody(
+                "overall decision contradicts the limits".into(),
+            ));
+        }
     }
-    Ok(result)
+    Ok(answer.results)
 }
 
 /// What the client sees for a decided check.
@@ -575,6 +596,27 @@ mod tests {
             read_answer(Some(200), Some(&contradiction), 1, false),
             Err(BadBody(_))
         ));
+    }
+
+    #[test]
+    fn batch_answers_are_read_in_order_and_checked_whole() {
+        let one = r#"{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":500,"retry_after_ms":0}]}"#;
+        let denied = r#"{"allowed":false,"limits":[{"allowed":false,"limit":20,"remaining":0,"reset_after_ms":500,"retry_after_ms":500}]}"#;
+        let b = body(&format!("{one},{denied}"));
+        let results = read_batch_answer(Some(200), Some(&b), &[1, 1], false).unwrap();
+        assert!(results[0].allowed && !results[1].allowed);
+        assert!(matches!(
+            read_batch_answer(Some(200), Some(&b), &[1, 1, 1], false),
+            Err(ServiceError::BadBody(_))
+        ));
+        assert!(matches!(
+            read_batch_answer(Some(200), Some(&b), &[1, 2], false),
+            Err(ServiceError::BadBody(_))
+        ));
+        assert_eq!(
+            read_batch_answer(None, None, &[1, 1], true),
+            Err(ServiceError::Timeout)
+        );
     }
 
     #[test]

@@ -17,6 +17,7 @@
 )]
 
 pub mod algorithms;
+pub mod batch;
 pub mod breaker;
 pub mod client_id;
 pub mod config;

@@ -23,6 +23,12 @@ pub const DENY_CACHE_EVICTIONS: &str = "meshlimit.deny_cache_evictions";
 pub const BREAKER_OPENED: &str = "meshlimit.breaker_opened";
 /// Gauge: 1 while the breaker is open, 0 once it closed again.
 pub const BREAKER_OPEN: &str = "meshlimit.breaker_open";
+/// Group commit: calls that carried a batch, and the checks they carried.
+pub const BATCHES: &str = "meshlimit.batches";
+pub const BATCHED_CHECKS: &str = "meshlimit.batched_checks";
+/// Group commit: checks refused because the queue was full (decided by
+/// failure_mode).
+pub const BATCH_OVERFLOW: &str = "meshlimit.batch_overflow";
 /// Requests refused for lack of a client id.
 pub const REJECTED_NO_CLIENT_ID: &str = "meshlimit.rejected_no_client_id";
 /// Failed calls to meshlimitd, one stat per [`crate::decision::ServiceError`] kind.

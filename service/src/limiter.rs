@@ -50,6 +50,8 @@ pub struct Limiter {
     timeout: Duration,
     metrics: Metrics,
     health: Arc<Health>,
+    /// Set once the script is known to be in Redis' cache.
+    script_loaded: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Consecutive Redis failures after which calls fail fast.
@@ -116,6 +118,7 @@ impl Limiter {
             timeout,
             metrics,
             health: Arc::new(Health::default()),
+            script_loaded: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 
@@ -153,6 +156,22 @@ impl Limiter {
         .inspect_err(|e| self.metrics.redis_error(e.kind()));
         self.health.record(values.is_ok());
         parse_reply(check, &values?)
+    }
+
+    /// Loads the script once before a batch, so its runs go out in request
+    /// order instead of each retrying after its own NOSCRIPT. (A Redis that
+    /// lost its script cache is handled by `check`'s reload; only the order
+    /// of that one batch is then arbitrary.)
+    pub async fn prepare_batch(&self) {
+        if self.script_loaded.load(Ordering::Relaxed) || self.health.fail_fast() {
+            return;
+        }
+        let mut conn = self.conn.clone();
+        if let Ok(Ok(_)) =
+            tokio::time::timeout(self.timeout, self.script.load_async(&mut conn)).await
+        {
+            self.script_loaded.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Round trip to Redis, for readiness.

@@ -250,3 +250,60 @@ fn redis_outage_is_a_fast_503_and_recovery_needs_no_restart() {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }
 }
+
+#[test]
+fn a_batch_of_checks_is_decided_check_by_check_in_order() {
+    let f = start(&[]);
+    let checks: Vec<Value> = (0..100)
+        .map(|i| json!({"subject": format!("client-{}", i % 10), "limits": [limit("api/m", 5, 60_000)]}))
+        .collect();
+    let body = serde_json::to_vec(&json!({ "checks": checks })).unwrap();
+    let r = post(&f.service.addr, &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(
+        results.len(),
+        100,
+        "one answer per check, in the request's order"
+    );
+    for client in 0..10 {
+        let mine: Vec<&Value> = results.iter().skip(client).step_by(10).collect();
+        let allowed: Vec<u64> = mine
+            .iter()
+            .filter(|r| r["allowed"] == json!(true))
+            .map(|r| r["limits"][0]["remaining"].as_u64().unwrap())
+            .collect();
+        assert_eq!(allowed.len(), 5, "client {client}");
+        let mut remaining = allowed.clone();
+        remaining.sort();
+        assert_eq!(
+            remaining,
+            [0, 1, 2, 3, 4],
+            "each admission counted once, atomically"
+        );
+    }
+    // With the script already loaded, the pipeline runs in request order.
+    let again = post(&f.service.addr, &body);
+    let v: Value = serde_json::from_str(&again.body).unwrap();
+    assert!(v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["allowed"] == json!(false)));
+    let fresh: Vec<Value> = (0..20)
+        .map(|i| json!({"subject": format!("ordered-{}", i % 2), "limits": [limit("api/m", 5, 60_000)]}))
+        .collect();
+    let r = post(
+        &f.service.addr,
+        &serde_json::to_vec(&json!({ "checks": fresh })).unwrap(),
+    );
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let admitted: Vec<bool> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["allowed"] == json!(true))
+        .collect();
+    assert_eq!(admitted, (0..20).map(|i| i < 10).collect::<Vec<_>>());
+}

@@ -46,8 +46,14 @@ fn oha() -> String {
 /// One oha run; `rate` None means as fast as possible.
 fn load(url: &str, headers: &[&str], rate: Option<u64>, post: Option<&str>) -> Sample {
     let mut cmd = Command::new(oha());
-    cmd.args(["--no-tui", "--output-format", "json", "-z", &format!("{SECONDS}s")])
-        .args(["-c", &CONNECTIONS.to_string()]);
+    cmd.args([
+        "--no-tui",
+        "--output-format",
+        "json",
+        "-z",
+        &format!("{SECONDS}s"),
+    ])
+    .args(["-c", &CONNECTIONS.to_string()]);
     if let Some(r) = rate {
         cmd.args(["-q", &r.to_string()]);
     }
@@ -58,9 +64,14 @@ fn load(url: &str, headers: &[&str], rate: Option<u64>, post: Option<&str>) -> S
         cmd.args(["-m", "POST", "-T", "application/json", "-d", body]);
     }
     cmd.arg(url);
-    let out = cmd.output().unwrap_or_else(|e| panic!("cannot run oha: {e} (make bench installs it)"));
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run oha: {e} (make bench installs it)"));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!("oha output is not JSON ({e}): {}", String::from_utf8_lossy(&out.stderr))
+        panic!(
+            "oha output is not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
     });
     let ms = |k: &str| v["latencyPercentiles"][k].as_f64().unwrap_or(f64::NAN) * 1000.0;
     let bad = v["statusCodeDistribution"]
@@ -140,7 +151,10 @@ fn main() {
         vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
         vars.insert("HTTP_FILTERS", filters.to_string());
         let config = render(&template("bench-baseline.yaml"), &vars);
-        (base.start_envoy(&format!("replica-{i}"), &config, 1), base.addr(FRONT_PORT + i))
+        (
+            base.start_envoy(&format!("replica-{i}"), &config, 1),
+            base.addr(FRONT_PORT + i),
+        )
     };
     let (bare, bare_addr) = baseline(3, "");
     let local_rl = r#"          - name: envoy.filters.http.local_ratelimit
@@ -157,26 +171,66 @@ fn main() {
     let mut down = meshlimit_topology(ALLOW_ALL);
     down.stop_redis();
     let targets = vec![
-        Target { name: "1. Envoy alone", url: format!("http://{bare_addr}/"), admin: base.addr(19_903), pid: bare.pid().unwrap_or(0) },
-        Target { name: "2. Envoy + local_ratelimit", url: format!("http://{lrl_addr}/"), admin: base.addr(19_904), pid: lrl.pid().unwrap_or(0) },
-        Target { name: "3. meshlimit, global, allowed", url: format!("http://{}/", global.replica_addr(1)), admin: global.replica_admin(1), pid: global.replica_pids()[0] },
-        Target { name: "4. meshlimit, over limit (deny cache)", url: format!("http://{}/", deny.replica_addr(1)), admin: deny.replica_admin(1), pid: deny.replica_pids()[0] },
-        Target { name: "5. meshlimit, Redis down, breaker open", url: format!("http://{}/", down.replica_addr(1)), admin: down.replica_admin(1), pid: down.replica_pids()[0] },
+        Target {
+            name: "1. Envoy alone",
+            url: format!("http://{bare_addr}/"),
+            admin: base.addr(19_903),
+            pid: bare.pid().unwrap_or(0),
+        },
+        Target {
+            name: "2. Envoy + local_ratelimit",
+            url: format!("http://{lrl_addr}/"),
+            admin: base.addr(19_904),
+            pid: lrl.pid().unwrap_or(0),
+        },
+        Target {
+            name: "3. meshlimit, global, allowed",
+            url: format!("http://{}/", global.replica_addr(1)),
+            admin: global.replica_admin(1),
+            pid: global.replica_pids()[0],
+        },
+        Target {
+            name: "4. meshlimit, over limit (deny cache)",
+            url: format!("http://{}/", deny.replica_addr(1)),
+            admin: deny.replica_admin(1),
+            pid: deny.replica_pids()[0],
+        },
+        Target {
+            name: "5. meshlimit, Redis down, breaker open",
+            url: format!("http://{}/", down.replica_addr(1)),
+            admin: down.replica_admin(1),
+            pid: down.replica_pids()[0],
+        },
     ];
-    let key = |t: &Target| if t.name.starts_with("4.") { "x-api-key: abuser" } else { "x-api-key: bench" };
+    let key = |t: &Target| {
+        if t.name.starts_with("4.") {
+            "x-api-key: abuser"
+        } else {
+            "x-api-key: bench"
+        }
+    };
     // Warm up: JIT, connections, the deny cache, the open breaker.
     for t in &targets {
         let _ = load(&t.url, &[key(t)], Some(2_000), None);
     }
     let calls_before: Vec<(u64, u64, u64)> = targets
         .iter()
-        .map(|t| (stat(&t.admin, "http.ingress.downstream_rq_total"), stat(&t.admin, "cluster.meshlimit.upstream_rq_total"), stat(&t.admin, "cluster.meshlimit.upstream_cx_total")))
+        .map(|t| {
+            (
+                stat(&t.admin, "http.ingress.downstream_rq_total"),
+                stat(&t.admin, "cluster.meshlimit.upstream_rq_total"),
+                stat(&t.admin, "cluster.meshlimit.upstream_cx_total"),
+            )
+        })
         .collect();
     let mut saturation: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
     for rep in 0..REPEATS {
         for (i, t) in targets.iter().enumerate() {
             let s = load(&t.url, &[key(t)], None, None);
-            println!("  saturation {rep} {:<42} {:>8.0} req/s  p99 {:.2} ms", t.name, s.rps, s.p99_ms);
+            println!(
+                "  saturation {rep} {:<42} {:>8.0} req/s  p99 {:.2} ms",
+                t.name, s.rps, s.p99_ms
+            );
             saturation.entry(i).or_default().push(s);
         }
     }
@@ -185,13 +239,17 @@ fn main() {
         .zip(&calls_before)
         .map(|(t, (rq0, call0, cx0))| {
             let rq = stat(&t.admin, "http.ingress.downstream_rq_total").saturating_sub(*rq0);
-            let calls = stat(&t.admin, "cluster.meshlimit.upstream_rq_total").saturating_sub(*call0);
+            let calls =
+                stat(&t.admin, "cluster.meshlimit.upstream_rq_total").saturating_sub(*call0);
             let cx = stat(&t.admin, "cluster.meshlimit.upstream_cx_total").saturating_sub(*cx0);
             (calls as f64 / rq.max(1) as f64, cx)
         })
         .collect();
     let rate = {
-        let min = saturation.values().map(|s| median(s.iter().map(|x| x.rps).collect())).fold(f64::MAX, f64::min);
+        let min = saturation
+            .values()
+            .map(|s| median(s.iter().map(|x| x.rps).collect()))
+            .fold(f64::MAX, f64::min);
         ((min * 0.5 / 100.0).floor() * 100.0).max(100.0) as u64
     };
     println!("fixed rate for latency: {rate} req/s");
@@ -199,7 +257,10 @@ fn main() {
     for rep in 0..REPEATS {
         for (i, t) in targets.iter().enumerate() {
             let s = load(&t.url, &[key(t)], Some(rate), None);
-            println!("  fixed {rep} {:<42} p50 {:.3} p99 {:.3} p99.9 {:.3} ms", t.name, s.p50_ms, s.p99_ms, s.p999_ms);
+            println!(
+                "  fixed {rep} {:<42} p50 {:.3} p99 {:.3} p99.9 {:.3} ms",
+                t.name, s.p50_ms, s.p99_ms, s.p999_ms
+            );
             fixed.entry(i).or_default().push(s);
         }
     }
@@ -207,32 +268,79 @@ fn main() {
     let check = r#"{"checks":[{"subject":"hdr:x-api-key:bench6","limits":[{"name":"api/hour","requests":1000000000,"window_ms":3600000,"algorithm":"fixed_window"}]}]}"#;
     let service_url = format!("http://{}/v1/check", global.meshlimitd_addr());
     let script = meshlimitd::script::CHECK;
-    let sha = global.redis_cli(&["script", "load", script]).trim().to_string();
+    let sha = global
+        .redis_cli(&["script", "load", script])
+        .trim()
+        .to_string();
     let mut service_rps = Vec::new();
     let mut redis_rps = Vec::new();
     for rep in 0..REPEATS {
         let s = load(&service_url, &[], None, Some(check));
         service_rps.push(s.rps);
         let r = redis_benchmark(&global.host, &sha);
-        println!("  service {rep}: meshlimitd {:.0} checks/s, redis-benchmark EVALSHA {:.0}/s", s.rps, r);
+        println!(
+            "  service {rep}: meshlimitd {:.0} checks/s, redis-benchmark EVALSHA {:.0}/s",
+            s.rps, r
+        );
         redis_rps.push(r);
     }
     let rss: Vec<u64> = targets.iter().map(|t| rss_kib(t.pid)).collect();
-    let wasm_bytes = std::fs::metadata(tools::wasm()).map(|m| m.len()).unwrap_or(0);
-    report(&targets, &saturation, &fixed, &calls, rate, median(service_rps), median(redis_rps), &rss, wasm_bytes);
+    let wasm_bytes = std::fs::metadata(tools::wasm())
+        .map(|m| m.len())
+        .unwrap_or(0);
+    report(
+        &targets,
+        &saturation,
+        &fixed,
+        &calls,
+        rate,
+        median(service_rps),
+        median(redis_rps),
+        &rss,
+        wasm_bytes,
+    );
     drop((bare, lrl));
 }
 
 fn redis_benchmark(host: &str, sha: &str) -> f64 {
     let out = Command::new("redis-benchmark")
-        .args(["-h", host, "-p", &REDIS_PORT.to_string(), "-c", &CONNECTIONS.to_string(), "-n", "200000", "-q"])
-        .args(["evalsha", sha, "1", "ml:{e:bench6}:api/hour:fw:3600000", "nonce", "fw", "1000000000", "3600000", "1", "1000000000", "0"])
+        .args([
+            "-h",
+            host,
+            "-p",
+            &REDIS_PORT.to_string(),
+            "-c",
+            &CONNECTIONS.to_string(),
+            "-n",
+            "200000",
+            "-q",
+        ])
+        .args([
+            "evalsha",
+            sha,
+            "1",
+            "ml:{e:bench6}:api/hour:fw:3600000",
+            "nonce",
+            "fw",
+            "1000000000",
+            "3600000",
+            "1",
+            "1000000000",
+            "0",
+        ])
         .output()
         .unwrap_or_else(|e| panic!("cannot run redis-benchmark: {e}"));
     // "evalsha ...: 51234.56 requests per second, p50=..."
     let text = String::from_utf8_lossy(&out.stdout).replace('\r', "\n");
     text.lines()
-        .filter_map(|l| l.split(": ").nth(1)?.split_whitespace().next()?.parse::<f64>().ok())
+        .filter_map(|l| {
+            l.split(": ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse::<f64>()
+                .ok()
+        })
         .last()
         .unwrap_or(0.0)
 }
@@ -249,13 +357,36 @@ fn report(
     rss: &[u64],
     wasm_bytes: u64,
 ) {
-    let sat = |i: usize| median(saturation.get(&i).map(|v| v.iter().map(|s| s.rps).collect()).unwrap_or_default());
-    let lat = |i: usize, f: fn(&Sample) -> f64| median(fixed.get(&i).map(|v| v.iter().map(f).collect()).unwrap_or_default());
-    let bad: u64 = saturation.values().chain(fixed.values()).flatten().map(|s| s.non_2xx_4xx).sum();
+    let sat = |i: usize| {
+        median(
+            saturation
+                .get(&i)
+                .map(|v| v.iter().map(|s| s.rps).collect())
+                .unwrap_or_default(),
+        )
+    };
+    let lat = |i: usize, f: fn(&Sample) -> f64| {
+        median(
+            fixed
+                .get(&i)
+                .map(|v| v.iter().map(f).collect())
+                .unwrap_or_default(),
+        )
+    };
+    let bad: u64 = saturation
+        .values()
+        .chain(fixed.values())
+        .flatten()
+        .map(|s| s.non_2xx_4xx)
+        .sum();
     let base = sat(0);
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_default();
     let mut md = String::new();
     let _ = writeln!(
@@ -294,25 +425,65 @@ fn report(
     );
     let check = |ok: bool| if ok { "met" } else { "**not met**" };
     let _ = writeln!(md, "## Targets\n\n| target | measured | |\n|---|---|---|");
-    let _ = writeln!(md, "| (3) throughput >= 0.25 of (1) | {:.2} | {} |", sat(2) / base, check(sat(2) / base >= 0.25));
+    let _ = writeln!(
+        md,
+        "| (3) throughput >= 0.25 of (1) | {:.2} | {} |",
+        sat(2) / base,
+        check(sat(2) / base >= 0.25)
+    );
     let added = lat(2, |s| s.p99_ms) - lat(0, |s| s.p99_ms);
-    let _ = writeln!(md, "| (3) added p99 at the fixed rate <= 1 ms | {added:+.3} ms | {} |", check(added <= 1.0));
-    let _ = writeln!(md, "| (4) >= 0.6 of (1): abuse costs no round trip | {:.2} | {} |", sat(3) / base, check(sat(3) / base >= 0.6));
-    let _ = writeln!(md, "| (5) >= 0.6 of (1): an outage costs no timeout | {:.2} | {} |", sat(4) / base, check(sat(4) / base >= 0.6));
-    let _ = writeln!(md, "| (6) >= 0.5 of redis-benchmark EVALSHA | {:.2} | {} |", service_rps / redis_rps.max(1.0), check(service_rps / redis_rps.max(1.0) >= 0.5));
-    let _ = writeln!(md, "| wasm module < 1 MiB | {} KiB | {} |", wasm_bytes / 1024, check(wasm_bytes < 1 << 20));
-    let vm = (rss.get(2).copied().unwrap_or(0) as f64 - rss.first().copied().unwrap_or(0) as f64) / 2.0 / 1024.0;
+    let _ = writeln!(
+        md,
+        "| (3) added p99 at the fixed rate <= 1 ms | {added:+.3} ms | {} |",
+        check(added <= 1.0)
+    );
+    let _ = writeln!(
+        md,
+        "| (4) >= 0.6 of (1): abuse costs no round trip | {:.2} | {} |",
+        sat(3) / base,
+        check(sat(3) / base >= 0.6)
+    );
+    let _ = writeln!(
+        md,
+        "| (5) >= 0.6 of (1): an outage costs no timeout | {:.2} | {} |",
+        sat(4) / base,
+        check(sat(4) / base >= 0.6)
+    );
+    let _ = writeln!(
+        md,
+        "| (6) >= 0.5 of redis-benchmark EVALSHA | {:.2} | {} |",
+        service_rps / redis_rps.max(1.0),
+        check(service_rps / redis_rps.max(1.0) >= 0.5)
+    );
+    let _ = writeln!(
+        md,
+        "| wasm module < 1 MiB | {} KiB | {} |",
+        wasm_bytes / 1024,
+        check(wasm_bytes < 1 << 20)
+    );
+    let vm = (rss.get(2).copied().unwrap_or(0) as f64 - rss.first().copied().unwrap_or(0) as f64)
+        / 2.0
+        / 1024.0;
     let _ = writeln!(
         md,
         "\nPer-VM memory: an Envoy with meshlimit holds two VMs (the main thread's and its one worker's); \
          its RSS minus bare Envoy's, halved, is about **{vm:.1} MiB per VM** (V8 and the module). \
          Responses other than 2xx/4xx during all runs: {bad}.\n"
     );
-    md.push_str(&std::fs::read_to_string(tools::root().join("docs/benchmarks-notes.md")).unwrap_or_default());
+    md.push_str(
+        &std::fs::read_to_string(tools::root().join("docs/benchmarks-notes.md"))
+            .unwrap_or_default(),
+    );
     let path = tools::root().join("docs/benchmarks.md");
     let _ = std::fs::write(&path, &md);
-    let _ = std::fs::write(tools::root().join("docs/benchmarks.svg"), chart(targets, &sat, &|i| lat(i, |s| s.p99_ms)));
-    println!("\n{md}\nwritten to {} and docs/benchmarks.svg", path.display());
+    let _ = std::fs::write(
+        tools::root().join("docs/benchmarks.svg"),
+        chart(targets, &sat, &|i| lat(i, |s| s.p99_ms)),
+    );
+    println!(
+        "\n{md}\nwritten to {} and docs/benchmarks.svg",
+        path.display()
+    );
 }
 
 /// Two bar charts side by side: throughput and p99 at the fixed rate.
@@ -320,7 +491,10 @@ fn chart(targets: &[Target], sat: &dyn Fn(usize) -> f64, p99: &dyn Fn(usize) -> 
     let (w, row, left) = (900.0, 34.0, 300.0);
     let h = 70.0 + row * targets.len() as f64;
     let max_rps = (0..targets.len()).map(sat).fold(1.0, f64::max);
-    let max_p99 = (0..targets.len()).map(p99).filter(|v| v.is_finite()).fold(0.001, f64::max);
+    let max_p99 = (0..targets.len())
+        .map(p99)
+        .filter(|v| v.is_finite())
+        .fold(0.001, f64::max);
     let bar_w = (w - left - 40.0) / 2.0 - 20.0;
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\
