@@ -11,6 +11,7 @@
 //!  5. meshlimit with Redis down and the breaker open (local fallback);
 //!  6. meshlimitd alone, checks/s over HTTP, beside redis-benchmark running
 //!     the same script with EVALSHA (the Redis ceiling).
+//!
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The load generator is oha.
 
@@ -341,7 +342,7 @@ fn redis_benchmark(host: &str, sha: &str) -> f64 {
                 .parse::<f64>()
                 .ok()
         })
-        .last()
+        .next_back()
         .unwrap_or(0.0)
 }
 
