@@ -10,7 +10,10 @@
 //!  4. meshlimit, global, the client over its limit (the deny cache answers);
 //!  5. meshlimit with Redis down and the breaker open (local fallback);
 //!  6. meshlimitd alone, checks/s over HTTP, beside redis-benchmark running
-//!     the same script with EVALSHA (the Redis ceiling).
+//!     the same script with EVALSHA (the Redis ceiling);
+//!  7. meshlimit, global, group commit, one hot client;
+//!  8. meshlimit, global, group commit, 16 clients (16 oha processes of one
+//!     connection each, one client id each).
 //!
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The load generator is oha.
@@ -46,6 +49,44 @@ fn oha() -> String {
 
 /// One oha run; `rate` None means as fast as possible.
 fn load(url: &str, headers: &[&str], rate: Option<u64>, post: Option<&str>) -> Sample {
+    parse(run_oha(url, headers, rate, post, CONNECTIONS).wait_with_output())
+}
+
+/// `clients` oha processes at once, one connection and one client id each,
+/// sharing the rate; throughput summed, latency percentiles the worst.
+fn load_clients(url: &str, clients: u32, rate: Option<u64>) -> Sample {
+    let runs: Vec<_> = (0..clients)
+        .map(|c| {
+            let key = format!("x-api-key: client-{c}");
+            run_oha(
+                url,
+                &[&key],
+                rate.map(|r| (r / u64::from(clients)).max(1)),
+                None,
+                1,
+            )
+        })
+        .collect();
+    let samples: Vec<Sample> = runs
+        .into_iter()
+        .map(|r| parse(r.wait_with_output()))
+        .collect();
+    Sample {
+        rps: samples.iter().map(|s| s.rps).sum(),
+        p50_ms: median(samples.iter().map(|s| s.p50_ms).collect()),
+        p99_ms: samples.iter().map(|s| s.p99_ms).fold(0.0, f64::max),
+        p999_ms: samples.iter().map(|s| s.p999_ms).fold(0.0, f64::max),
+        non_2xx_4xx: samples.iter().map(|s| s.non_2xx_4xx).sum(),
+    }
+}
+
+fn run_oha(
+    url: &str,
+    headers: &[&str],
+    rate: Option<u64>,
+    post: Option<&str>,
+    connections: u32,
+) -> std::process::Child {
     let mut cmd = Command::new(oha());
     cmd.args([
         "--no-tui",
@@ -54,7 +95,7 @@ fn load(url: &str, headers: &[&str], rate: Option<u64>, post: Option<&str>) -> S
         "-z",
         &format!("{SECONDS}s"),
     ])
-    .args(["-c", &CONNECTIONS.to_string()]);
+    .args(["-c", &connections.to_string()]);
     if let Some(r) = rate {
         cmd.args(["-q", &r.to_string()]);
     }
@@ -64,10 +105,15 @@ fn load(url: &str, headers: &[&str], rate: Option<u64>, post: Option<&str>) -> S
     if let Some(body) = post {
         cmd.args(["-m", "POST", "-T", "application/json", "-d", body]);
     }
-    cmd.arg(url);
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run oha: {e} (make bench installs it)"));
+    cmd.arg(url)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    cmd.spawn()
+        .unwrap_or_else(|e| panic!("cannot run oha: {e} (make bench installs it)"))
+}
+
+fn parse(out: std::io::Result<std::process::Output>) -> Sample {
+    let out = out.unwrap_or_else(|e| panic!("oha failed: {e}"));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
             "oha output is not JSON ({e}): {}",
@@ -135,6 +181,16 @@ struct Target {
     url: String,
     admin: String,
     pid: u32,
+    /// Distinct clients (parallel oha processes); 0: one oha, one client.
+    clients: u32,
+}
+
+fn run(t: &Target, key: &str, rate: Option<u64>) -> Sample {
+    if t.clients > 0 {
+        load_clients(&t.url, t.clients, rate)
+    } else {
+        load(&t.url, &[key], rate, None)
+    }
 }
 
 fn main() {
@@ -171,36 +227,61 @@ fn main() {
     let deny = meshlimit_topology(ONE_PER_HOUR);
     let mut down = meshlimit_topology(ALLOW_ALL);
     down.stop_redis();
+    let grouped_config = ALLOW_ALL.replace(
+        r#""service""#,
+        r#""group_commit": {"enabled": true}, "service""#,
+    );
+    let grouped_hot = meshlimit_topology(&grouped_config);
+    let grouped_many = meshlimit_topology(&grouped_config);
     let targets = vec![
         Target {
             name: "1. Envoy alone",
             url: format!("http://{bare_addr}/"),
             admin: base.addr(19_903),
             pid: bare.pid().unwrap_or(0),
+            clients: 0,
         },
         Target {
             name: "2. Envoy + local_ratelimit",
             url: format!("http://{lrl_addr}/"),
             admin: base.addr(19_904),
             pid: lrl.pid().unwrap_or(0),
+            clients: 0,
         },
         Target {
             name: "3. meshlimit, global, allowed",
             url: format!("http://{}/", global.replica_addr(1)),
             admin: global.replica_admin(1),
             pid: global.replica_pids()[0],
+            clients: 0,
         },
         Target {
             name: "4. meshlimit, over limit (deny cache)",
             url: format!("http://{}/", deny.replica_addr(1)),
             admin: deny.replica_admin(1),
             pid: deny.replica_pids()[0],
+            clients: 0,
         },
         Target {
             name: "5. meshlimit, Redis down, breaker open",
             url: format!("http://{}/", down.replica_addr(1)),
             admin: down.replica_admin(1),
             pid: down.replica_pids()[0],
+            clients: 0,
+        },
+        Target {
+            name: "7. group commit, one hot client",
+            url: format!("http://{}/", grouped_hot.replica_addr(1)),
+            admin: grouped_hot.replica_admin(1),
+            pid: grouped_hot.replica_pids()[0],
+            clients: 0,
+        },
+        Target {
+            name: "8. group commit, 16 clients",
+            url: format!("http://{}/", grouped_many.replica_addr(1)),
+            admin: grouped_many.replica_admin(1),
+            pid: grouped_many.replica_pids()[0],
+            clients: 16,
         },
     ];
     let key = |t: &Target| {
@@ -212,7 +293,7 @@ fn main() {
     };
     // Warm up: JIT, connections, the deny cache, the open breaker.
     for t in &targets {
-        let _ = load(&t.url, &[key(t)], Some(2_000), None);
+        let _ = run(t, key(t), Some(2_000));
     }
     let calls_before: Vec<(u64, u64, u64)> = targets
         .iter()
@@ -227,7 +308,7 @@ fn main() {
     let mut saturation: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
     for rep in 0..REPEATS {
         for (i, t) in targets.iter().enumerate() {
-            let s = load(&t.url, &[key(t)], None, None);
+            let s = run(t, key(t), None);
             println!(
                 "  saturation {rep} {:<42} {:>8.0} req/s  p99 {:.2} ms",
                 t.name, s.rps, s.p99_ms
@@ -257,7 +338,7 @@ fn main() {
     let mut fixed: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
     for rep in 0..REPEATS {
         for (i, t) in targets.iter().enumerate() {
-            let s = load(&t.url, &[key(t)], Some(rate), None);
+            let s = run(t, key(t), Some(rate));
             println!(
                 "  fixed {rep} {:<42} p50 {:.3} p99 {:.3} p99.9 {:.3} ms",
                 t.name, s.p50_ms, s.p99_ms, s.p999_ms
@@ -300,7 +381,7 @@ fn main() {
         &rss,
         wasm_bytes,
     );
-    drop((bare, lrl));
+    drop((bare, lrl, grouped_hot, grouped_many));
 }
 
 fn redis_benchmark(host: &str, sha: &str) -> f64 {
