@@ -149,19 +149,24 @@ def meshlimitd_cluster():
     return f"outbound|{port}||meshlimitd.{svc['metadata']['namespace']}.svc.cluster.local"
 
 
-@pytest.mark.parametrize("path,doc", WASMPLUGINS, ids=[p for p, _ in WASMPLUGINS])
-def test_plugin_config_is_accepted_by_the_filter(path, doc):
-    config = doc["spec"]["pluginConfig"]
-    assert config["service"]["cluster"] == meshlimitd_cluster()
+def check_with_the_filter(config):
+    """Runs the filter's own parser (meshlimit-config) on a plugin config."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(config, f)
     try:
-        out = subprocess.run(
+        return subprocess.run(
             ["cargo", "run", "-q", "-p", "meshlimit-testbed", "--bin", "meshlimit-config", "--", f.name],
             cwd=ROOT, capture_output=True, text=True, check=False,
         )
     finally:
         os.unlink(f.name)
+
+
+@pytest.mark.parametrize("path,doc", WASMPLUGINS, ids=[p for p, _ in WASMPLUGINS])
+def test_plugin_config_is_accepted_by_the_filter(path, doc):
+    config = doc["spec"]["pluginConfig"]
+    assert config["service"]["cluster"] == meshlimitd_cluster()
+    out = check_with_the_filter(config)
     assert out.returncode == 0, out.stdout + out.stderr
     assert ": ok (" in out.stdout
 
@@ -170,15 +175,7 @@ def test_the_filter_parser_refuses_a_bad_plugin_config():
     _, doc = WASMPLUGINS[0]
     config = json.loads(json.dumps(doc["spec"]["pluginConfig"]))
     config["rules"][0]["limits"][0]["requets"] = config["rules"][0]["limits"][0].pop("requests")
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(config, f)
-    try:
-        out = subprocess.run(
-            ["cargo", "run", "-q", "-p", "meshlimit-testbed", "--bin", "meshlimit-config", "--", f.name],
-            cwd=ROOT, capture_output=True, text=True, check=False,
-        )
-    finally:
-        os.unlink(f.name)
+    out = check_with_the_filter(config)
     assert out.returncode == 1
     assert "field `rules[0].limits[0].requets`: unknown field" in out.stdout
 

@@ -8,7 +8,7 @@
 //! elects it); success closes the breaker, failure reopens it for twice as
 //! long, up to `max_open`.
 
-use crate::host::{SharedStore, StoreError};
+use crate::host::{le_word, SharedStore, StoreError};
 
 pub const KEY: &str = "meshlimit.breaker";
 const MAX_CAS_RETRIES: usize = 8;
@@ -149,13 +149,7 @@ impl<S: SharedStore> Breaker<'_, S> {
 
     fn load(&self) -> Result<(State, Option<u32>), StoreError> {
         let (bytes, cas) = self.store.get(KEY)?;
-        let word = |i: usize| -> u64 {
-            bytes
-                .as_deref()
-                .and_then(|b| b.get(i * 8..i * 8 + 8))
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map_or(0, u64::from_le_bytes)
-        };
+        let word = |i: usize| bytes.as_deref().and_then(|b| le_word(b, i)).unwrap_or(0);
         Ok((
             State {
                 consecutive_failures: word(0).min(u64::from(u32::MAX)) as u32,

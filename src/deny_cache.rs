@@ -7,7 +7,7 @@
 //! only denies when the full 64-bit keyed fingerprint matches: a collision
 //! can only cost a call (the other entry is missing), never a wrong deny.
 
-use crate::host::SharedStore;
+use crate::host::{le_word, SharedStore};
 
 #[derive(Debug, Clone, Copy)]
 pub struct DenyCache<'a, S: SharedStore> {
@@ -22,13 +22,7 @@ impl<S: SharedStore> DenyCache<'_, S> {
         let fp = self.fingerprint(subject, limit);
         let (bytes, _) = self.store.get(&self.key(fp)).ok()?;
         let bytes = bytes?;
-        let word = |i: usize| {
-            bytes
-                .get(i * 8..i * 8 + 8)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map(u64::from_le_bytes)
-        };
-        let (stored, until) = (word(0)?, word(1)?);
+        let (stored, until) = (le_word(&bytes, 0)?, le_word(&bytes, 1)?);
         (stored == fp && until > now_ms).then_some(until)
     }
 
@@ -40,12 +34,7 @@ impl<S: SharedStore> DenyCache<'_, S> {
         let key = self.key(fp);
         let evicted = match self.store.get(&key) {
             Ok((Some(old), _)) => {
-                let word = |i: usize| {
-                    old.get(i * 8..i * 8 + 8)
-                        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                        .map_or(0, u64::from_le_bytes)
-                };
-                word(0) != fp && word(1) > now_ms
+                le_word(&old, 0).unwrap_or(0) != fp && le_word(&old, 1).unwrap_or(0) > now_ms
             }
             _ => false,
         };

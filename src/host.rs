@@ -11,6 +11,15 @@ pub trait RequestView {
     fn source_address(&self) -> Option<String>;
 }
 
+/// The `i`-th little-endian u64 of a shared-data value, if it has one.
+/// Values in shared data are sequences of such words.
+pub fn le_word(bytes: &[u8], i: usize) -> Option<u64> {
+    bytes
+        .get(i * 8..i * 8 + 8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+}
+
 /// Why a shared-data operation failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreError {

@@ -16,7 +16,7 @@ use meshlimit_protocol::{CheckResult, LimitStatus};
 
 use crate::algorithms::{self, Params, State};
 use crate::decision::Applied;
-use crate::host::{SharedStore, StoreError};
+use crate::host::{le_word, SharedStore, StoreError};
 
 /// Entries per slot.
 pub const WAYS: usize = 4;
@@ -226,13 +226,7 @@ fn decode(bytes: Option<&[u8]>) -> [Entry; WAYS] {
         return entries;
     };
     for (entry, chunk) in entries.iter_mut().zip(bytes.chunks_exact(ENTRY_LEN)) {
-        let word = |i: usize| {
-            chunk
-                .get(i * 8..i * 8 + 8)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map(u64::from_le_bytes)
-                .unwrap_or(0)
-        };
+        let word = |i: usize| le_word(chunk, i).unwrap_or(0);
         *entry = Entry {
             fingerprint: word(0),
             state: State {
@@ -263,9 +257,7 @@ pub fn shared_seed(store: &impl SharedStore, fresh: (u64, u64)) -> Option<(u64, 
     for _ in 0..MAX_CAS_RETRIES {
         let (bytes, cas) = store.get(SEED_KEY).ok()?;
         if let Some(b) = bytes {
-            let a = b.get(0..8).and_then(|s| <[u8; 8]>::try_from(s).ok())?;
-            let c = b.get(8..16).and_then(|s| <[u8; 8]>::try_from(s).ok())?;
-            return Some((u64::from_le_bytes(a), u64::from_le_bytes(c)));
+            return Some((le_word(&b, 0)?, le_word(&b, 1)?));
         }
         let mut value = fresh.0.to_le_bytes().to_vec();
         value.extend_from_slice(&fresh.1.to_le_bytes());

@@ -5,27 +5,13 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use meshlimit_testbed::http;
-use meshlimit_testbed::procs::TempDir;
-use meshlimit_testbed::services::{unique_host, Meshlimitd, RedisServer};
+use meshlimit_testbed::services::Standalone;
 use serde_json::{json, Value};
 
-struct Fixture {
-    redis: RedisServer,
-    service: Meshlimitd,
-    _dir: TempDir,
-}
+type Fixture = Standalone;
 
-fn start() -> Fixture {
-    let dir = TempDir::new("algorithms");
-    let host = unique_host();
-    let redis = RedisServer::start(&host, dir.path());
-    let binary = Path::new(env!("CARGO_BIN_EXE_meshlimitd"));
-    let service = Meshlimitd::start_binary(binary, &host, &redis.url(), dir.path(), &[]);
-    Fixture {
-        redis,
-        service,
-        _dir: dir,
-    }
+fn start(extra: &[&str]) -> Fixture {
+    Standalone::start(Path::new(env!("CARGO_BIN_EXE_meshlimitd")), extra)
 }
 
 fn limit(algorithm: &str, requests: u64, window_ms: u64) -> Value {
@@ -62,7 +48,7 @@ fn sleep_until_offset(window_ms: u64, offset_ms: u64) {
 
 #[test]
 fn fixed_window_admits_a_burst_on_each_side_of_an_edge() {
-    let f = start();
+    let f = start(&[]);
     let l = [limit("fixed_window", 10, 1_000)];
     // 10 in the last 150 ms of one window, 10 in the first 150 ms of the next.
     sleep_until_offset(1_000, 850);
@@ -82,7 +68,7 @@ fn fixed_window_admits_a_burst_on_each_side_of_an_edge() {
 
 #[test]
 fn sliding_window_log_never_admits_more_than_n_in_any_window() {
-    let f = start();
+    let f = start(&[]);
     let (n, w) = (5usize, 500u64);
     let l = [limit("sliding_window_log", n as u64, w)];
     let mut admitted: Vec<(u64, u64)> = Vec::new();
@@ -121,7 +107,7 @@ fn sliding_window_log_never_admits_more_than_n_in_any_window() {
 
 #[test]
 fn sliding_window_log_lets_a_persistent_client_back_in_with_an_exact_retry() {
-    let f = start();
+    let f = start(&[]);
     let l = [limit("sliding_window_log", 3, 1_000)];
     let first = now_ms();
     for _ in 0..3 {
@@ -157,7 +143,7 @@ fn sliding_window_log_lets_a_persistent_client_back_in_with_an_exact_retry() {
 
 #[test]
 fn sliding_window_counter_weighs_the_previous_window() {
-    let f = start();
+    let f = start(&[]);
     let l = [limit("sliding_window_counter", 10, 2_000)];
     sleep_until_offset(2_000, 20);
     for _ in 0..10 {
@@ -180,7 +166,7 @@ fn sliding_window_counter_weighs_the_previous_window() {
 
 #[test]
 fn token_bucket_spaces_requests_and_honours_burst() {
-    let f = start();
+    let f = start(&[]);
     let mut l = limit("token_bucket", 10, 1_000);
     l["burst"] = json!(3);
     let l = [l];
@@ -213,7 +199,7 @@ fn token_bucket_spaces_requests_and_honours_burst() {
 
 #[test]
 fn mixed_algorithms_in_one_check_are_all_or_nothing() {
-    let f = start();
+    let f = start(&[]);
     let mut tb = limit("token_bucket", 2, 60_000);
     tb["burst"] = json!(2);
     let l = [
@@ -235,7 +221,7 @@ fn mixed_algorithms_in_one_check_are_all_or_nothing() {
 
 #[test]
 fn cost_takes_several_units_and_an_impossible_cost_says_why() {
-    let f = start();
+    let f = start(&[]);
     let mut five = limit("fixed_window", 10, 60_000);
     five["cost"] = json!(5);
     let r = decide(&f, "cost", &[five.clone()]);
@@ -269,7 +255,7 @@ fn cost_takes_several_units_and_an_impossible_cost_says_why() {
 
 #[test]
 fn shadow_limits_are_counted_but_never_deny() {
-    let f = start();
+    let f = start(&[]);
     let mut shadow = limit("fixed_window", 2, 60_000);
     shadow["name"] = json!("trial/strict");
     shadow["shadow"] = json!(true);

@@ -6,26 +6,12 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use meshlimit_testbed::http::{self, Response};
-use meshlimit_testbed::procs::TempDir;
-use meshlimit_testbed::services::{unique_host, Meshlimitd, RedisServer};
+use meshlimit_testbed::services::Standalone;
 
-struct Fixture {
-    redis: RedisServer,
-    service: Meshlimitd,
-    _dir: TempDir,
-}
+type Fixture = Standalone;
 
 fn start(extra: &[&str]) -> Fixture {
-    let dir = TempDir::new("pressure");
-    let host = unique_host();
-    let redis = RedisServer::start(&host, dir.path());
-    let binary = Path::new(env!("CARGO_BIN_EXE_meshlimitd"));
-    let service = Meshlimitd::start_binary(binary, &host, &redis.url(), dir.path(), extra);
-    Fixture {
-        redis,
-        service,
-        _dir: dir,
-    }
+    Standalone::start(Path::new(env!("CARGO_BIN_EXE_meshlimitd")), extra)
 }
 
 const CHECK: &[u8] = br#"{"checks":[{"subject":"s","limits":[{"name":"a/m","requests":1000,"window_ms":60000,"algorithm":"fixed_window"}]}]}"#;

@@ -5,27 +5,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use meshlimit_testbed::http::{self, Response};
-use meshlimit_testbed::procs::TempDir;
-use meshlimit_testbed::services::{unique_host, Meshlimitd, RedisServer};
+use meshlimit_testbed::services::{RedisServer, Standalone};
 use serde_json::{json, Value};
 
-struct Fixture {
-    redis: RedisServer,
-    service: Meshlimitd,
-    _dir: TempDir,
-}
+type Fixture = Standalone;
 
 fn start(extra: &[&str]) -> Fixture {
-    let dir = TempDir::new("meshlimitd");
-    let host = unique_host();
-    let redis = RedisServer::start(&host, dir.path());
-    let binary = Path::new(env!("CARGO_BIN_EXE_meshlimitd"));
-    let service = Meshlimitd::start_binary(binary, &host, &redis.url(), dir.path(), extra);
-    Fixture {
-        redis,
-        service,
-        _dir: dir,
-    }
+    Standalone::start(Path::new(env!("CARGO_BIN_EXE_meshlimitd")), extra)
 }
 
 fn limit(name: &str, requests: u64, window_ms: u64) -> Value {
@@ -225,7 +211,7 @@ fn redis_outage_is_a_fast_503_and_recovery_needs_no_restart() {
     );
     assert_eq!(http::get(&addr, "/readyz", &[]).unwrap().status, 503);
     let host = f.redis.host.clone();
-    f.redis = RedisServer::start(&host, f._dir.path());
+    f.redis = RedisServer::start(&host, f.dir.path());
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let r = post(&addr, &check_body("s", &[limit("api/m", 5, 60_000)]));

@@ -88,6 +88,17 @@ impl Drop for Proc {
     }
 }
 
+/// Resident memory of a process in KiB (VmRSS), 0 if unknown.
+pub fn rss_kib(pid: Option<u32>) -> u64 {
+    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// Polls `ready` until it holds, or panics with the process's output.
 pub fn wait_until(proc: &mut Proc, what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;

@@ -121,3 +121,25 @@ impl Meshlimitd {
         Meshlimitd { addr, proc }
     }
 }
+
+/// A real redis-server and a meshlimitd binary in front of it, on a
+/// loopback address of their own: the fixture of meshlimitd's own tests.
+pub struct Standalone {
+    pub redis: RedisServer,
+    pub service: Meshlimitd,
+    pub dir: crate::procs::TempDir,
+}
+
+impl Standalone {
+    pub fn start(binary: &Path, extra: &[&str]) -> Standalone {
+        let dir = crate::procs::TempDir::new("meshlimitd");
+        let host = unique_host();
+        let redis = RedisServer::start(&host, dir.path());
+        let service = Meshlimitd::start_binary(binary, &host, &redis.url(), dir.path(), extra);
+        Standalone {
+            redis,
+            service,
+            dir,
+        }
+    }
+}

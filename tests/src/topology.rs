@@ -251,6 +251,11 @@ impl Topology {
         self.meshlimitd.as_mut().map(|m| &mut m.proc)
     }
 
+    /// The upstream Envoy's process id.
+    pub fn upstream_pid(&self) -> Option<u32> {
+        self.upstream.as_ref().and_then(Proc::pid)
+    }
+
     /// Process ids of the replicas (for pinning, memory).
     pub fn replica_pids(&self) -> Vec<u32> {
         self.replicas.iter().filter_map(Proc::pid).collect()
@@ -263,16 +268,7 @@ impl Topology {
 
     /// Resident memory of replica `i`'s Envoy process, in KiB.
     pub fn replica_rss_kib(&self, i: usize) -> u64 {
-        self.replicas
-            .get(i - 1)
-            .and_then(Proc::pid)
-            .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("VmRSS:"))
-                    .and_then(|v| v.split_whitespace().next()?.parse().ok())
-            })
-            .unwrap_or(0)
+        crate::procs::rss_kib(self.replicas.get(i - 1).and_then(Proc::pid))
     }
 
     /// Waits until every replica's health check sees meshlimitd again.

@@ -25,7 +25,12 @@ fn grouped(limit: u64, extra: &str) -> String {
 
 /// Sends `per_thread` requests from each of `threads` keep-alive
 /// connections; the client id of each request comes from `id`.
-fn hammer(t: &Topology, threads: usize, per_thread: usize, id: impl Fn(usize, usize) -> String + Sync) -> Vec<(String, u16)> {
+fn hammer(
+    t: &Topology,
+    threads: usize,
+    per_thread: usize,
+    id: impl Fn(usize, usize) -> String + Sync,
+) -> Vec<(String, u16)> {
     let out = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for th in 0..threads {
@@ -79,9 +84,18 @@ fn fifty_clients_at_once_each_get_exactly_their_limit() {
     for (client, n) in &allowed {
         assert_eq!(*n, 10, "{client}");
     }
-    let (checks, batches) = (t.stat_total("meshlimit.batched_checks"), t.stat_total("meshlimit.batches"));
-    assert!(batches < checks, "{checks} checks in {batches} calls: coalesced");
-    assert_eq!(t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied"), 0);
+    let (checks, batches) = (
+        t.stat_total("meshlimit.batched_checks"),
+        t.stat_total("meshlimit.batches"),
+    );
+    assert!(
+        batches < checks,
+        "{checks} checks in {batches} calls: coalesced"
+    );
+    assert_eq!(
+        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied"),
+        0
+    );
     assert_no_vm_panics(&t);
 }
 
@@ -100,7 +114,11 @@ fn a_mixed_batch_answers_each_request_correctly() {
             s.spawn(move || {
                 let mut conn = Conn::new(&entry);
                 for i in 0..3 {
-                    let id = if th % 2 == 0 { "full".to_string() } else { format!("fresh-{th}") };
+                    let id = if th % 2 == 0 {
+                        "full".to_string()
+                    } else {
+                        format!("fresh-{th}")
+                    };
                     let r = conn.get("/api/x", &[("x-api-key", id.as_bytes())]).unwrap();
                     results.lock().unwrap().push((id, i, r));
                 }
@@ -124,7 +142,8 @@ fn a_mixed_batch_answers_each_request_correctly() {
 
 #[test]
 fn meshlimitd_killed_with_batches_in_flight_decides_every_request_by_failure_mode() {
-    let mut t = topology(grouped(1_000_000, "").replace(r#""timeout": "1s""#, r#""timeout": "200ms""#));
+    let mut t =
+        topology(grouped(1_000_000, "").replace(r#""timeout": "1s""#, r#""timeout": "200ms""#));
     let done = AtomicUsize::new(0);
     let slowest = std::sync::Mutex::new(Duration::ZERO);
     let results = std::thread::scope(|s| {
@@ -137,7 +156,10 @@ fn meshlimitd_killed_with_batches_in_flight_decides_every_request_by_failure_mod
                     while done.load(Ordering::Relaxed) == 0 {
                         let started = Instant::now();
                         let id = format!("k{th}");
-                        let status = conn.get("/api/x", &[("x-api-key", id.as_bytes())]).map(|r| r.status).unwrap_or(0);
+                        let status = conn
+                            .get("/api/x", &[("x-api-key", id.as_bytes())])
+                            .map(|r| r.status)
+                            .unwrap_or(0);
                         let took = started.elapsed();
                         let mut s = slowest.lock().unwrap();
                         *s = (*s).max(took);
@@ -149,16 +171,32 @@ fn meshlimitd_killed_with_batches_in_flight_decides_every_request_by_failure_mod
             .collect();
         std::thread::sleep(Duration::from_millis(500));
         if let Some(p) = t.meshlimitd_proc() {
-            let _ = std::process::Command::new("kill").args(["-KILL", &p.pid().unwrap_or(0).to_string()]).status();
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &p.pid().unwrap_or(0).to_string()])
+                .status();
         }
         std::thread::sleep(Duration::from_millis(1_000));
         done.store(1, Ordering::Relaxed);
-        workers.into_iter().flat_map(|w| w.join().unwrap()).collect::<Vec<u16>>()
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect::<Vec<u16>>()
     });
-    assert!(results.iter().all(|s| *s == 200), "every request decided, none failed: {:?}", results.iter().filter(|s| **s != 200).take(5).collect::<Vec<_>>());
+    assert!(
+        results.iter().all(|s| *s == 200),
+        "every request decided, none failed: {:?}",
+        results
+            .iter()
+            .filter(|s| **s != 200)
+            .take(5)
+            .collect::<Vec<_>>()
+    );
     let slowest = *slowest.lock().unwrap();
     // The call timeout (200 ms) plus a generous margin for a loaded machine.
-    assert!(slowest < Duration::from_millis(1_000), "a request waited {slowest:?}");
+    assert!(
+        slowest < Duration::from_millis(1_000),
+        "a request waited {slowest:?}"
+    );
     assert!(t.stat_total("meshlimit.fallback_allowed") > 0);
     assert_no_vm_panics(&t);
 }
@@ -174,7 +212,9 @@ fn clients_that_hang_up_while_queued_do_not_disturb_the_batch() {
                 let entry = t.entry();
                 s.spawn(move || {
                     if let Ok(mut c) = TcpStream::connect(&entry) {
-                        let req = format!("GET /api/x HTTP/1.1\r\nhost: x\r\nx-api-key: quitter-{i}\r\n\r\n");
+                        let req = format!(
+                            "GET /api/x HTTP/1.1\r\nhost: x\r\nx-api-key: quitter-{i}\r\n\r\n"
+                        );
                         let _ = c.write_all(req.as_bytes());
                     }
                 })
@@ -186,7 +226,10 @@ fn clients_that_hang_up_while_queued_do_not_disturb_the_batch() {
         }
         stayers
     });
-    assert!(results.iter().all(|(_, s)| *s == 200), "the clients that stayed got their answers");
+    assert!(
+        results.iter().all(|(_, s)| *s == 200),
+        "the clients that stayed got their answers"
+    );
     // The proxy is still healthy afterwards.
     assert_eq!(send(&t, &key("after")).status, 200);
     assert_no_vm_panics(&t);

@@ -23,7 +23,7 @@ use std::fmt::Write as _;
 use std::process::Command;
 
 use meshlimit_testbed::http;
-use meshlimit_testbed::procs::Proc;
+use meshlimit_testbed::procs::{rss_kib, Proc};
 use meshlimit_testbed::render::{render, template};
 use meshlimit_testbed::services::REDIS_PORT;
 use meshlimit_testbed::tools;
@@ -150,15 +150,44 @@ fn stat(admin: &str, name: &str) -> u64 {
         .map_or(0, |(_, v)| *v)
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
+/// CPU time (user + system) a process used so far, in clock ticks.
+fn cpu_ticks(pid: Option<u32>) -> u64 {
+    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
         .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            // Fields after the command name (which may contain spaces).
+            let rest = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
         })
         .unwrap_or(0)
+}
+
+/// CPU time of the whole machine so far (all cores, excluding idle), ticks.
+fn busy_ticks() -> u64 {
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| {
+            let cpu: Vec<u64> = s
+                .lines()
+                .next()?
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            Some(
+                cpu.iter().sum::<u64>()
+                    - cpu.get(3).copied().unwrap_or(0)
+                    - cpu.get(4).copied().unwrap_or(0),
+            )
+        })
+        .unwrap_or(0)
+}
+
+/// Where the CPU went during one saturation run: per process, in
+/// milliseconds of CPU per 1000 requests.
+struct CpuShare {
+    name: &'static str,
+    per_1000: Vec<(&'static str, f64)>,
 }
 
 fn meshlimit_topology(config: &str) -> Topology {
@@ -306,9 +335,51 @@ fn main() {
         })
         .collect();
     let mut saturation: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
+    // The processes behind each meshlimit configuration, for the CPU split.
+    let procs = |i: usize| -> Vec<(&'static str, Option<u32>)> {
+        let topo = match i {
+            2 => &global,
+            5 => &grouped_hot,
+            _ => return Vec::new(),
+        };
+        vec![
+            ("Envoy with meshlimit", topo.replica_pids().first().copied()),
+            ("upstream Envoy", topo.upstream_pid()),
+            ("meshlimitd", topo.meshlimitd_pid()),
+            ("redis-server", topo.redis_pid()),
+        ]
+    };
+    let mut cpu: Vec<CpuShare> = Vec::new();
     for rep in 0..REPEATS {
         for (i, t) in targets.iter().enumerate() {
+            let watched = procs(i);
+            let before: Vec<u64> = watched.iter().map(|(_, p)| cpu_ticks(*p)).collect();
+            let busy_before = busy_ticks();
             let s = run(t, key(t), None);
+            if rep == 0 && !watched.is_empty() {
+                let requests = (s.rps * SECONDS as f64).max(1.0);
+                let tick_ms = 10.0; // USER_HZ is 100 on Linux
+                let mut per_1000: Vec<(&'static str, f64)> = watched
+                    .iter()
+                    .zip(&before)
+                    .map(|((name, p), b)| {
+                        (
+                            *name,
+                            (cpu_ticks(*p) - b) as f64 * tick_ms * 1000.0 / requests,
+                        )
+                    })
+                    .collect();
+                let watched_total: f64 = per_1000.iter().map(|(_, v)| v).sum();
+                let busy = (busy_ticks() - busy_before) as f64 * tick_ms * 1000.0 / requests;
+                per_1000.push((
+                    "everything else (mostly oha)",
+                    (busy - watched_total).max(0.0),
+                ));
+                cpu.push(CpuShare {
+                    name: t.name,
+                    per_1000,
+                });
+            }
             println!(
                 "  saturation {rep} {:<42} {:>8.0} req/s  p99 {:.2} ms",
                 t.name, s.rps, s.p99_ms
@@ -366,11 +437,12 @@ fn main() {
         );
         redis_rps.push(r);
     }
-    let rss: Vec<u64> = targets.iter().map(|t| rss_kib(t.pid)).collect();
+    let rss: Vec<u64> = targets.iter().map(|t| rss_kib(Some(t.pid))).collect();
     let wasm_bytes = std::fs::metadata(tools::wasm())
         .map(|m| m.len())
         .unwrap_or(0);
     report(
+        &cpu,
         &targets,
         &saturation,
         &fixed,
@@ -429,6 +501,7 @@ fn redis_benchmark(host: &str, sha: &str) -> f64 {
 
 #[allow(clippy::too_many_arguments)]
 fn report(
+    cpu_split: &[CpuShare],
     targets: &[Target],
     saturation: &BTreeMap<usize, Vec<Sample>>,
     fixed: &BTreeMap<usize, Vec<Sample>>,
@@ -543,6 +616,43 @@ fn report(
         wasm_bytes / 1024,
         check(wasm_bytes < 1 << 20)
     );
+    let gc = sat(5).max(sat(6));
+    let _ = writeln!(
+        md,
+        "| group commit at saturation >= 0.5 of (1) | {:.2} (one hot client {:.2}, 16 clients {:.2}) | {} |",
+        gc / base,
+        sat(5) / base,
+        sat(6) / base,
+        check(gc / base >= 0.5)
+    );
+    let p50 = |i: usize| lat(i, |s| s.p50_ms);
+    let _ = writeln!(
+        md,
+        "| group commit p50 at the fixed rate no worse than one call per request (3) | {:.3} vs {:.3} ms | {} |",
+        p50(5),
+        p50(2),
+        check(p50(5) <= p50(2) * 1.1)
+    );
+    let per_rq = |i: usize| calls.get(i).map_or(1.0, |c| c.0);
+    let _ = writeln!(
+        md,
+        "| calls to meshlimitd per request at saturation with group commit: well under 0.2 | {:.2} (one hot client), {:.2} (16 clients); one call per request: {:.2} | {} |",
+        per_rq(5),
+        per_rq(6),
+        per_rq(2),
+        check(per_rq(5) < 0.2 && per_rq(6) < 0.2)
+    );
+    if !cpu_split.is_empty() {
+        let _ = writeln!(md, "\n## Where the time goes\n\nCPU (user + system) per 1000 requests during the first saturation run, from `/proc`: milliseconds of CPU, all processes on the machine's {} cores.\n", std::thread::available_parallelism().map_or(0, |n| n.get()));
+        let names: Vec<&str> = cpu_split[0].per_1000.iter().map(|(n, _)| *n).collect();
+        let _ = writeln!(md, "| configuration | {} | total |", names.join(" | "));
+        let _ = writeln!(md, "|---|{}---|", "---|".repeat(names.len()));
+        for c in cpu_split {
+            let total: f64 = c.per_1000.iter().map(|(_, v)| v).sum();
+            let cells: Vec<String> = c.per_1000.iter().map(|(_, v)| format!("{v:.0}")).collect();
+            let _ = writeln!(md, "| {} | {} | {total:.0} |", c.name, cells.join(" | "));
+        }
+    }
     let vm = (rss.get(2).copied().unwrap_or(0) as f64 - rss.first().copied().unwrap_or(0) as f64)
         / 2.0
         / 1024.0;

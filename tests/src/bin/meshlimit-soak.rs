@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use meshlimit_testbed::http::Conn;
+use meshlimit_testbed::procs::rss_kib;
 use meshlimit_testbed::tools;
 use meshlimit_testbed::{Topology, TopologyOptions};
 
@@ -20,16 +21,6 @@ fn env_secs(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn rss_kib(pid: Option<u32>) -> u64 {
-    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 const SOAK_CONFIG: &str = r#"{
