@@ -5,6 +5,7 @@
 //! for the key layout.
 
 pub mod api;
+pub mod backend;
 pub mod keys;
 pub mod limiter;
 pub mod metrics;

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
+
+use crate::backend::{self, Backend};
 
 use crate::keys;
 use crate::metrics::Metrics;
@@ -20,6 +21,8 @@ pub enum LimiterError {
     Timeout(Duration),
     #[error("redis error: {0}")]
     Redis(#[from] redis::RedisError),
+    #[error("redis configuration: {0}")]
+    Config(#[from] backend::ConfigError),
     #[error("redis returned an unexpected reply: {0}")]
     Reply(String),
     #[error("redis is unhealthy (recent calls failed); retrying shortly")]
@@ -32,9 +35,11 @@ impl LimiterError {
         match self {
             LimiterError::Timeout(_) => "timeout",
             LimiterError::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
+            LimiterError::Redis(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => "auth",
             LimiterError::Redis(_) => "command",
             LimiterError::Reply(_) => "reply",
             LimiterError::Unhealthy => "unhealthy",
+            LimiterError::Config(_) => "config",
         }
     }
 }
@@ -42,7 +47,7 @@ impl LimiterError {
 /// Shared, cheap-to-clone handle on Redis and the scripts.
 #[derive(Clone)]
 pub struct Limiter {
-    conn: ConnectionManager,
+    backend: Backend,
     script: Script,
     /// Makes sorted-set members unique across calls and instances.
     nonce: Arc<(u64, AtomicU64)>,
@@ -91,27 +96,17 @@ impl Health {
 
 impl Limiter {
     /// Does not touch the network: the first command connects, and a lost
-    /// connection is re-established by the manager, so meshlimitd starts
-    /// and keeps running while Redis is away.
+    /// connection is re-established, so meshlimitd starts and keeps running
+    /// while Redis is away (see [`backend`]).
     pub fn new(
-        redis_url: &str,
+        options: &backend::Options,
         prefix: String,
-        timeout: Duration,
         metrics: Metrics,
-    ) -> Result<Self, redis::RedisError> {
-        let client = redis::Client::open(redis_url)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout.max(Duration::from_millis(100))))
-            .set_response_timeout(Some(timeout))
-            // Reconnect quickly and give up quickly: a caller waiting on a
-            // reconnect loop is a caller past the filter's timeout. The next
-            // command after a failure starts a new attempt.
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(200));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+    ) -> Result<Self, LimiterError> {
+        let backend = Backend::new(options)?;
+        let timeout = options.timeout;
         Ok(Limiter {
-            conn,
+            backend,
             script: Script::new(script::CHECK),
             nonce: Arc::new((instance_id(), AtomicU64::new(0))),
             prefix,
@@ -142,11 +137,9 @@ impl Limiter {
                 .arg(limit.capacity())
                 .arg(u8::from(limit.shadow));
         }
-        let mut conn = self.conn.clone();
         let started = Instant::now();
         let reply =
-            tokio::time::timeout(self.timeout, invocation.invoke_async::<Vec<i64>>(&mut conn))
-                .await;
+            tokio::time::timeout(self.timeout, self.backend.invoke::<Vec<i64>>(&invocation)).await;
         self.metrics.observe_redis(started.elapsed());
         let values = match reply {
             Err(_) => Err(LimiterError::Timeout(self.timeout)),
@@ -166,9 +159,8 @@ impl Limiter {
         if self.script_loaded.load(Ordering::Relaxed) || self.health.fail_fast() {
             return;
         }
-        let mut conn = self.conn.clone();
-        if let Ok(Ok(_)) =
-            tokio::time::timeout(self.timeout, self.script.load_async(&mut conn)).await
+        if let Ok(Ok(())) =
+            tokio::time::timeout(self.timeout, self.backend.load(&self.script)).await
         {
             self.script_loaded.store(true, Ordering::Relaxed);
         }
@@ -176,10 +168,9 @@ impl Limiter {
 
     /// Round trip to Redis, for readiness.
     pub async fn ping(&self) -> Result<(), LimiterError> {
-        let mut conn = self.conn.clone();
         let reply = tokio::time::timeout(
             self.timeout.max(Duration::from_millis(250)),
-            redis::cmd("PING").query_async::<String>(&mut conn),
+            self.backend.query::<String>(&redis::cmd("PING")),
         )
         .await;
         match reply {

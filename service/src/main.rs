@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use meshlimitd::api::{self, AppState};
+use meshlimitd::backend;
 use meshlimitd::limiter::Limiter;
 use meshlimitd::metrics::Metrics;
 use tracing::{error, info};
@@ -14,13 +15,29 @@ struct Args {
     /// Address to listen on (port 0 picks a free port; the chosen address is logged).
     #[arg(long, env = "MESHLIMITD_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Redis URL, e.g. redis://127.0.0.1:6379 or redis://user:pass@host:6379/0.
+    /// Redis URL(s), comma-separated: one for standalone
+    /// (redis://user:pass@host:6379/0, or rediss:// for TLS), seed nodes for
+    /// a cluster, sentinels for sentinel mode.
     #[arg(
         long,
         env = "MESHLIMITD_REDIS_URL",
         default_value = "redis://127.0.0.1:6379"
     )]
     redis_url: String,
+    /// standalone, cluster or sentinel.
+    #[arg(
+        long,
+        env = "MESHLIMITD_REDIS_MODE",
+        value_enum,
+        default_value = "standalone"
+    )]
+    redis_mode: backend::Mode,
+    /// With --redis-mode sentinel: the name of the monitored master.
+    #[arg(long, env = "MESHLIMITD_SENTINEL_MASTER")]
+    sentinel_master: Option<String>,
+    /// PEM file of the CA that signed Redis' TLS certificate (rediss://).
+    #[arg(long, env = "MESHLIMITD_REDIS_CA_FILE")]
+    redis_ca_file: Option<std::path::PathBuf>,
     /// Prefix of every key meshlimitd writes (must not contain '{' or '}').
     #[arg(long, env = "MESHLIMITD_KEY_PREFIX", default_value = "ml:")]
     key_prefix: String,
@@ -46,6 +63,8 @@ struct Args {
 
 #[tokio::main]
 async fn main() {
+    // rediss:// uses rustls; select its crypto provider once, explicitly.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let args = Args::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("MESHLIMITD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -71,13 +90,37 @@ async fn run(args: Args) -> Result<(), String> {
         );
     }
     let metrics = Metrics::new();
-    let limiter = Limiter::new(
-        &args.redis_url,
-        args.key_prefix.clone(),
-        Duration::from_millis(args.redis_timeout_ms.max(1)),
-        metrics.clone(),
-    )
-    .map_err(|e| format!("invalid --redis-url: {e}"))?;
+    let ca_pem = match &args.redis_ca_file {
+        Some(path) => Some(
+            std::fs::read(path)
+                .map_err(|e| format!("cannot read --redis-ca-file {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
+    let options = backend::Options {
+        mode: args.redis_mode.clone(),
+        urls: args
+            .redis_url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(String::from)
+            .collect(),
+        sentinel_master: args.sentinel_master.clone(),
+        ca_pem,
+        timeout: Duration::from_millis(args.redis_timeout_ms.max(1)),
+    };
+    let limiter = Limiter::new(&options, args.key_prefix.clone(), metrics.clone())
+        .map_err(|e| format!("invalid Redis settings: {e}"))?;
+    // A first PING, so a wrong password or address shows in the log at
+    // once (meshlimitd keeps running and retrying; /readyz says why).
+    match limiter.ping().await {
+        Ok(()) => info!("redis reachable ({:?} mode)", args.redis_mode),
+        Err(e) => error!(
+            "redis not usable yet ({:?} mode): {e}; answering 503 until it is",
+            args.redis_mode
+        ),
+    }
     let limits = api::Limits {
         max_in_flight: args.max_in_flight.max(1),
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
@@ -92,7 +135,11 @@ async fn run(args: Args) -> Result<(), String> {
         .map_err(|e| format!("cannot read the listening address: {e}"))?;
     info!(
         "meshlimitd listening on {local}, redis {}",
-        redact(&args.redis_url)
+        args.redis_url
+            .split(',')
+            .map(redact)
+            .collect::<Vec<_>>()
+            .join(",")
     );
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())

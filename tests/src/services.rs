@@ -31,19 +31,29 @@ pub struct RedisServer {
 
 impl RedisServer {
     pub fn start(host: &str, dir: &Path) -> RedisServer {
+        Self::start_with(host, dir, REDIS_PORT, &[])
+    }
+
+    /// A redis-server on `port` with extra arguments (e.g. `--requirepass`).
+    /// Ready once its port accepts connections.
+    pub fn start_with(host: &str, dir: &Path, port: u16, extra: &[&str]) -> RedisServer {
         let mut proc = Proc::spawn(
-            "redis",
+            &format!("redis-{port}"),
             Command::new(tools::redis_server())
-                .args(["--bind", host, "--port", &REDIS_PORT.to_string()])
+                .args(["--bind", host, "--port", &port.to_string()])
                 .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
                 .arg("--dir")
-                .arg(dir),
+                .arg(dir)
+                .args(extra),
             dir,
         );
-        let addr = format!("{host}:{REDIS_PORT}");
-        wait_until(&mut proc, "answering PING", Duration::from_secs(10), || {
-            ping(&addr)
-        });
+        let addr = format!("{host}:{port}");
+        wait_until(
+            &mut proc,
+            "accepting connections",
+            Duration::from_secs(10),
+            || TcpStream::connect(&addr).is_ok(),
+        );
         RedisServer {
             host: host.to_string(),
             proc,
@@ -140,6 +150,200 @@ impl Standalone {
             redis,
             service,
             dir,
+        }
+    }
+}
+
+/// A node of a [`RedisCluster`], as `CLUSTER NODES` describes it.
+#[derive(Debug, Clone)]
+pub struct ClusterNode {
+    pub id: String,
+    pub port: u16,
+    pub master: bool,
+    /// Slot ranges served (masters only).
+    pub slots: Vec<(u16, u16)>,
+}
+
+/// A real Redis Cluster: `masters` masters with one replica each, joined
+/// with `redis-cli --cluster create`. Ports 17001.. (their cluster bus is
+/// port + 10000, which must stay below 65536). Settings from the design
+/// notes: a 1 s node timeout and replica validity factor 0, so a replica
+/// takes over in about 3 s after its master dies.
+pub struct RedisCluster {
+    pub host: String,
+    nodes: Vec<(u16, Proc)>,
+}
+
+pub const CLUSTER_BASE_PORT: u16 = 17001;
+
+impl RedisCluster {
+    pub fn start(host: &str, dir: &Path, masters: u16) -> RedisCluster {
+        let mut nodes = Vec::new();
+        for port in CLUSTER_BASE_PORT..CLUSTER_BASE_PORT + 2 * masters {
+            let node_dir = dir.join(format!("node-{port}"));
+            std::fs::create_dir_all(&node_dir)
+                .unwrap_or_else(|e| panic!("cannot create {}: {e}", node_dir.display()));
+            let mut proc = Proc::spawn(
+                &format!("redis-{port}"),
+                Command::new(tools::redis_server())
+                    .args(["--bind", host, "--port", &port.to_string()])
+                    .args([
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                    ])
+                    .args([
+                        "--cluster-node-timeout",
+                        "1000",
+                        "--cluster-replica-validity-factor",
+                        "0",
+                    ])
+                    // On loopback a node's outgoing address is 127.0.0.1;
+                    // it must announce the address clients can reach.
+                    .args(["--cluster-announce-ip", host])
+                    .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+                    .arg("--dir")
+                    .arg(&node_dir),
+                dir,
+            );
+            let addr = format!("{host}:{port}");
+            wait_until(&mut proc, "answering PING", Duration::from_secs(10), || {
+                ping(&addr)
+            });
+            nodes.push((port, proc));
+        }
+        let addrs: Vec<String> = nodes.iter().map(|(p, _)| format!("{host}:{p}")).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli --cluster create: {e}"));
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = RedisCluster {
+            host: host.to_string(),
+            nodes,
+        };
+        cluster.wait_ok(Duration::from_secs(20));
+        cluster
+    }
+
+    /// Waits until every live node says `cluster_state:ok` and agrees.
+    pub fn wait_ok(&self, within: Duration) {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let ok = self
+                .nodes
+                .iter()
+                .filter(|(p, _)| ping(&format!("{}:{p}", self.host)))
+                .all(|(p, _)| {
+                    self.cli(*p, &["cluster", "info"])
+                        .contains("cluster_state:ok")
+                });
+            if ok {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "cluster not ok after {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Seed URLs for meshlimitd, comma-separated.
+    pub fn seeds(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|(p, _)| format!("redis://{}:{p}", self.host))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-h", &self.host, "-p", &port.to_string()])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// A live node's port, to ask cluster-wide questions.
+    fn any_live(&self) -> u16 {
+        self.nodes
+            .iter()
+            .map(|(p, _)| *p)
+            .find(|p| ping(&format!("{}:{p}", self.host)))
+            .unwrap_or(CLUSTER_BASE_PORT)
+    }
+
+    pub fn keyslot(&self, key: &str) -> u16 {
+        self.cli(self.any_live(), &["cluster", "keyslot", key])
+            .trim()
+            .parse()
+            .unwrap_or(u16::MAX)
+    }
+
+    pub fn nodes(&self) -> Vec<ClusterNode> {
+        self.cli(self.any_live(), &["cluster", "nodes"])
+            .lines()
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let port = f.get(1)?.split(['@', ':']).nth(1)?.parse().ok()?;
+                let flags = f.get(2)?;
+                if flags.contains("fail") {
+                    return None;
+                }
+                let slots = f
+                    .iter()
+                    .skip(8)
+                    .filter(|s| !s.starts_with('['))
+                    .filter_map(|s| {
+                        let (a, b) = s.split_once('-').unwrap_or((s, s));
+                        Some((a.parse().ok()?, b.parse().ok()?))
+                    })
+                    .collect();
+                Some(ClusterNode {
+                    id: (*f.first()?).to_string(),
+                    port,
+                    master: flags.contains("master"),
+                    slots,
+                })
+            })
+            .collect()
+    }
+
+    /// The master serving `slot` now.
+    pub fn master_of(&self, slot: u16) -> Option<ClusterNode> {
+        self.nodes()
+            .into_iter()
+            .find(|n| n.master && n.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot)))
+    }
+
+    /// Kills a node outright (SIGKILL), like a crashed host, and waits
+    /// until its process is gone.
+    pub fn kill(&self, port: u16) {
+        let Some(pid) = self
+            .nodes
+            .iter()
+            .find(|(p, _)| *p == port)
+            .and_then(|(_, proc)| proc.pid())
+        else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while ping(&format!("{}:{port}", self.host)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }

@@ -11,7 +11,7 @@ use crate::fake::{Behavior, FakeService};
 use crate::http::{self, Response};
 use crate::procs::{wait_until, Proc, TempDir};
 use crate::render::{self, indent_block, render, PLUGIN_CONFIG_INDENT};
-use crate::services::{self, unique_host, Meshlimitd, RedisServer};
+use crate::services::{self, unique_host, Meshlimitd, RedisCluster, RedisServer};
 use crate::tools;
 
 /// Fixed ports; each topology has its own loopback address, so these never
@@ -36,6 +36,9 @@ pub struct TopologyOptions {
     pub fake: Option<Behavior>,
     /// Extra meshlimitd flags.
     pub meshlimitd_args: Vec<String>,
+    /// Run meshlimitd on a 3-master, 3-replica Redis Cluster instead of one
+    /// Redis.
+    pub redis_cluster: bool,
 }
 
 impl Default for TopologyOptions {
@@ -48,6 +51,7 @@ impl Default for TopologyOptions {
             start_service: true,
             fake: None,
             meshlimitd_args: Vec::new(),
+            redis_cluster: false,
         }
     }
 }
@@ -62,6 +66,7 @@ pub struct Topology {
     pub dir: TempDir,
     pub options: TopologyOptions,
     redis: Option<RedisServer>,
+    pub cluster: Option<RedisCluster>,
     meshlimitd: Option<Meshlimitd>,
     upstream: Option<Proc>,
     replicas: Vec<Proc>,
@@ -77,6 +82,7 @@ impl Topology {
             host,
             options,
             redis: None,
+            cluster: None,
             meshlimitd: None,
             upstream: None,
             replicas: Vec::new(),
@@ -86,7 +92,11 @@ impl Topology {
         if let Some(behavior) = t.options.fake.clone() {
             t.fake = Some(FakeService::start(&t.meshlimitd_addr(), behavior));
         } else if t.options.start_service {
-            t.start_redis();
+            if t.options.redis_cluster {
+                t.cluster = Some(RedisCluster::start(&t.host, t.dir.path(), 3));
+            } else {
+                t.start_redis();
+            }
             t.start_meshlimitd();
         }
         let wait_healthy =
@@ -236,13 +246,11 @@ impl Topology {
     }
 
     pub fn start_meshlimitd(&mut self) {
-        let url = format!("redis://{}", self.addr(REDIS_PORT));
-        let extra: Vec<&str> = self
-            .options
-            .meshlimitd_args
-            .iter()
-            .map(String::as_str)
-            .collect();
+        let (url, mut extra) = match &self.cluster {
+            Some(c) => (c.seeds(), vec!["--redis-mode", "cluster"]),
+            None => (format!("redis://{}", self.addr(REDIS_PORT)), Vec::new()),
+        };
+        extra.extend(self.options.meshlimitd_args.iter().map(String::as_str));
         self.meshlimitd = Some(Meshlimitd::start(&self.host, &url, self.dir.path(), &extra));
     }
 
@@ -348,6 +356,7 @@ impl Drop for Topology {
         self.upstream.take();
         self.meshlimitd.take();
         self.redis.take();
+        self.cluster.take();
     }
 }
 

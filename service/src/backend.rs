@@ -1,0 +1,260 @@
+//! The Redis deployments meshlimitd runs on: a standalone Redis, a Redis
+//! Cluster, or a master found through Redis Sentinel.
+//!
+//! Every backend connects lazily (meshlimitd starts and answers 503 while
+//! Redis is away) and recovers by itself: the standalone connection manager
+//! reconnects; the cluster client follows MOVED and ASK and refreshes its
+//! slot map; the sentinel backend asks the sentinels for the master again
+//! after a connection error or a READONLY reply (a failover happened).
+//! One check's keys share a hash tag, so in a cluster each script run goes
+//! to exactly one node.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::{Cmd, FromRedisValue, RedisError, RedisResult, Script, ScriptInvocation};
+use tokio::sync::Mutex;
+
+/// How to reach Redis.
+#[derive(Debug, Clone, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// One Redis (`--redis-url redis://host:6379`).
+    Standalone,
+    /// Redis Cluster (`--redis-url` lists seed nodes, comma-separated).
+    Cluster,
+    /// The master of `--sentinel-master`, found through the sentinels in
+    /// `--redis-url` (comma-separated).
+    Sentinel,
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub mode: Mode,
+    pub urls: Vec<String>,
+    pub sentinel_master: Option<String>,
+    /// PEM CA certificate for `rediss://` URLs (otherwise the system's roots).
+    pub ca_pem: Option<Vec<u8>>,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--redis-url is empty")]
+    NoUrl,
+    #[error("--redis-mode sentinel needs --sentinel-master")]
+    NoSentinelMaster,
+    #[error("standalone mode takes one --redis-url, got {0}")]
+    TooManyUrls(usize),
+    #[error("invalid Redis URL: {0}")]
+    Url(#[from] RedisError),
+}
+
+/// A cheap-to-clone handle on the configured Redis.
+#[derive(Clone)]
+pub enum Backend {
+    Standalone(ConnectionManager),
+    Cluster(Arc<LazyCluster>),
+    Sentinel(Arc<SentinelMaster>),
+}
+
+pub struct LazyCluster {
+    builder: Mutex<Option<ClusterClientBuilder>>,
+    client: Mutex<Option<redis::cluster::ClusterClient>>,
+    connection: Mutex<Option<ClusterConnection>>,
+    timeout: Duration,
+}
+
+pub struct SentinelMaster {
+    sentinel: Mutex<SentinelClient>,
+    connection: Mutex<Option<MultiplexedConnection>>,
+    timeout: Duration,
+}
+
+fn tls_certs(ca_pem: &Option<Vec<u8>>) -> Option<redis::TlsCertificates> {
+    ca_pem.as_ref().map(|pem| redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem.clone()),
+    })
+}
+
+impl Backend {
+    pub fn new(options: &Options) -> Result<Backend, ConfigError> {
+        let first = options.urls.first().ok_or(ConfigError::NoUrl)?;
+        match options.mode {
+            Mode::Standalone => {
+                if options.urls.len() > 1 {
+                    return Err(ConfigError::TooManyUrls(options.urls.len()));
+                }
+                let client = match tls_certs(&options.ca_pem) {
+                    Some(certs) => redis::Client::build_with_tls(first.as_str(), certs)?,
+                    None => redis::Client::open(first.as_str())?,
+                };
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(options.timeout.max(Duration::from_millis(100))))
+                    .set_response_timeout(Some(options.timeout))
+                    // Reconnect quickly and give up quickly: a caller waiting
+                    // on a reconnect loop is past the filter's timeout. The
+                    // next command after a failure starts a new attempt.
+                    .set_number_of_retries(1)
+                    .set_min_delay(Duration::from_millis(10))
+                    .set_max_delay(Duration::from_millis(200));
+                Ok(Backend::Standalone(
+                    ConnectionManager::new_lazy_with_config(client, config)?,
+                ))
+            }
+            Mode::Cluster => {
+                let mut builder =
+                    ClusterClientBuilder::new(options.urls.iter().map(String::as_str))
+                        .connection_timeout(options.timeout.max(Duration::from_millis(100)))
+                        .response_timeout(options.timeout);
+                if let Some(certs) = tls_certs(&options.ca_pem) {
+                    builder = builder.certs(certs);
+                }
+                Ok(Backend::Cluster(Arc::new(LazyCluster {
+                    builder: Mutex::new(Some(builder)),
+                    client: Mutex::new(None),
+                    connection: Mutex::new(None),
+                    timeout: options.timeout,
+                })))
+            }
+            Mode::Sentinel => {
+                let master = options
+                    .sentinel_master
+                    .clone()
+                    .ok_or(ConfigError::NoSentinelMaster)?;
+                let sentinel = SentinelClient::build(
+                    options.urls.clone(),
+                    master,
+                    None,
+                    SentinelServerType::Master,
+                )?;
+                Ok(Backend::Sentinel(Arc::new(SentinelMaster {
+                    sentinel: Mutex::new(sentinel),
+                    connection: Mutex::new(None),
+                    timeout: options.timeout,
+                })))
+            }
+        }
+    }
+
+    /// Runs a script invocation (EVALSHA, loading the script on NOSCRIPT).
+    pub async fn invoke<T: FromRedisValue>(
+        &self,
+        invocation: &ScriptInvocation<'_>,
+    ) -> RedisResult<T> {
+        match self {
+            Backend::Standalone(conn) => invocation.invoke_async(&mut conn.clone()).await,
+            Backend::Cluster(lazy) => {
+                let mut conn = lazy.connection().await?;
+                invocation.invoke_async(&mut conn).await
+            }
+            Backend::Sentinel(master) => {
+                let mut conn = master.connection().await?;
+                let result = invocation.invoke_async(&mut conn).await;
+                master.after(&result).await;
+                result
+            }
+        }
+    }
+
+    /// Loads a script into the script cache (every node, for a cluster).
+    pub async fn load(&self, script: &Script) -> RedisResult<()> {
+        match self {
+            Backend::Standalone(conn) => script.load_async(&mut conn.clone()).await.map(drop),
+            Backend::Cluster(lazy) => {
+                // redis-rs sends SCRIPT LOAD to every master.
+                let mut conn = lazy.connection().await?;
+                script.load_async(&mut conn).await.map(drop)
+            }
+            Backend::Sentinel(master) => {
+                let mut conn = master.connection().await?;
+                let result = script.load_async(&mut conn).await.map(drop);
+                master.after(&result).await;
+                result
+            }
+        }
+    }
+
+    /// A command (PING for readiness).
+    pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
+        match self {
+            Backend::Standalone(conn) => cmd.query_async(&mut conn.clone()).await,
+            Backend::Cluster(lazy) => {
+                let mut conn = lazy.connection().await?;
+                cmd.query_async(&mut conn).await
+            }
+            Backend::Sentinel(master) => {
+                let mut conn = master.connection().await?;
+                let result = cmd.query_async(&mut conn).await;
+                master.after(&result).await;
+                result
+            }
+        }
+    }
+}
+
+impl LazyCluster {
+    async fn connection(&self) -> RedisResult<ClusterConnection> {
+        let mut slot = self.connection.lock().await;
+        if let Some(conn) = slot.as_ref() {
+            return Ok(conn.clone());
+        }
+        let mut client = self.client.lock().await;
+        if client.is_none() {
+            if let Some(builder) = self.builder.lock().await.take() {
+                *client = Some(builder.build()?);
+            }
+        }
+        let Some(c) = client.as_ref() else {
+            return Err(RedisError::from((
+                redis::ErrorKind::Client,
+                "cluster client unavailable",
+            )));
+        };
+        let conn = tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(250)),
+            c.get_async_connection(),
+        )
+        .await
+        .map_err(|_| {
+            RedisError::from((redis::ErrorKind::Io, "timed out connecting to the cluster"))
+        })??;
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+}
+
+impl SentinelMaster {
+    async fn connection(&self) -> RedisResult<MultiplexedConnection> {
+        let mut slot = self.connection.lock().await;
+        if let Some(conn) = slot.as_ref() {
+            return Ok(conn.clone());
+        }
+        let client = self.sentinel.lock().await.async_get_client().await?;
+        let conn = tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(250)),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .map_err(|_| {
+            RedisError::from((redis::ErrorKind::Io, "timed out connecting to the master"))
+        })??;
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// After a failover the old master refuses writes (READONLY) or is
+    /// gone: forget it, so the next call asks the sentinels again.
+    async fn after<T>(&self, result: &RedisResult<T>) {
+        if let Err(e) = result {
+            let readonly = e.code() == Some("READONLY");
+            if readonly || e.is_io_error() || e.is_connection_dropped() || e.is_timeout() {
+                *self.connection.lock().await = None;
+            }
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! meshlimitd and Redis' own ways to be safe and available: AUTH, TLS, and
+//! Sentinel failover, against real redis-server processes.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use meshlimit_testbed::http;
+use meshlimit_testbed::procs::{wait_until, Proc, TempDir};
+use meshlimit_testbed::services::{unique_host, Meshlimitd, RedisServer};
+use meshlimit_testbed::tools;
+
+const CHECK: &[u8] = br#"{"checks":[{"subject":"s","limits":[{"name":"a/m","requests":1000,"window_ms":60000,"algorithm":"fixed_window"}]}]}"#;
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_meshlimitd"))
+}
+
+fn check_status(addr: &str) -> u16 {
+    http::request(addr, "POST", "/v1/check", &[], CHECK).map_or(0, |r| r.status)
+}
+
+#[test]
+fn a_wrong_password_is_a_clear_error_and_a_failing_readyz_not_a_crash() {
+    let dir = TempDir::new("auth");
+    let host = unique_host();
+    // The default user needs a password, and an ACL user may only touch
+    // meshlimit's keys and run what meshlimitd needs.
+    let _redis = RedisServer::start_with(
+        &host,
+        dir.path(),
+        16379,
+        &[
+            "--requirepass",
+            "s3cret",
+            "--user",
+            "meshlimit",
+            "on",
+            ">limiter-pw",
+            "~ml:*",
+            "+@all",
+        ],
+    );
+    let mut wrong = Meshlimitd::start_binary(
+        binary(),
+        &host,
+        &format!("redis://:nope@{host}:16379"),
+        dir.path(),
+        &[],
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let ready = http::get(&wrong.addr, "/readyz", &[]).unwrap();
+    assert_eq!(ready.status, 503);
+    assert!(
+        ready.body.to_lowercase().contains("pass") || ready.body.contains("AUTH"),
+        "{}",
+        ready.body
+    );
+    assert_eq!(check_status(&wrong.addr), 503);
+    assert!(wrong.proc.alive(), "keeps running, retrying");
+    let log = wrong.proc.output();
+    assert!(
+        log.contains("redis not usable yet"),
+        "the startup log says why:\n{log}"
+    );
+    assert!(
+        !log.contains("s3cret") && !log.contains(":nope@"),
+        "no password in the log:\n{log}"
+    );
+    drop(wrong);
+    let right = Meshlimitd::start_binary(
+        binary(),
+        &host,
+        &format!("redis://meshlimit:limiter-pw@{host}:16379"),
+        dir.path(),
+        &[],
+    );
+    assert_eq!(http::get(&right.addr, "/readyz", &[]).unwrap().status, 200);
+    assert_eq!(
+        check_status(&right.addr),
+        200,
+        "an ACL user with a password works"
+    );
+    assert!(
+        !right.proc.output().contains("limiter-pw"),
+        "no password in the log"
+    );
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl runs");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn tls_with_a_private_ca() {
+    let dir = TempDir::new("tls");
+    let host = unique_host();
+    let d = dir.path();
+    openssl(
+        d,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=meshlimit test CA",
+        ],
+    );
+    openssl(
+        d,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "redis.key",
+            "-out",
+            "redis.csr",
+            "-subj",
+            "/CN=redis",
+        ],
+    );
+    std::fs::write(d.join("san.ext"), format!("subjectAltName=IP:{host}\n")).unwrap();
+    openssl(
+        d,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "redis.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "redis.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        ],
+    );
+    let mut redis = Proc::spawn(
+        "redis-tls",
+        Command::new(tools::redis_server())
+            .args(["--bind", &host, "--port", "0", "--tls-port", "16380"])
+            .args([
+                "--tls-cert-file",
+                "redis.pem",
+                "--tls-key-file",
+                "redis.key",
+                "--tls-ca-cert-file",
+                "ca.pem",
+            ])
+            .args([
+                "--tls-auth-clients",
+                "no",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .current_dir(d),
+        d,
+    );
+    let addr = format!("{host}:16380");
+    wait_until(
+        &mut redis,
+        "listening for TLS",
+        Duration::from_secs(10),
+        || std::net::TcpStream::connect(&addr).is_ok(),
+    );
+    let ca = d.join("ca.pem");
+    let service = Meshlimitd::start_binary(
+        binary(),
+        &host,
+        &format!("rediss://{host}:16380"),
+        d,
+        &["--redis-ca-file", ca.to_str().unwrap()],
+    );
+    assert_eq!(
+        http::get(&service.addr, "/readyz", &[]).unwrap().status,
+        200,
+        "{}",
+        service.proc.output()
+    );
+    assert_eq!(check_status(&service.addr), 200);
+    // Without the CA the certificate is not trusted.
+    drop(service);
+    let untrusting =
+        Meshlimitd::start_binary(binary(), &host, &format!("rediss://{host}:16380"), d, &[]);
+    assert_eq!(
+        http::get(&untrusting.addr, "/readyz", &[]).unwrap().status,
+        503
+    );
+}
+
+fn sentinel(host: &str, dir: &Path, port: u16, master_port: u16) -> Proc {
+    let conf = dir.join(format!("sentinel-{port}.conf"));
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind {host}\nprotected-mode no\ndir {}\n\
+             sentinel announce-ip {host}\n\
+             sentinel monitor mymaster {host} {master_port} 2\n\
+             sentinel down-after-milliseconds mymaster 1000\n\
+             sentinel failover-timeout mymaster 5000\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let mut proc = Proc::spawn(
+        &format!("sentinel-{port}"),
+        Command::new(tools::redis_server())
+            .arg(&conf)
+            .arg("--sentinel"),
+        dir,
+    );
+    let addr = format!("{host}:{port}");
+    wait_until(
+        &mut proc,
+        "accepting connections",
+        Duration::from_secs(10),
+        || std::net::TcpStream::connect(&addr).is_ok(),
+    );
+    proc
+}
+
+#[test]
+fn sentinel_failover_is_followed_without_a_restart() {
+    let dir = TempDir::new("sentinel");
+    let host = unique_host();
+    let d = dir.path();
+    let master_dir = d.join("master");
+    let replica_dir = d.join("replica");
+    std::fs::create_dir_all(&master_dir).unwrap();
+    std::fs::create_dir_all(&replica_dir).unwrap();
+    let mut master =
+        RedisServer::start_with(&host, &master_dir, 16381, &["--replica-announce-ip", &host]);
+    // On loopback a node's outgoing address is 127.0.0.1, not its own:
+    // each announces the address it listens on.
+    let _replica = RedisServer::start_with(
+        &host,
+        &replica_dir,
+        16382,
+        &[
+            "--replicaof",
+            &host,
+            "16381",
+            "--replica-announce-ip",
+            &host,
+        ],
+    );
+    let _sentinels: Vec<Proc> = (0..3)
+        .map(|i| sentinel(&host, d, 26381 + i, 16381))
+        .collect();
+    std::thread::sleep(Duration::from_millis(1_500));
+    let urls: Vec<String> = (0..3)
+        .map(|i| format!("redis://{host}:{}", 26381 + i))
+        .collect();
+    let service = Meshlimitd::start_binary(
+        binary(),
+        &host,
+        &urls.join(","),
+        d,
+        &["--redis-mode", "sentinel", "--sentinel-master", "mymaster"],
+    );
+    assert_eq!(
+        check_status(&service.addr),
+        200,
+        "{}",
+        service.proc.output()
+    );
+    let killed = Instant::now();
+    if let Some(pid) = master.pid() {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    master.stop();
+    let mut statuses = Vec::new();
+    loop {
+        let s = check_status(&service.addr);
+        statuses.push(s);
+        assert!(s == 200 || s == 503, "only decisions or fast 503s: {s}");
+        if s == 200 && statuses.len() > 1 {
+            break;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "never failed over"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "sentinel failover: checks global again {} ms after the master died",
+        killed.elapsed().as_millis()
+    );
+}
