@@ -39,11 +39,21 @@ pub struct Applied<'a> {
 pub enum Plan {
     /// No rule matches: the filter stays out of the way.
     Pass,
-    /// Refused before any check: no client id with `when_missing: reject`,
-    /// an invalid cost header, or a cost no limit could ever admit.
-    Reject(DenyResponse),
+    /// Refused before any check, for the reason given.
+    Reject(DenyResponse, RejectReason),
     /// Decide these limits for this subject.
     Check(PendingCheck),
+}
+
+/// Why a request was refused without a check (each has its own stat).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectReason {
+    /// No client id and `when_missing: reject`.
+    NoClientId,
+    /// The cost header is not a whole number within bounds.
+    InvalidCost,
+    /// The request's cost exceeds a limit's capacity: it could never fit.
+    CostAboveCapacity,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -127,7 +137,7 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         };
         let cost = match request_cost(rule, req) {
             Ok(cost) => cost,
-            Err(body) => return Plan::Reject(plain(400, body)),
+            Err(body) => return Plan::Reject(plain(400, body), RejectReason::InvalidCost),
         };
         for (li, limit) in rule.limits.iter().enumerate() {
             if cost > limit.capacity() && !rule.shadow {
@@ -144,7 +154,7 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
                     "retry-after".into(),
                     headers::retry_after_secs(limit.window_ms).to_string(),
                 ));
-                return Plan::Reject(deny);
+                return Plan::Reject(deny, RejectReason::CostAboveCapacity);
             }
             limits.push(LimitRef {
                 rule: ri,
@@ -154,13 +164,16 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         }
     }
     match client_id::identify(&cfg.client_id, req) {
-        Identity::Reject => Plan::Reject(plain(
-            cfg.client_id.reject_status,
-            format!(
-                "missing client id: send one of these headers: {}\n",
-                cfg.client_id.headers.join(", ")
+        Identity::Reject => Plan::Reject(
+            plain(
+                cfg.client_id.reject_status,
+                format!(
+                    "missing client id: send one of these headers: {}\n",
+                    cfg.client_id.headers.join(", ")
+                ),
             ),
-        )),
+            RejectReason::NoClientId,
+        ),
         Identity::Subject(subject) => Plan::Check(PendingCheck { subject, limits }),
     }
 }
@@ -500,7 +513,9 @@ mod tests {
             plan(&only_api, &FakeRequest::default(), "GET", "/health"),
             Plan::Pass
         );
-        let Plan::Reject(r) = plan(&c, &FakeRequest::default(), "GET", "/api/x") else {
+        let Plan::Reject(r, RejectReason::NoClientId) =
+            plan(&c, &FakeRequest::default(), "GET", "/api/x")
+        else {
             panic!("expected a rejection")
         };
         assert_eq!(r.status, 401);
@@ -696,7 +711,7 @@ mod tests {
         assert!(matches!(cost_of(None), Plan::Check(p) if p.limits[0].cost == 2));
         assert!(matches!(cost_of(Some(b" 7 ")), Plan::Check(p) if p.limits[0].cost == 7));
         for bad in [&b"0"[..], b"11", b"-1", b"x", b"1.5", &[0xff]] {
-            let Plan::Reject(d) = cost_of(Some(bad)) else {
+            let Plan::Reject(d, RejectReason::InvalidCost) = cost_of(Some(bad)) else {
                 panic!("{bad:?} should be refused")
             };
             assert_eq!(d.status, 400);
@@ -707,7 +722,9 @@ mod tests {
     #[test]
     fn a_cost_above_capacity_is_denied_with_the_reason() {
         let req = FakeRequest::default().with_header("x-api-key", b"A");
-        let Plan::Reject(d) = plan(&cost_cfg("11", false), &req, "GET", "/") else {
+        let Plan::Reject(d, RejectReason::CostAboveCapacity) =
+            plan(&cost_cfg("11", false), &req, "GET", "/")
+        else {
             panic!("expected a rejection")
         };
         assert_eq!(d.status, 429);

@@ -26,7 +26,9 @@ use crate::abi;
 use crate::batch::{Batcher, Enqueued};
 use crate::breaker::{Breaker, Gate, Transition};
 use crate::config::{self, Config, FailureMode};
-use crate::decision::{self, Applied, DenyResponse, PendingCheck, Plan, ServiceError, Verdict};
+use crate::decision::{
+    self, Applied, DenyResponse, PendingCheck, Plan, RejectReason, ServiceError, Verdict,
+};
 use crate::deny_cache::DenyCache;
 use crate::headers::Headers;
 use crate::host::{RequestView, SharedStore, StoreError};
@@ -61,6 +63,8 @@ struct Metrics {
     breaker_opened: Option<u32>,
     breaker_open: Option<u32>,
     rejected_no_client_id: Option<u32>,
+    rejected_invalid_cost: Option<u32>,
+    rejected_cost_above_capacity: Option<u32>,
     batches: Option<u32>,
     batched_checks: Option<u32>,
     batch_overflow: Option<u32>,
@@ -103,6 +107,8 @@ impl Metrics {
             breaker_opened: counter(stats::BREAKER_OPENED),
             breaker_open: hostcalls::define_metric(MetricType::Gauge, stats::BREAKER_OPEN).ok(),
             rejected_no_client_id: counter(stats::REJECTED_NO_CLIENT_ID),
+            rejected_invalid_cost: counter(stats::REJECTED_INVALID_COST),
+            rejected_cost_above_capacity: counter(stats::REJECTED_COST_ABOVE_CAPACITY),
             batches: counter(stats::BATCHES),
             batched_checks: counter(stats::BATCHED_CHECKS),
             batch_overflow: counter(stats::BATCH_OVERFLOW),
@@ -720,8 +726,12 @@ impl HttpContext for Stream {
         let path = request_header_text(":path");
         let check = match decision::plan(&worker.config, &HostRequest, &method, &path) {
             Plan::Pass => return Action::Continue,
-            Plan::Reject(deny) => {
-                bump(worker.metrics.rejected_no_client_id);
+            Plan::Reject(deny, why) => {
+                bump(match why {
+                    RejectReason::NoClientId => worker.metrics.rejected_no_client_id,
+                    RejectReason::InvalidCost => worker.metrics.rejected_invalid_cost,
+                    RejectReason::CostAboveCapacity => worker.metrics.rejected_cost_above_capacity,
+                });
                 send_deny(&deny);
                 return Action::Pause;
             }

@@ -29,8 +29,11 @@ pub const BATCHED_CHECKS: &str = "meshlimit.batched_checks";
 /// Group commit: checks refused because the queue was full (decided by
 /// failure_mode).
 pub const BATCH_OVERFLOW: &str = "meshlimit.batch_overflow";
-/// Requests refused for lack of a client id.
+/// Requests refused before any check: no client id, an invalid cost
+/// header, a cost above a limit's capacity.
 pub const REJECTED_NO_CLIENT_ID: &str = "meshlimit.rejected_no_client_id";
+pub const REJECTED_INVALID_COST: &str = "meshlimit.rejected_invalid_cost";
+pub const REJECTED_COST_ABOVE_CAPACITY: &str = "meshlimit.rejected_cost_above_capacity";
 /// Failed calls to meshlimitd, one stat per [`crate::decision::ServiceError`] kind.
 pub const SERVICE_ERROR_KINDS: [&str; 5] = [
     "timeout",

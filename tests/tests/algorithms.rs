@@ -91,6 +91,9 @@ fn cost_from_a_header_is_charged_and_an_impossible_cost_is_explained() {
     let r = send(&t, &h);
     assert_eq!(r.status, 400);
     assert!(r.body.contains("x-cost"), "{}", r.body);
+    assert_eq!(t.stat_total("meshlimit.rejected_cost_above_capacity"), 1);
+    assert_eq!(t.stat_total("meshlimit.rejected_invalid_cost"), 1);
+    assert_eq!(t.stat_total("meshlimit.rejected_no_client_id"), 0);
     // Neither the impossible nor the invalid request was charged.
     let r = send(&t, &key("coster"));
     assert!(r
