@@ -147,9 +147,14 @@ fn main() {
         "meshlimit.fallback_allowed",
         "meshlimit.fallback_denied",
         "meshlimit.service_errors.unavailable",
+        "meshlimit.breaker_opened",
     ] {
         println!("    {}", stats_line(&t, name));
     }
+    println!("  (after 5 failed calls each replica's breaker opened: the other requests");
+    println!(
+        "   were decided locally without calling meshlimitd, so no request waited on a timeout)"
+    );
 
     println!("\n3. Redis restarted (Envoy and meshlimitd keep running).");
     t.start_redis();
