@@ -351,21 +351,21 @@ pub fn verdict(cfg: &Config, limits: &[Applied<'_>], result: &CheckResult) -> Ve
     Verdict::Deny(deny)
 }
 
-/// A deny from the deny cache, if an enforced limit of `check` is known to
-/// be exhausted for its subject. Only cost-1 limits are cached: a retry time
+/// A deny from the deny cache, if one of `global_limits` is known to be
+/// exhausted for `subject`. Only cost-1 limits are cached: a retry time
 /// computed for a heavier request would over-deny a lighter one.
 pub fn cached_deny<S: crate::host::SharedStore>(
     cfg: &Config,
-    check: &PendingCheck,
+    subject: &str,
+    global_limits: &[Applied<'_>],
     cache: &crate::deny_cache::DenyCache<'_, S>,
     now_ms: u64,
 ) -> Option<Verdict> {
-    let applied = check.resolve(cfg);
-    applied
+    global_limits
         .iter()
         .filter(|a| !a.shadow && !a.local && a.cost == 1)
         .find_map(|a| {
-            let until = cache.denied_until(&check.subject, &a.limit.qualified_name, now_ms)?;
+            let until = cache.denied_until(subject, &a.limit.qualified_name, now_ms)?;
             let wait = until - now_ms;
             let result = CheckResult {
                 allowed: false,
@@ -773,7 +773,7 @@ mod tests {
         let Plan::Check(p) = plan(&c, &req, "GET", "/api/x") else {
             panic!("expected a check")
         };
-        assert!(cached_deny(&c, &p, &cache, 1_000).is_none());
+        assert!(cached_deny(&c, &p.subject, &p.split(&c).1, &cache, 1_000).is_none());
         let applied = p.resolve(&c);
         let result = CheckResult {
             allowed: false,
@@ -784,20 +784,24 @@ mod tests {
             ],
         };
         remember_denials(&p, &applied, &result, &cache, 1_000);
-        let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 11_000) else {
+        let Some(Verdict::Deny(d)) = cached_deny(&c, &p.subject, &p.split(&c).1, &cache, 11_000)
+        else {
             panic!("expected a cached deny")
         };
         assert!(d.headers.contains(&("retry-after".into(), "20".into())));
         assert!(d
             .headers
             .contains(&("ratelimit".into(), "\"api/per-minute\";r=0;t=20".into())));
-        assert!(cached_deny(&c, &p, &cache, 31_000).is_none(), "expired");
+        assert!(
+            cached_deny(&c, &p.subject, &p.split(&c).1, &cache, 31_000).is_none(),
+            "expired"
+        );
         // Another client is not affected.
         let other = FakeRequest::default().with_header("x-api-key", b"B");
         let Plan::Check(q) = plan(&c, &other, "GET", "/api/x") else {
             panic!("expected a check")
         };
-        assert!(cached_deny(&c, &q, &cache, 11_000).is_none());
+        assert!(cached_deny(&c, &q.subject, &q.split(&c).1, &cache, 11_000).is_none());
     }
 
     #[test]

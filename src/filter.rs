@@ -312,10 +312,11 @@ impl Context for Root {
             .borrow_mut()
             .remove(&token)
             .unwrap_or(0);
-        let expected: Vec<usize> = batch
+        let splits: Vec<_> = batch
             .iter()
-            .map(|q| q.check.split(&worker.config).1.len())
+            .map(|q| q.check.split(&worker.config))
             .collect();
+        let expected: Vec<usize> = splits.iter().map(|(_, global)| global.len()).collect();
         let (status, body) = read_call_response(headers, body_size, batch.len());
         let timed_out = timed_out(&worker, started);
         let answers = decision::read_batch_answer(status, body.as_deref(), &expected, timed_out);
@@ -324,7 +325,7 @@ impl Context for Root {
             Err(e) if trips_breaker(e) => worker.record_call(false),
             Err(_) => {}
         }
-        for (i, queued) in batch.into_iter().enumerate() {
+        for (i, (queued, split)) in batch.into_iter().zip(&splits).enumerate() {
             let outcome = match &answers {
                 Ok(results) => results
                     .get(i)
@@ -332,8 +333,13 @@ impl Context for Root {
                     .ok_or_else(|| ServiceError::BadBody("missing result".into())),
                 Err(e) => Err(e.clone()),
             };
-            let verdict =
-                verdict_after_call(&worker, &queued.check, queued.local.as_ref(), outcome);
+            let verdict = verdict_after_call(
+                &worker,
+                &queued.check,
+                split,
+                queued.local.as_ref(),
+                outcome,
+            );
             // A stream reset meanwhile is gone: nothing to act on.
             act_for(&worker, queued.context_id, verdict);
         }
@@ -379,6 +385,7 @@ impl Root {
                         let verdict = verdict_after_call(
                             &worker,
                             &queued.check,
+                            &queued.check.split(&worker.config),
                             queued.local.as_ref(),
                             Err(e.clone()),
                         );
@@ -439,15 +446,17 @@ fn trips_breaker(e: &ServiceError) -> bool {
 }
 
 /// What a request gets once its call was answered, or failed. The caller
-/// has already told the breaker (once per call, not per check).
+/// has already told the breaker (once per call, not per check). `split` is
+/// `check.split(config)`, resolved once by the caller.
 fn verdict_after_call(
     worker: &Worker,
     check: &PendingCheck,
+    split: &(Vec<Applied<'_>>, Vec<Applied<'_>>),
     local: Option<&CheckResult>,
     outcome: Result<CheckResult, ServiceError>,
 ) -> Verdict {
     let config = &worker.config;
-    let (local_limits, limits) = check.split(config);
+    let (local_limits, limits) = split;
     let decided = match outcome {
         Ok(result) => {
             bump(if result.allowed {
@@ -458,17 +467,17 @@ fn verdict_after_call(
             count_shadow(worker, &check.subject, &result);
             let now = now_ms();
             if let Some(cache) = worker.deny_cache(now) {
-                let evicted = decision::remember_denials(check, &limits, &result, &cache, now);
+                let evicted = decision::remember_denials(check, limits, &result, &cache, now);
                 add(worker.metrics.deny_cache_evictions, evicted);
             }
             result
         }
-        Err(e) => match fallback(worker, check, &limits, Some(&e)) {
+        Err(e) => match fallback(worker, check, limits, Some(&e)) {
             Ok(result) => result,
             Err(verdict) => return verdict,
         },
     };
-    with_local(config, &local_limits, local, &limits, &decided)
+    with_local(config, local_limits, local, limits, &decided)
 }
 
 /// Decides the global limits without meshlimitd, as `failure_mode` says,
@@ -703,16 +712,21 @@ impl Context for Stream {
             return;
         };
         let (status, body) = read_call_response(headers, body_size, 1);
-        let limits = in_flight.check.split(&worker.config).1.len();
+        let split = in_flight.check.split(&worker.config);
         let timed_out = timed_out(&worker, in_flight.started_ms);
-        let outcome = decision::read_answer(status, body.as_deref(), limits, timed_out);
+        let outcome = decision::read_answer(status, body.as_deref(), split.1.len(), timed_out);
         match &outcome {
             Ok(_) => worker.record_call(true),
             Err(e) if trips_breaker(e) => worker.record_call(false),
             Err(_) => {}
         }
-        let verdict =
-            verdict_after_call(&worker, &in_flight.check, in_flight.local.as_ref(), outcome);
+        let verdict = verdict_after_call(
+            &worker,
+            &in_flight.check,
+            &split,
+            in_flight.local.as_ref(),
+            outcome,
+        );
         self.apply(verdict, true);
     }
 }
@@ -764,7 +778,9 @@ impl HttpContext for Stream {
             Some(decided.result)
         };
         if let Some(cache) = worker.deny_cache(now) {
-            if let Some(verdict) = decision::cached_deny(config, &check, &cache, now) {
+            if let Some(verdict) =
+                decision::cached_deny(config, &check.subject, &global_limits, &cache, now)
+            {
                 bump(worker.metrics.deny_cache_hits);
                 return self.apply(verdict, false);
             }
@@ -842,7 +858,8 @@ impl Stream {
             }
             Err(e) => {
                 worker.record_call(false);
-                let verdict = verdict_after_call(worker, &check, local.as_ref(), Err(e));
+                let split = check.split(&worker.config);
+                let verdict = verdict_after_call(worker, &check, &split, local.as_ref(), Err(e));
                 self.apply(verdict, false)
             }
         }
@@ -888,6 +905,7 @@ impl Stream {
                 let verdict = verdict_after_call(
                     worker,
                     &q.check,
+                    &q.check.split(&worker.config),
                     q.local.as_ref(),
                     Err(ServiceError::Connection),
                 );
