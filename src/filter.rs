@@ -91,6 +91,43 @@ fn add(metric: Option<u32>, n: usize) {
     }
 }
 
+/// Decisions counted while handling one answer, published to the stats
+/// once (when dropped) instead of one hostcall per check.
+struct Tally<'a> {
+    metrics: &'a Metrics,
+    allowed: usize,
+    denied: usize,
+}
+
+impl<'a> Tally<'a> {
+    fn new(metrics: &'a Metrics) -> Self {
+        Tally {
+            metrics,
+            allowed: 0,
+            denied: 0,
+        }
+    }
+
+    fn decided(&mut self, allowed: bool) {
+        if allowed {
+            self.allowed += 1;
+        } else {
+            self.denied += 1;
+        }
+    }
+}
+
+impl Drop for Tally<'_> {
+    fn drop(&mut self) {
+        if self.allowed > 0 {
+            add(self.metrics.allowed, self.allowed);
+        }
+        if self.denied > 0 {
+            add(self.metrics.denied, self.denied);
+        }
+    }
+}
+
 impl Metrics {
     fn define() -> Self {
         Metrics {
@@ -154,6 +191,13 @@ struct Worker {
     batch_started: RefCell<HashMap<u32, u64>>,
     /// RateLimit headers for streams the root admitted, by context id.
     decided_headers: RefCell<HashMap<u32, Headers>>,
+    /// Whether any rule matches on the method (else it is not read).
+    rules_match_methods: bool,
+    /// The millisecond in which this worker last found the breaker closed.
+    /// Within that millisecond the shared state is not read again: a
+    /// hostcall per request saved, and another worker's opening is seen at
+    /// most a millisecond later. This worker's own failures clear it.
+    breaker_closed_at: Cell<Option<u64>>,
 }
 
 impl Worker {
@@ -184,9 +228,23 @@ impl Worker {
         })
     }
 
+    /// Whether a check may call meshlimitd now (see `breaker_closed_at`).
+    fn gate(&self, now: u64) -> Gate {
+        if self.breaker_closed_at.get() == Some(now) {
+            return Gate::Call;
+        }
+        let gate = self.breaker().gate(now, self.config.service.timeout_ms);
+        self.breaker_closed_at
+            .set((gate == Gate::Call).then_some(now));
+        gate
+    }
+
     /// Reports a call's outcome to the breaker, and says what changed.
-    fn record_call(&self, success: bool) {
-        match self.breaker().record(success, now_ms()) {
+    fn record_call(&self, success: bool, now: u64) {
+        if !success {
+            self.breaker_closed_at.set(None);
+        }
+        match self.breaker().record(success, now) {
             Transition::None => {}
             Transition::Opened { for_ms } => {
                 bump(self.metrics.breaker_opened);
@@ -257,6 +315,7 @@ impl RootContext for Root {
         } else {
             None
         };
+        let rules_match_methods = config.rules.iter().any(|r| !r.methods.is_empty());
         self.worker = Some(Rc::new(Worker {
             config,
             metrics: Metrics::define(),
@@ -269,6 +328,8 @@ impl RootContext for Root {
             wake_queue: Cell::new(wake_queue),
             batch_started: RefCell::new(HashMap::new()),
             decided_headers: RefCell::new(HashMap::new()),
+            rules_match_methods,
+            breaker_closed_at: Cell::new(None),
         }));
         true
     }
@@ -276,7 +337,7 @@ impl RootContext for Root {
     fn on_queue_ready(&mut self, queue_id: u32) {
         // The queue only carries wake-ups; the checks are in the batcher.
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
-        self.flush();
+        self.flush(now_ms());
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -318,13 +379,20 @@ impl Context for Root {
             .collect();
         let expected: Vec<usize> = splits.iter().map(|(_, global)| global.len()).collect();
         let (status, body) = read_call_response(headers, body_size, batch.len());
-        let timed_out = timed_out(&worker, started);
+        let now = now_ms();
+        let timed_out = timed_out(&worker, started, now);
         let answers = decision::read_batch_answer(status, body.as_deref(), &expected, timed_out);
         match &answers {
-            Ok(_) => worker.record_call(true),
-            Err(e) if trips_breaker(e) => worker.record_call(false),
+            Ok(_) => worker.record_call(true, now),
+            Err(e) if trips_breaker(e) => worker.record_call(false, now),
             Err(_) => {}
         }
+        // The checks that queued meanwhile go out before this batch's
+        // streams are resumed: meshlimitd and Redis work on the next batch
+        // while this worker forwards the admitted requests, instead of
+        // waiting for it to finish.
+        self.flush(now);
+        let mut tally = Tally::new(&worker.metrics);
         for (i, (queued, split)) in batch.into_iter().zip(&splits).enumerate() {
             let outcome = match &answers {
                 Ok(results) => results
@@ -335,6 +403,8 @@ impl Context for Root {
             };
             let verdict = verdict_after_call(
                 &worker,
+                &mut tally,
+                now,
                 &queued.check,
                 split,
                 queued.local.as_ref(),
@@ -343,14 +413,13 @@ impl Context for Root {
             // A stream reset meanwhile is gone: nothing to act on.
             act_for(&worker, queued.context_id, verdict);
         }
-        self.flush();
     }
 }
 
 impl Root {
     /// Sends every batch that is due, as the root (the calls outlive any
     /// one stream).
-    fn flush(&self) {
+    fn flush(&self, now: u64) {
         let Some(worker) = self.worker.clone() else {
             return;
         };
@@ -358,7 +427,7 @@ impl Root {
             return;
         };
         loop {
-            let Some(batch) = batcher.borrow_mut().take_batch(now_ms()) else {
+            let Some(batch) = batcher.borrow_mut().take_batch(now) else {
                 return;
             };
             // After acting for streams, calls must again belong to the root.
@@ -376,14 +445,17 @@ impl Root {
                 Ok(token) => {
                     bump(worker.metrics.batches);
                     add(worker.metrics.batched_checks, batch.len());
-                    worker.batch_started.borrow_mut().insert(token, now_ms());
+                    worker.batch_started.borrow_mut().insert(token, now);
                     batcher.borrow_mut().sent(token, batch);
                 }
                 Err(e) => {
-                    worker.record_call(false);
+                    worker.record_call(false, now);
+                    let mut tally = Tally::new(&worker.metrics);
                     for queued in batch {
                         let verdict = verdict_after_call(
                             &worker,
+                            &mut tally,
+                            now,
                             &queued.check,
                             &queued.check.split(&worker.config),
                             queued.local.as_ref(),
@@ -450,6 +522,8 @@ fn trips_breaker(e: &ServiceError) -> bool {
 /// `check.split(config)`, resolved once by the caller.
 fn verdict_after_call(
     worker: &Worker,
+    tally: &mut Tally<'_>,
+    now: u64,
     check: &PendingCheck,
     split: &(Vec<Applied<'_>>, Vec<Applied<'_>>),
     local: Option<&CheckResult>,
@@ -459,20 +533,15 @@ fn verdict_after_call(
     let (local_limits, limits) = split;
     let decided = match outcome {
         Ok(result) => {
-            bump(if result.allowed {
-                worker.metrics.allowed
-            } else {
-                worker.metrics.denied
-            });
+            tally.decided(result.allowed);
             count_shadow(worker, &check.subject, &result);
-            let now = now_ms();
             if let Some(cache) = worker.deny_cache(now) {
                 let evicted = decision::remember_denials(check, limits, &result, &cache, now);
                 add(worker.metrics.deny_cache_evictions, evicted);
             }
             result
         }
-        Err(e) => match fallback(worker, check, limits, Some(&e)) {
+        Err(e) => match fallback(worker, now, check, limits, Some(&e)) {
             Ok(result) => result,
             Err(verdict) => return verdict,
         },
@@ -486,6 +555,7 @@ fn verdict_after_call(
 /// call. A decided result, or for `failure_mode: deny` the configured deny.
 fn fallback(
     worker: &Worker,
+    now: u64,
     check: &PendingCheck,
     limits: &[Applied<'_>],
     why: Option<&ServiceError>,
@@ -509,7 +579,6 @@ fn fallback(
                 .zip(&scaled)
                 .map(|(a, limit)| Applied { limit, ..*a })
                 .collect();
-            let now = now_ms();
             let decided = LocalLimiter::new(config.local.slots, worker.seed(now)).check(
                 &HostStore,
                 &check.subject,
@@ -529,7 +598,7 @@ fn fallback(
     } else {
         worker.metrics.fallback_denied
     });
-    if let Some(skipped) = worker.fallback_log.allow(now_ms()) {
+    if let Some(skipped) = worker.fallback_log.allow(now) {
         let why = why.map_or_else(|| "breaker open".to_string(), ToString::to_string);
         warn!(
             "{why}; deciding by failure_mode {:?} (this one: {}; {skipped} fallback decisions since the last line)",
@@ -594,8 +663,8 @@ fn read_call_response(
 
 /// Envoy's timer and the wall clock we read can disagree by a millisecond
 /// or two: no answer after 90% of the timeout is a timeout.
-fn timed_out(worker: &Worker, started_ms: u64) -> bool {
-    now_ms().saturating_sub(started_ms) * 10 >= worker.config.service.timeout_ms * 9
+fn timed_out(worker: &Worker, started_ms: u64, now: u64) -> bool {
+    now.saturating_sub(started_ms) * 10 >= worker.config.service.timeout_ms * 9
 }
 
 /// Carries out a verdict for a paused stream from another context (the
@@ -713,15 +782,18 @@ impl Context for Stream {
         };
         let (status, body) = read_call_response(headers, body_size, 1);
         let split = in_flight.check.split(&worker.config);
-        let timed_out = timed_out(&worker, in_flight.started_ms);
+        let now = now_ms();
+        let timed_out = timed_out(&worker, in_flight.started_ms, now);
         let outcome = decision::read_answer(status, body.as_deref(), split.1.len(), timed_out);
         match &outcome {
-            Ok(_) => worker.record_call(true),
-            Err(e) if trips_breaker(e) => worker.record_call(false),
+            Ok(_) => worker.record_call(true, now),
+            Err(e) if trips_breaker(e) => worker.record_call(false, now),
             Err(_) => {}
         }
         let verdict = verdict_after_call(
             &worker,
+            &mut Tally::new(&worker.metrics),
+            now,
             &in_flight.check,
             &split,
             in_flight.local.as_ref(),
@@ -736,7 +808,13 @@ impl HttpContext for Stream {
         let Some(worker) = self.worker.clone() else {
             return Action::Continue;
         };
-        let method = request_header_text(":method");
+        // Most configs match on paths only: skip a hostcall when no rule
+        // looks at the method.
+        let method = if worker.rules_match_methods {
+            request_header_text(":method")
+        } else {
+            String::new()
+        };
         let path = request_header_text(":path");
         let check = match decision::plan(&worker.config, &HostRequest, &method, &path) {
             Plan::Pass => return Action::Continue,
@@ -785,9 +863,9 @@ impl HttpContext for Stream {
                 return self.apply(verdict, false);
             }
         }
-        match worker.breaker().gate(now, config.service.timeout_ms) {
+        match worker.gate(now) {
             Gate::Skip => {
-                let verdict = match fallback(&worker, &check, &global_limits, None) {
+                let verdict = match fallback(&worker, now, &check, &global_limits, None) {
                     Ok(result) => with_local(
                         config,
                         &local_limits,
@@ -800,9 +878,9 @@ impl HttpContext for Stream {
                 self.apply(verdict, false)
             }
             Gate::Call | Gate::Probe if worker.batcher.is_some() => {
-                self.enqueue(&worker, check, local)
+                self.enqueue(&worker, now, check, local)
             }
-            Gate::Call | Gate::Probe => self.ask_service(&worker, check, local),
+            Gate::Call | Gate::Probe => self.ask_service(&worker, now, check, local),
         }
     }
 
@@ -841,6 +919,7 @@ impl Stream {
     fn ask_service(
         &mut self,
         worker: &Worker,
+        now: u64,
         check: PendingCheck,
         local: Option<CheckResult>,
     ) -> Action {
@@ -851,15 +930,23 @@ impl Stream {
             Ok(_token) => {
                 self.in_flight = Some(InFlight {
                     check,
-                    started_ms: now_ms(),
+                    started_ms: now,
                     local,
                 });
                 Action::Pause
             }
             Err(e) => {
-                worker.record_call(false);
+                worker.record_call(false, now);
                 let split = check.split(&worker.config);
-                let verdict = verdict_after_call(worker, &check, &split, local.as_ref(), Err(e));
+                let verdict = verdict_after_call(
+                    worker,
+                    &mut Tally::new(&worker.metrics),
+                    now,
+                    &check,
+                    &split,
+                    local.as_ref(),
+                    Err(e),
+                );
                 self.apply(verdict, false)
             }
         }
@@ -869,19 +956,20 @@ impl Stream {
     fn enqueue(
         &mut self,
         worker: &Worker,
+        now: u64,
         check: PendingCheck,
         local: Option<CheckResult>,
     ) -> Action {
         let (Some(batcher), Some(queue)) = (worker.batcher.as_ref(), worker.wake_queue.get())
         else {
-            return self.ask_service(worker, check, local);
+            return self.ask_service(worker, now, check, local);
         };
         let queued = Queued {
             context_id: self.context_id,
             check,
             local,
         };
-        let outcome = batcher.borrow_mut().enqueue(queued, now_ms());
+        let outcome = batcher.borrow_mut().enqueue(queued, now);
         match outcome {
             Enqueued::Wait => Action::Pause,
             Enqueued::Wake => {
@@ -895,7 +983,7 @@ impl Stream {
                 let mine = b.withdraw(|q| q.context_id == id);
                 drop(b);
                 match mine {
-                    Some(q) => self.ask_service(worker, q.check, q.local),
+                    Some(q) => self.ask_service(worker, now, q.check, q.local),
                     None => Action::Pause,
                 }
             }
@@ -904,6 +992,8 @@ impl Stream {
                 bump(worker.metrics.batch_overflow);
                 let verdict = verdict_after_call(
                     worker,
+                    &mut Tally::new(&worker.metrics),
+                    now,
                     &q.check,
                     &q.check.split(&worker.config),
                     q.local.as_ref(),
