@@ -4,10 +4,14 @@
 //! When no call is in flight a check goes out at once (no added latency at
 //! low load). While one is in flight, new checks queue; they go out together
 //! when it returns, or earlier when the queue reaches `max_batch` checks or
-//! its oldest check is `max_age_ms` old (then several calls are in flight).
-//! Beyond `max_queued` checks a new one is refused, and the caller decides
-//! it by `failure_mode`. Each check is still decided on its own and
-//! atomically by meshlimitd; only the round trip is shared.
+//! its oldest check is `max_age_ms` old (then several calls are in flight,
+//! up to `max_in_flight`). With `max_age_ms` 0 (the default) a check waits
+//! only while every call slot is busy: the checks that arrive in one pass
+//! of the worker's event loop still go out together (the root is woken
+//! once, after them), and at saturation the slots stay busy, so batches
+//! grow by themselves. Beyond `max_queued` checks a new one is refused, and
+//! the caller decides it by `failure_mode`. Each check is still decided on
+//! its own and atomically by meshlimitd; only the round trip is shared.
 //!
 //! This is the policy alone; the proxy-wasm glue owns the calls.
 
@@ -189,6 +193,28 @@ mod tests {
             "the oldest queued check is 5 ms old"
         );
         assert_eq!(b.take_batch(15), Some(vec![2, 3]));
+    }
+
+    #[test]
+    fn with_no_queue_age_checks_queue_only_while_every_slot_is_busy() {
+        let mut b = Batcher::new(BatchConfig {
+            max_batch: 3,
+            max_age_ms: 0,
+            max_queued: 6,
+            max_in_flight: 2,
+        });
+        b.enqueue(1, 0);
+        let first = b.take_batch(0).unwrap();
+        b.sent(1, first);
+        assert_eq!(b.enqueue(2, 0), Enqueued::Wake, "a slot is free");
+        assert_eq!(b.enqueue(3, 0), Enqueued::Wait, "already waking");
+        let second = b.take_batch(0).unwrap();
+        assert_eq!(second, vec![2, 3], "everything queued meanwhile goes");
+        b.sent(2, second);
+        assert_eq!(b.enqueue(4, 0), Enqueued::Wait, "both slots busy");
+        assert_eq!(b.take_batch(0), None);
+        b.answered(2);
+        assert_eq!(b.take_batch(0), Some(vec![4]));
     }
 
     #[test]
