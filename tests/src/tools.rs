@@ -63,7 +63,12 @@ pub fn meshlimitd() -> PathBuf {
     )
 }
 
+/// The filter module: `MESHLIMIT_WASM` if set (to compare another build of
+/// the filter), else the release build.
 pub fn wasm() -> PathBuf {
+    if let Some(p) = std::env::var_os("MESHLIMIT_WASM") {
+        return PathBuf::from(p);
+    }
     let p = root().join("target/wasm32-wasip1/release/meshlimit.wasm");
     require(
         "target/wasm32-wasip1/release/meshlimit.wasm",

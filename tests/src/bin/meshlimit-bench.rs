@@ -38,6 +38,8 @@ const CONNECTIONS: u32 = 16;
 /// call per request stayed latency-bound at about 70% CPU).
 const SATURATION_CONNECTIONS: u32 = 64;
 const REPEATS: usize = 3;
+/// Configurations (indices into the targets) also run unpinned.
+const UNPINNED: [usize; 4] = [0, 2, 5, 6];
 
 #[derive(Debug, Clone, Default)]
 struct Sample {
@@ -50,6 +52,31 @@ struct Sample {
 
 fn oha() -> String {
     std::env::var("OHA").unwrap_or_else(|_| "oha".into())
+}
+
+/// CPUs of the load generator while the runs are pinned (None: unpinned).
+static LOADGEN_CPUS: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// The CPU for the Envoy under test, and the CPUs for everything else (its
+/// upstream, meshlimitd, Redis, the load generator); None on one core.
+fn cpu_sets() -> Option<(String, String)> {
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let others = if n == 2 {
+        "1".to_string()
+    } else {
+        format!("1-{}", n - 1)
+    };
+    (n >= 2).then_some(("0".to_string(), others))
+}
+
+/// Sets the CPUs every thread of `pid` may run on.
+fn pin(pid: Option<u32>, cpus: &str) {
+    let Some(pid) = pid else { return };
+    let ok = Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus, &pid.to_string()])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(ok, "taskset could not pin process {pid} to CPUs {cpus}");
 }
 
 /// One oha run; `rate` None means as fast as possible.
@@ -102,7 +129,15 @@ fn run_oha(
     post: Option<&str>,
     connections: u32,
 ) -> std::process::Child {
-    let mut cmd = Command::new(oha());
+    let loadgen_cpus = LOADGEN_CPUS.lock().map(|c| c.clone()).unwrap_or(None);
+    let mut cmd = match loadgen_cpus {
+        Some(cpus) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &cpus, &oha()]);
+            c
+        }
+        None => Command::new(oha()),
+    };
     cmd.args([
         "--no-tui",
         "--output-format",
@@ -328,6 +363,39 @@ fn main() {
             clients: 16,
         },
     ];
+    // The Envoy under test gets a core of its own, as a proxy's worker does
+    // in production; its upstream, meshlimitd, Redis and the load generator
+    // share the others (in production meshlimitd and Redis are on other
+    // machines altogether). Unpinned runs of a few configurations follow.
+    let support: Vec<Option<u32>> = [&base, &global, &deny, &down, &grouped_hot, &grouped_many]
+        .iter()
+        .flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()])
+        .collect();
+    let set_pinning = |pinned: bool| {
+        let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
+            return false;
+        };
+        let all = format!(
+            "0-{}",
+            std::thread::available_parallelism().map_or(1, |n| n.get()) - 1
+        );
+        let (envoy_cpus, other_cpus) = if pinned {
+            (envoy_cpus, other_cpus)
+        } else {
+            (all.clone(), all)
+        };
+        for t in &targets {
+            pin(Some(t.pid), &envoy_cpus);
+        }
+        for p in &support {
+            pin(*p, &other_cpus);
+        }
+        if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
+            *cpus = pinned.then_some(other_cpus);
+        }
+        pinned
+    };
+    let pinned = set_pinning(true);
     let key = |t: &Target| {
         if t.name.starts_with("4.") {
             "x-api-key: abuser"
@@ -432,6 +500,22 @@ fn main() {
             fixed.entry(i).or_default().push(s);
         }
     }
+    // Unpinned: every process may run on every core, as on a busy node.
+    set_pinning(false);
+    let mut unpinned: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
+    if pinned {
+        for rep in 0..REPEATS {
+            for (i, t) in targets
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| UNPINNED.contains(i))
+            {
+                let s = run(t, key(t), None);
+                println!("  unpinned {rep} {:<42} {:>8.0} req/s", t.name, s.rps);
+                unpinned.entry(i).or_default().push(s);
+            }
+        }
+    }
     // 6: meshlimitd alone and redis-benchmark with the same script.
     let check = r#"{"checks":[{"subject":"hdr:x-api-key:bench6","limits":[{"name":"api/hour","requests":1000000000,"window_ms":3600000,"algorithm":"fixed_window"}]}]}"#;
     let service_url = format!("http://{}/v1/check", global.meshlimitd_addr());
@@ -460,6 +544,7 @@ fn main() {
         &cpu,
         &targets,
         &saturation,
+        &unpinned,
         &fixed,
         &calls,
         rate,
@@ -519,6 +604,7 @@ fn report(
     cpu_split: &[CpuShare],
     targets: &[Target],
     saturation: &BTreeMap<usize, Vec<Sample>>,
+    unpinned: &BTreeMap<usize, Vec<Sample>>,
     fixed: &BTreeMap<usize, Vec<Sample>>,
     calls: &[(f64, u64)],
     rate: u64,
@@ -558,14 +644,22 @@ fn report(
                 .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
         })
         .unwrap_or_default();
+    let pinning = match (unpinned.is_empty(), cpu_sets()) {
+        (false, Some((envoy, others))) => format!(
+            "The Envoy under test runs alone on CPU {envoy}, as a proxy's worker has a core to itself in \
+             production; its upstream, meshlimitd, Redis and the load generator share CPU(s) {others} \
+             (in production meshlimitd and Redis run on other machines). A table of unpinned runs follows."
+        ),
+        _ => "No CPU pinning: every process shares the machine's cores.".to_string(),
+    };
     let mut md = String::new();
     let _ = writeln!(
         md,
         "# Benchmarks\n\nGenerated by `make bench` (tests/src/bin/meshlimit-bench.rs) on {} cores ({cpu}), \
          loopback. Each Envoy runs one worker; the upstream is another Envoy (one worker) answering 200; \
-         meshlimitd runs tokio's default two worker threads; Redis is Debian's redis-server; no CPU pinning \
-         (every process shares the machine's cores with the load generator, oha: {SATURATION_CONNECTIONS} connections \
-         for throughput, {CONNECTIONS} for latency at a fixed rate). \
+         meshlimitd runs tokio's default two worker threads; Redis is Debian's redis-server. \
+         {pinning} The load generator is oha: {SATURATION_CONNECTIONS} connections \
+         for throughput, {CONNECTIONS} for latency at a fixed rate. \
          Runs of {SECONDS} s, interleaved across configurations and repeated {REPEATS} times; medians. \
          Ratios are to configuration 1 from the same run: absolute numbers move with the machine's load, \
          ratios much less.\n",
@@ -658,6 +752,35 @@ fn report(
         per_rq(2),
         check(per_rq(5) < 0.2 && per_rq(6) < 0.2)
     );
+    if !unpinned.is_empty() {
+        let free = |i: usize| {
+            median(
+                unpinned
+                    .get(&i)
+                    .map(|v| v.iter().map(|s| s.rps).collect())
+                    .unwrap_or_default(),
+            )
+        };
+        let _ = writeln!(
+            md,
+            "\n## Unpinned\n\nThe same saturation runs with every process free to run on every core (the \
+             load generator, both Envoys, meshlimitd and Redis competing for the same {} cores), after the \
+             pinned ones; medians of {REPEATS}.\n\n| configuration | throughput (req/s) | ratio unpinned | ratio pinned (above) |\n|---|---|---|---|",
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
+        for (i, t) in targets.iter().enumerate() {
+            if unpinned.contains_key(&i) {
+                let _ = writeln!(
+                    md,
+                    "| {} | {:.0} | **{:.2}** | {:.2} |",
+                    t.name,
+                    free(i),
+                    free(i) / free(0),
+                    sat(i) / base
+                );
+            }
+        }
+    }
     if !cpu_split.is_empty() {
         let _ = writeln!(md, "\n## Where the time goes\n\nCPU (user + system) per 1000 requests during the first saturation run, from `/proc`: milliseconds of CPU, all processes on the machine's {} cores.\n", std::thread::available_parallelism().map_or(0, |n| n.get()));
         let names: Vec<&str> = cpu_split[0].per_1000.iter().map(|(n, _)| *n).collect();
