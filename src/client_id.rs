@@ -1,9 +1,9 @@
 //! Who is this request from? The subject every limit is counted against.
 //!
-//! Subjects carry their source as a prefix (`hdr:<header>:`, `ip:`, `anon`)
-//! so that an API key that happens to look like an IP address, or the same
-//! value sent in two different headers, can never share a counter with
-//! something else. The value itself is untrusted and passed on verbatim (or
+//! Subjects carry their source as a prefix (`hdr:<header>:`,
+//! `qry:<parameter>:`, `ip:`, `anon`) so that an API key that happens to
+//! look like an IP address, or the same value sent in two different headers,
+//! can never share a counter with something else. The value itself is untrusted and passed on verbatim (or
 //! hex-encoded when it is not UTF-8); `meshlimitd` makes it safe for keys.
 
 use crate::config::{ClientIdConfig, WhenMissing};
@@ -20,12 +20,18 @@ pub enum Identity {
 /// Subject shared by every anonymous request.
 pub const ANONYMOUS: &str = "anon";
 
-pub fn identify(cfg: &ClientIdConfig, req: &impl RequestView) -> Identity {
+/// Identifies the request; `path` is its `:path` (for query parameters).
+pub fn identify(cfg: &ClientIdConfig, req: &impl RequestView, path: &str) -> Identity {
     for name in &cfg.headers {
         if let Some(value) = req.header(name) {
             if !value.is_empty() {
-                return Identity::Subject(header_subject(name, &value));
+                return Identity::Subject(subject("hdr", name, &value));
             }
+        }
+    }
+    for name in &cfg.query_params {
+        if let Some(value) = query_param(path, name) {
+            return Identity::Subject(subject("qry", name, &value));
         }
     }
     match cfg.when_missing {
@@ -40,14 +46,17 @@ pub fn identify(cfg: &ClientIdConfig, req: &impl RequestView) -> Identity {
     }
 }
 
-fn header_subject(name: &str, value: &[u8]) -> String {
+/// `<source>:<name>:<value>`, or `<source>x:<name>:<hex>` for a value that
+/// is not UTF-8.
+fn subject(source: &str, name: &str, value: &[u8]) -> String {
     match std::str::from_utf8(value) {
-        Ok(text) => format!("hdr:{name}:{text}"),
+        Ok(text) => format!("{source}:{name}:{text}"),
         // Distinct prefix keeps the mapping one-to-one: a UTF-8 value can
         // never render as the hex of another value.
         Err(_) => {
-            let mut out = String::with_capacity(name.len() + 6 + value.len() * 2);
-            out.push_str("hdrx:");
+            let mut out = String::with_capacity(source.len() + name.len() + 3 + value.len() * 2);
+            out.push_str(source);
+            out.push_str("x:");
             out.push_str(name);
             out.push(':');
             for b in value {
@@ -56,6 +65,54 @@ fn header_subject(name: &str, value: &[u8]) -> String {
             out
         }
     }
+}
+
+/// The decoded value of query parameter `name`, when it appears exactly
+/// once with a non-empty value. Names and values are percent-decoded (and
+/// `+` read as a space, as forms send it), so `key=abc` and `key=%61bc`
+/// are one client, as they are to the upstream that reads the key. A
+/// parameter given twice is treated as missing: counting the first while
+/// the upstream authenticates the last would let `key=victim&key=mine`
+/// spend the victim's quota.
+fn query_param(path: &str, name: &str) -> Option<Vec<u8>> {
+    let query = path.split('#').next()?.split_once('?')?.1;
+    let mut found = None;
+    for pair in query.split('&') {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if percent_decode(key) != name.as_bytes() {
+            continue;
+        }
+        if found.is_some() {
+            return None;
+        }
+        found = Some(percent_decode(value));
+    }
+    found.filter(|v| !v.is_empty())
+}
+
+/// `%XX` escapes and `+`; a malformed escape stays as it is.
+fn percent_decode(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        let escaped = (b == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(decoded) => {
+                out.push(decoded);
+                i += 3;
+            }
+            None => {
+                out.push(if b == b'+' { b' ' } else { b });
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// The client address: with `trusted_hops = 0`, the peer address; otherwise
@@ -99,6 +156,7 @@ mod tests {
     fn cfg(headers: &[&str], when_missing: WhenMissing, trusted_hops: u32) -> ClientIdConfig {
         ClientIdConfig {
             headers: headers.iter().map(|h| h.to_string()).collect(),
+            query_params: Vec::new(),
             when_missing,
             trusted_hops,
             reject_status: 401,
@@ -115,36 +173,39 @@ mod tests {
         let both = FakeRequest::default()
             .with_header("x-client-id", b"legacy")
             .with_header("x-api-key", b"k1");
-        assert_eq!(identify(&c, &both), subject("hdr:x-api-key:k1"));
+        assert_eq!(identify(&c, &both, "/"), subject("hdr:x-api-key:k1"));
         let second = FakeRequest::default().with_header("x-client-id", b"legacy");
-        assert_eq!(identify(&c, &second), subject("hdr:x-client-id:legacy"));
+        assert_eq!(
+            identify(&c, &second, "/"),
+            subject("hdr:x-client-id:legacy")
+        );
     }
 
     #[test]
     fn empty_header_counts_as_missing() {
         let c = cfg(&["x-api-key"], WhenMissing::Anonymous, 0);
         let req = FakeRequest::default().with_header("x-api-key", b"");
-        assert_eq!(identify(&c, &req), subject("anon"));
+        assert_eq!(identify(&c, &req, "/"), subject("anon"));
     }
 
     #[test]
     fn when_missing_modes() {
         let req = FakeRequest::default().from_source("10.1.2.3:4567");
         assert_eq!(
-            identify(&cfg(&["x"], WhenMissing::Reject, 0), &req),
+            identify(&cfg(&["x"], WhenMissing::Reject, 0), &req, "/"),
             Identity::Reject
         );
         assert_eq!(
-            identify(&cfg(&["x"], WhenMissing::Anonymous, 0), &req),
+            identify(&cfg(&["x"], WhenMissing::Anonymous, 0), &req, "/"),
             subject("anon")
         );
         assert_eq!(
-            identify(&cfg(&["x"], WhenMissing::ClientAddress, 0), &req),
+            identify(&cfg(&["x"], WhenMissing::ClientAddress, 0), &req, "/"),
             subject("ip:10.1.2.3")
         );
         let nothing = FakeRequest::default();
         assert_eq!(
-            identify(&cfg(&[], WhenMissing::ClientAddress, 0), &nothing),
+            identify(&cfg(&[], WhenMissing::ClientAddress, 0), &nothing, "/"),
             subject("anon")
         );
     }
@@ -154,7 +215,7 @@ mod tests {
         let req = FakeRequest::default()
             .from_source("127.0.0.9:1000")
             .with_header("x-forwarded-for", b"6.6.6.6, 1.1.1.1, 2.2.2.2");
-        let id = |hops| identify(&cfg(&[], WhenMissing::ClientAddress, hops), &req);
+        let id = |hops| identify(&cfg(&[], WhenMissing::ClientAddress, hops), &req, "/");
         assert_eq!(id(0), subject("ip:127.0.0.9"));
         assert_eq!(id(1), subject("ip:2.2.2.2"));
         assert_eq!(id(2), subject("ip:1.1.1.1"));
@@ -175,7 +236,7 @@ mod tests {
     #[test]
     fn hostile_values_stay_distinct() {
         let c = cfg(&["x-api-key"], WhenMissing::Reject, 0);
-        let id = |v: &[u8]| identify(&c, &FakeRequest::default().with_header("x-api-key", v));
+        let id = |v: &[u8]| identify(&c, &FakeRequest::default().with_header("x-api-key", v), "/");
         assert_eq!(id(b"{a}"), subject("hdr:x-api-key:{a}"));
         assert_ne!(id(b"a"), id(b"{a}"));
         // Not UTF-8: hex under its own prefix, never equal to a UTF-8 value.
@@ -191,8 +252,75 @@ mod tests {
     #[test]
     fn same_value_in_different_headers_is_a_different_subject() {
         let c = cfg(&["x-api-key", "x-client-id"], WhenMissing::Reject, 0);
-        let a = identify(&c, &FakeRequest::default().with_header("x-api-key", b"v"));
-        let b = identify(&c, &FakeRequest::default().with_header("x-client-id", b"v"));
+        let a = identify(
+            &c,
+            &FakeRequest::default().with_header("x-api-key", b"v"),
+            "/",
+        );
+        let b = identify(
+            &c,
+            &FakeRequest::default().with_header("x-client-id", b"v"),
+            "/",
+        );
         assert_ne!(a, b);
+    }
+
+    fn by_param(names: &[&str], when_missing: WhenMissing) -> ClientIdConfig {
+        ClientIdConfig {
+            query_params: names.iter().map(|n| n.to_string()).collect(),
+            ..cfg(&[], when_missing, 0)
+        }
+    }
+
+    #[test]
+    fn query_parameters_identify_after_headers() {
+        let c = ClientIdConfig {
+            headers: vec!["x-api-key".into()],
+            ..by_param(&["api_key", "key"], WhenMissing::Anonymous)
+        };
+        let plain = FakeRequest::default();
+        let id = |req: &FakeRequest, path: &str| identify(&c, req, path);
+        assert_eq!(id(&plain, "/v1?key=k1"), subject("qry:key:k1"));
+        assert_eq!(
+            id(&plain, "/v1?key=k1&api_key=k2"),
+            subject("qry:api_key:k2"),
+            "parameters are tried in config order"
+        );
+        assert_eq!(
+            id(&plain.clone().with_header("x-api-key", b"h"), "/?key=k1"),
+            subject("hdr:x-api-key:h"),
+            "headers first"
+        );
+        assert_eq!(id(&plain, "/v1?other=1"), subject("anon"));
+        assert_eq!(id(&plain, "/v1?key="), subject("anon"), "empty is missing");
+        assert_eq!(id(&plain, "/v1?key"), subject("anon"));
+        assert_eq!(id(&plain, "/v1#?key=k1"), subject("anon"), "fragment");
+        assert_eq!(id(&plain, "/v1?a=1&key=k1#x"), subject("qry:key:k1"));
+        assert_ne!(
+            id(&plain, "/?key=v"),
+            identify(&c, &plain.clone().with_header("x-api-key", b"v"), "/"),
+            "a header and a parameter never share a counter"
+        );
+    }
+
+    #[test]
+    fn query_parameters_are_decoded_so_one_key_is_one_client() {
+        let c = by_param(&["key"], WhenMissing::Reject);
+        let id = |path: &str| identify(&c, &FakeRequest::default(), path);
+        assert_eq!(id("/?key=abc"), id("/?key=%61bc"));
+        assert_eq!(id("/?k%65y=abc"), subject("qry:key:abc"));
+        assert_eq!(id("/?key=a+b"), subject("qry:key:a b"));
+        assert_eq!(id("/?key=a%2Bb"), subject("qry:key:a+b"));
+        assert_eq!(id("/?key=%zz%4"), subject("qry:key:%zz%4"), "malformed");
+        assert_eq!(id("/?key=%ff%01"), subject("qryx:key:ff01"));
+        assert_eq!(id("/?key=%7Ba%7D"), subject("qry:key:{a}"));
+    }
+
+    #[test]
+    fn a_repeated_parameter_is_ambiguous_and_counts_as_missing() {
+        let c = by_param(&["key"], WhenMissing::Reject);
+        let id = |path: &str| identify(&c, &FakeRequest::default(), path);
+        assert_eq!(id("/?key=victim&key=mine"), Identity::Reject);
+        assert_eq!(id("/?key=a&k%65y=a"), Identity::Reject);
     }
 }

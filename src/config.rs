@@ -72,6 +72,8 @@ pub struct ServiceConfig {
 pub struct ClientIdConfig {
     /// Request headers tried in order; the first present and non-empty wins.
     pub headers: Vec<String>,
+    /// Query parameters tried in order after the headers (decoded names).
+    pub query_params: Vec<String>,
     pub when_missing: WhenMissing,
     /// Proxies in front of this Envoy that append to `x-forwarded-for`.
     pub trusted_hops: u32,
@@ -314,6 +316,7 @@ impl Default for RawService {
 #[serde(deny_unknown_fields, default)]
 struct RawClientId {
     headers: Vec<String>,
+    query_params: Vec<String>,
     when_missing: WhenMissing,
     trusted_hops: u32,
     reject_status: u32,
@@ -323,6 +326,7 @@ impl Default for RawClientId {
     fn default() -> Self {
         RawClientId {
             headers: Vec::new(),
+            query_params: Vec::new(),
             when_missing: WhenMissing::ClientAddress,
             trusted_hops: 0,
             reject_status: 401,
@@ -605,6 +609,18 @@ fn validate_client_id(raw: RawClientId) -> Result<ClientIdConfig, ConfigError> {
         }
         headers.push(lower);
     }
+    for (i, name) in raw.query_params.iter().enumerate() {
+        // Names are compared after decoding, so any text will do, but not
+        // nothing, and nothing that could never appear as a name.
+        if name.is_empty() || name.len() > MAX_NAME_LEN || name.contains(['&', '=', '#']) {
+            return Err(err(
+                format!("client_id.query_params[{i}]"),
+                format!(
+                    "\"{name}\" is not a usable parameter name (1 to {MAX_NAME_LEN} characters, no '&', '=' or '#')"
+                ),
+            ));
+        }
+    }
     if !(400..=499).contains(&raw.reject_status) {
         return Err(err(
             "client_id.reject_status",
@@ -616,6 +632,7 @@ fn validate_client_id(raw: RawClientId) -> Result<ClientIdConfig, ConfigError> {
     }
     Ok(ClientIdConfig {
         headers,
+        query_params: raw.query_params,
         when_missing: raw.when_missing,
         trusted_hops: raw.trusted_hops,
         reject_status: raw.reject_status,
@@ -1072,6 +1089,11 @@ mod tests {
             r#"{"client_id":{"headers":["x api"]},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
             "client_id.headers[0]",
             "not a valid header name",
+        );
+        rejects(
+            r#"{"client_id":{"query_params":["key","a=b"]},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+            "client_id.query_params[1]",
+            "not a usable parameter name",
         );
         rejects(
             r#"{"rules":[{"name":"a","match":{"path_prefix":"api"},"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,

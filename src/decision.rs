@@ -163,19 +163,31 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
             });
         }
     }
-    match client_id::identify(&cfg.client_id, req) {
+    match client_id::identify(&cfg.client_id, req, path) {
         Identity::Reject => Plan::Reject(
             plain(
                 cfg.client_id.reject_status,
-                format!(
-                    "missing client id: send one of these headers: {}\n",
-                    cfg.client_id.headers.join(", ")
-                ),
+                missing_client_id(&cfg.client_id),
             ),
             RejectReason::NoClientId,
         ),
         Identity::Subject(subject) => Plan::Check(PendingCheck { subject, limits }),
     }
+}
+
+/// The body of a `when_missing: reject` deny: where to put the id.
+fn missing_client_id(cfg: &crate::config::ClientIdConfig) -> String {
+    let mut ways = Vec::new();
+    if !cfg.headers.is_empty() {
+        ways.push(format!("one of these headers: {}", cfg.headers.join(", ")));
+    }
+    if !cfg.query_params.is_empty() {
+        ways.push(format!(
+            "one of these query parameters (once): {}",
+            cfg.query_params.join(", ")
+        ));
+    }
+    format!("missing client id: send {}\n", ways.join(", or "))
 }
 
 fn plain(status: u32, body: String) -> DenyResponse {

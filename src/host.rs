@@ -46,7 +46,7 @@ pub mod fake {
     use std::cell::RefCell;
     use std::collections::HashMap;
 
-    #[derive(Default)]
+    #[derive(Default, Clone)]
     pub struct FakeRequest {
         pub headers: Vec<(String, Vec<u8>)>,
         pub source: Option<String>,

@@ -231,6 +231,34 @@ fn missing_client_id_follows_when_missing() {
 }
 
 #[test]
+fn a_query_parameter_identifies_the_client_however_it_is_encoded() {
+    let t = Topology::start(TopologyOptions {
+        plugin_config: plugin_config(
+            r#"{"query_params": ["api_key"], "when_missing": "reject"}"#,
+            "local",
+        ),
+        replicas: 1,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    wait_for_fresh_window(Duration::from_secs(10));
+    // Two spellings of one key share one quota, as they are one key to the
+    // upstream.
+    let spellings = ["/api/items?api_key=k1", "/api/items?page=2&api%5Fkey=%6B1"];
+    let admitted = (0..LIMIT + 4)
+        .filter(|i| t.get(spellings[i % 2], &[]).status == 200)
+        .count();
+    assert_eq!(admitted, LIMIT);
+    let other = t.get("/api/items?api_key=k2", &[]);
+    assert_eq!(other.status, 200, "another key has its own quota");
+    // Given twice, the key is ambiguous: missing, so rejected here.
+    let r = t.get("/api/items?api_key=k2&api_key=k1", &[]);
+    assert_eq!(r.status, 401);
+    assert!(r.body.contains("api_key"), "{}", r.body);
+    assert_no_vm_panics(&t);
+}
+
+#[test]
 fn client_address_comes_from_the_trusted_forwarded_for_hop() {
     // Through the front (one trusted hop), clients without a key are counted
     // by their address; a forged x-forwarded-for entry changes nothing.
