@@ -12,8 +12,8 @@
 //!  6. meshlimitd alone, checks/s over HTTP, beside redis-benchmark running
 //!     the same script with EVALSHA (the Redis ceiling);
 //!  7. meshlimit, global, group commit, one hot client;
-//!  8. meshlimit, global, group commit, 16 clients (16 oha processes, one
-//!     client id each, sharing the connections of the other runs).
+//!  8. meshlimit, global, group commit, 1000 clients (each request's id
+//!     drawn at random, in a query parameter, by the same single oha).
 //!
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The load generator is oha.
@@ -79,47 +79,22 @@ fn pin(pid: Option<u32>, cpus: &str) {
     assert!(ok, "taskset could not pin process {pid} to CPUs {cpus}");
 }
 
-/// One oha run; `rate` None means as fast as possible.
-fn load(url: &str, headers: &[&str], rate: Option<u64>, post: Option<&str>) -> Sample {
+/// One oha run; `rate` None means as fast as possible. `url` is a regex
+/// (oha's `--rand-regex-url`) when `client_id_regex` says so, each request
+/// then going to a URL drawn from it.
+fn load(
+    url: &str,
+    headers: &[&str],
+    rate: Option<u64>,
+    post: Option<&str>,
+    client_id_regex: bool,
+) -> Sample {
     let connections = if rate.is_some() {
         CONNECTIONS
     } else {
         SATURATION_CONNECTIONS
     };
-    parse(run_oha(url, headers, rate, post, connections).wait_with_output())
-}
-
-/// `clients` oha processes at once, one connection and one client id each,
-/// sharing the rate; throughput summed, latency percentiles the worst.
-fn load_clients(url: &str, clients: u32, rate: Option<u64>) -> Sample {
-    let runs: Vec<_> = (0..clients)
-        .map(|c| {
-            let key = format!("x-api-key: client-{c}");
-            let total = if rate.is_some() {
-                CONNECTIONS
-            } else {
-                SATURATION_CONNECTIONS
-            };
-            run_oha(
-                url,
-                &[&key],
-                rate.map(|r| (r / u64::from(clients)).max(1)),
-                None,
-                (total / clients).max(1),
-            )
-        })
-        .collect();
-    let samples: Vec<Sample> = runs
-        .into_iter()
-        .map(|r| parse(r.wait_with_output()))
-        .collect();
-    Sample {
-        rps: samples.iter().map(|s| s.rps).sum(),
-        p50_ms: median(samples.iter().map(|s| s.p50_ms).collect()),
-        p99_ms: samples.iter().map(|s| s.p99_ms).fold(0.0, f64::max),
-        p999_ms: samples.iter().map(|s| s.p999_ms).fold(0.0, f64::max),
-        non_2xx_4xx: samples.iter().map(|s| s.non_2xx_4xx).sum(),
-    }
+    parse(run_oha(url, headers, rate, post, connections, client_id_regex).wait_with_output())
 }
 
 fn run_oha(
@@ -128,6 +103,7 @@ fn run_oha(
     rate: Option<u64>,
     post: Option<&str>,
     connections: u32,
+    url_is_regex: bool,
 ) -> std::process::Child {
     let loadgen_cpus = LOADGEN_CPUS.lock().map(|c| c.clone()).unwrap_or(None);
     let mut cmd = match loadgen_cpus {
@@ -151,6 +127,9 @@ fn run_oha(
     }
     for h in headers {
         cmd.args(["-H", h]);
+    }
+    if url_is_regex {
+        cmd.arg("--rand-regex-url");
     }
     if let Some(body) = post {
         cmd.args(["-m", "POST", "-T", "application/json", "-d", body]);
@@ -260,16 +239,19 @@ struct Target {
     url: String,
     admin: String,
     pid: u32,
-    /// Distinct clients (parallel oha processes); 0: one oha, one client.
-    clients: u32,
+    /// `url` draws a client id for each request (see [`MANY_CLIENTS`]).
+    many_clients: bool,
 }
 
+/// The query string of the many-clients configuration: one of 1000 client
+/// ids per request, drawn by oha (one load generator, as for the others).
+const MANY_CLIENTS: &str = r"\?key=c[0-9]{3}";
+
 fn run(t: &Target, key: &str, rate: Option<u64>) -> Sample {
-    if t.clients > 0 {
-        load_clients(&t.url, t.clients, rate)
-    } else {
-        load(&t.url, &[key], rate, None)
-    }
+    // The many-clients run sends no id header: it would win over the
+    // query parameter.
+    let headers: &[&str] = if t.many_clients { &[] } else { &[key] };
+    load(&t.url, headers, rate, None, t.many_clients)
 }
 
 fn main() {
@@ -311,56 +293,59 @@ fn main() {
         r#""group_commit": {"enabled": true}, "service""#,
     );
     let grouped_hot = meshlimit_topology(&grouped_config);
-    let grouped_many = meshlimit_topology(&grouped_config);
+    let grouped_many = meshlimit_topology(&grouped_config.replace(
+        r#""headers": ["x-api-key"]"#,
+        r#""headers": ["x-api-key"], "query_params": ["key"]"#,
+    ));
     let targets = vec![
         Target {
             name: "1. Envoy alone",
             url: format!("http://{bare_addr}/"),
             admin: base.addr(19_903),
             pid: bare.pid().unwrap_or(0),
-            clients: 0,
+            many_clients: false,
         },
         Target {
             name: "2. Envoy + local_ratelimit",
             url: format!("http://{lrl_addr}/"),
             admin: base.addr(19_904),
             pid: lrl.pid().unwrap_or(0),
-            clients: 0,
+            many_clients: false,
         },
         Target {
             name: "3. meshlimit, global, allowed",
             url: format!("http://{}/", global.replica_addr(1)),
             admin: global.replica_admin(1),
             pid: global.replica_pids()[0],
-            clients: 0,
+            many_clients: false,
         },
         Target {
             name: "4. meshlimit, over limit (deny cache)",
             url: format!("http://{}/", deny.replica_addr(1)),
             admin: deny.replica_admin(1),
             pid: deny.replica_pids()[0],
-            clients: 0,
+            many_clients: false,
         },
         Target {
             name: "5. meshlimit, Redis down, breaker open",
             url: format!("http://{}/", down.replica_addr(1)),
             admin: down.replica_admin(1),
             pid: down.replica_pids()[0],
-            clients: 0,
+            many_clients: false,
         },
         Target {
             name: "7. group commit, one hot client",
             url: format!("http://{}/", grouped_hot.replica_addr(1)),
             admin: grouped_hot.replica_admin(1),
             pid: grouped_hot.replica_pids()[0],
-            clients: 0,
+            many_clients: false,
         },
         Target {
-            name: "8. group commit, 16 clients",
-            url: format!("http://{}/", grouped_many.replica_addr(1)),
+            name: "8. group commit, 1000 clients",
+            url: format!("http://{}/{MANY_CLIENTS}", grouped_many.replica_addr(1)),
             admin: grouped_many.replica_admin(1),
             pid: grouped_many.replica_pids()[0],
-            clients: 16,
+            many_clients: true,
         },
     ];
     // The Envoy under test gets a core of its own, as a proxy's worker does
@@ -527,7 +512,7 @@ fn main() {
     let mut service_rps = Vec::new();
     let mut redis_rps = Vec::new();
     for rep in 0..REPEATS {
-        let s = load(&service_url, &[], None, Some(check));
+        let s = load(&service_url, &[], None, Some(check), false);
         service_rps.push(s.rps);
         let r = redis_benchmark(&global.host, &sha);
         println!(
@@ -729,7 +714,7 @@ fn report(
     let gc = sat(5).max(sat(6));
     let _ = writeln!(
         md,
-        "| group commit at saturation >= 0.5 of (1) | {:.2} (one hot client {:.2}, 16 clients {:.2}) | {} |",
+        "| group commit at saturation >= 0.5 of (1) | {:.2} (one hot client {:.2}, 1000 clients {:.2}) | {} |",
         gc / base,
         sat(5) / base,
         sat(6) / base,
@@ -746,7 +731,7 @@ fn report(
     let per_rq = |i: usize| calls.get(i).map_or(1.0, |c| c.0);
     let _ = writeln!(
         md,
-        "| calls to meshlimitd per request at saturation with group commit: well under 0.2 | {:.2} (one hot client), {:.2} (16 clients); one call per request: {:.2} | {} |",
+        "| calls to meshlimitd per request at saturation with group commit: well under 0.2 | {:.2} (one hot client), {:.2} (1000 clients); one call per request: {:.2} | {} |",
         per_rq(5),
         per_rq(6),
         per_rq(2),
