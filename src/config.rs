@@ -248,7 +248,9 @@ struct RawGroupCommit {
 impl Default for RawGroupCommit {
     fn default() -> Self {
         RawGroupCommit {
-            enabled: false,
+            // On: no slower when idle (a free call slot sends at once),
+            // far fewer calls and more throughput under load.
+            enabled: true,
             max_batch: 64,
             // Queue only while every call slot is busy: measured faster at
             // saturation than waiting for the call in flight (see
@@ -859,13 +861,13 @@ mod tests {
             }
         );
         assert_eq!(c.deny_cache_slots, 4096);
-        assert_eq!(c.group_commit, None, "group commit is opt-in");
-        let on = parse_str(
-            r#"{"group_commit":{"enabled":true},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        let off = parse_str(
+            r#"{"group_commit":{"enabled":false},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
         )
         .unwrap();
+        assert_eq!(off.group_commit, None, "one call per request");
         assert_eq!(
-            on.group_commit,
+            c.group_commit,
             Some(crate::batch::BatchConfig {
                 max_batch: 64,
                 max_age_ms: 0,

@@ -165,6 +165,43 @@ fn meshlimitd_down_is_a_fallback_not_an_error() {
 }
 
 #[test]
+fn with_group_commit_off_every_check_is_its_own_call() {
+    let mut t = topology(keyed_config("local").replace(
+        r#""service""#,
+        r#""group_commit": {"enabled": false}, "service""#,
+    ));
+    wait_for_fresh_window(Duration::from_secs(15));
+    assert_eq!(burst(&t, &key("solo"), 30), (LIMIT, 10));
+    let calls: u64 = (1..=2)
+        .map(|i| {
+            http::envoy_stats(
+                &t.replica_admin(i),
+                "^cluster\\.meshlimit\\.upstream_rq_total$",
+            )
+            .first()
+            .map_or(0, |(_, v)| *v)
+        })
+        .sum();
+    let cached = t.stat_total("meshlimit.deny_cache_hits");
+    assert_eq!(
+        calls + cached,
+        30,
+        "one call per request the cache did not answer"
+    );
+    assert_eq!(t.stat_total("meshlimit.batches"), 0);
+    // The per-request path falls back the same way.
+    t.stop_meshlimitd();
+    assert_eq!(
+        burst(&t, &key("solo-down"), 50),
+        (2 * LIMIT, 50 - 2 * LIMIT)
+    );
+    assert!(t.stat_total("meshlimit.service_errors.connection") >= 1);
+    t.start_meshlimitd();
+    wait_for_global_decisions(&t, Duration::from_secs(10));
+    assert_no_vm_panics(&t);
+}
+
+#[test]
 fn failure_mode_deny_sends_the_configured_deny() {
     let config = keyed_config("deny").replace(
         r#""failure_mode": "deny""#,
