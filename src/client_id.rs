@@ -3,8 +3,9 @@
 //! Subjects carry their source as a prefix (`hdr:<header>:`,
 //! `qry:<parameter>:`, `ip:`, `anon`) so that an API key that happens to
 //! look like an IP address, or the same value sent in two different headers,
-//! can never share a counter with something else. The value itself is untrusted and passed on verbatim (or
-//! hex-encoded when it is not UTF-8); `meshlimitd` makes it safe for keys.
+//! can never share a counter with something else. The value itself is
+//! untrusted and passed on verbatim (or hex-encoded when it is not UTF-8);
+//! `meshlimitd` makes it safe for keys.
 
 use crate::config::{ClientIdConfig, WhenMissing};
 use crate::host::RequestView;

@@ -612,13 +612,14 @@ fn validate_client_id(raw: RawClientId) -> Result<ClientIdConfig, ConfigError> {
         headers.push(lower);
     }
     for (i, name) in raw.query_params.iter().enumerate() {
-        // Names are compared after decoding, so any text will do, but not
-        // nothing, and nothing that could never appear as a name.
-        if name.is_empty() || name.len() > MAX_NAME_LEN || name.contains(['&', '=', '#']) {
+        // Names are compared after decoding, so most text will do; not
+        // what could never appear as a name, nor the ':' that ends the name
+        // in a subject (`qry:<name>:<value>` must stay one-to-one).
+        if name.is_empty() || name.len() > MAX_NAME_LEN || name.contains(['&', '=', '#', ':']) {
             return Err(err(
                 format!("client_id.query_params[{i}]"),
                 format!(
-                    "\"{name}\" is not a usable parameter name (1 to {MAX_NAME_LEN} characters, no '&', '=' or '#')"
+                    "\"{name}\" is not a usable parameter name (1 to {MAX_NAME_LEN} characters, none of '&', '=', '#', ':')"
                 ),
             ));
         }
