@@ -155,28 +155,25 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
     if let Err(reason) = validate(&request) {
         return error(StatusCode::BAD_REQUEST, reason);
     }
-    // Every check of the batch is its own atomic script run. Started
-    // together, they go out back to back on the one multiplexed Redis
-    // connection: a pipeline, whose answers come back in order.
-    if request.checks.len() > 1 {
+    // Each check is decided on its own and atomically; a batch's checks
+    // share script runs (one per Redis node), pipelined.
+    let decided = if let [one] = request.checks.as_slice() {
+        state.limiter.check(one).await.map(|r| vec![r])
+    } else {
         state.limiter.prepare_batch().await;
-    }
-    let decided =
-        futures_util::future::join_all(request.checks.iter().map(|c| state.limiter.check(c))).await;
-    let mut results = Vec::with_capacity(decided.len());
-    for outcome in decided {
-        match outcome {
-            Ok(result) => {
-                state.metrics.decision(result.allowed);
-                results.push(result);
+        state.limiter.check_batch(&request.checks).await
+    };
+    let results = match decided {
+        Ok(results) => results,
+        Err(e) => {
+            if let Some(suppressed) = state.error_log.allow() {
+                warn!(error = %e, suppressed, "cannot decide: answering 503 so the caller falls back");
             }
-            Err(e) => {
-                if let Some(suppressed) = state.error_log.allow() {
-                    warn!(error = %e, suppressed, "cannot decide: answering 503 so the caller falls back");
-                }
-                return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
-            }
+            return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
         }
+    };
+    for result in &results {
+        state.metrics.decision(result.allowed);
     }
     debug!(checks = results.len(), "decided");
     Json(CheckResponse { results }).into_response()

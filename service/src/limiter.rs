@@ -49,6 +49,8 @@ impl LimiterError {
 pub struct Limiter {
     backend: Backend,
     script: Script,
+    /// Several checks per run (see [`Limiter::check_batch`]).
+    many: Script,
     /// Makes sorted-set members unique across calls and instances.
     nonce: Arc<(u64, AtomicU64)>,
     prefix: String,
@@ -108,6 +110,7 @@ impl Limiter {
         Ok(Limiter {
             backend,
             script: Script::new(script::CHECK),
+            many: Script::new(script::CHECK_MANY),
             nonce: Arc::new((instance_id(), AtomicU64::new(0))),
             prefix,
             timeout,
@@ -119,14 +122,96 @@ impl Limiter {
 
     /// Decides one check atomically (all of its limits or none).
     pub async fn check(&self, check: &Check) -> Result<CheckResult, LimiterError> {
-        if self.health.fail_fast() {
-            self.metrics.redis_error(LimiterError::Unhealthy.kind());
-            return Err(LimiterError::Unhealthy);
-        }
-        let tag = keys::subject_tag(&check.subject);
         let mut invocation = self.script.prepare_invoke();
+        invocation.arg(self.next_nonce());
+        self.add_limits(&mut invocation, check);
+        let values = self.run(&invocation).await?;
+        parse_reply(check, &values)
+    }
+
+    /// Decides a batch of checks, answers in order. Each check is decided
+    /// on its own and atomically, as by [`Limiter::check`], but many share
+    /// one script run: the checks for one Redis node (on a Cluster, those
+    /// of one subject, which share a slot) go in a single `CHECK_MANY`, and
+    /// the runs for different nodes go out together, pipelined. A run costs
+    /// Redis (and this process) a command to parse and a script call to set
+    /// up whatever it decides, so a batch of 64 checks costs far less than
+    /// 64 runs.
+    pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<CheckResult>, LimiterError> {
+        // Groups of indices into `checks`, each group in request order.
+        let groups: Vec<Vec<usize>> = if self.backend.is_cluster() {
+            let mut group_of: std::collections::HashMap<&str, usize> = Default::default();
+            let mut groups: Vec<Vec<usize>> = Vec::new();
+            for (i, check) in checks.iter().enumerate() {
+                let g = *group_of.entry(&check.subject).or_insert_with(|| {
+                    groups.push(Vec::new());
+                    groups.len() - 1
+                });
+                if let Some(group) = groups.get_mut(g) {
+                    group.push(i);
+                }
+            }
+            groups
+        } else {
+            vec![(0..checks.len()).collect()]
+        };
+        let decided = futures_util::future::join_all(groups.iter().map(|group| {
+            let members: Vec<&Check> = group.iter().filter_map(|&i| checks.get(i)).collect();
+            async move { self.check_many(&members).await }
+        }))
+        .await;
+        let mut results: Vec<Option<CheckResult>> = (0..checks.len()).map(|_| None).collect();
+        for (group, decided) in groups.iter().zip(decided) {
+            for (&i, result) in group.iter().zip(decided?) {
+                if let Some(slot) = results.get_mut(i) {
+                    *slot = Some(result);
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.ok_or_else(|| LimiterError::Reply("a check was not answered".into())))
+            .collect()
+    }
+
+    /// One `CHECK_MANY` run for checks that share a Redis node.
+    async fn check_many(&self, checks: &[&Check]) -> Result<Vec<CheckResult>, LimiterError> {
+        if let [one] = checks {
+            return Ok(vec![self.check(one).await?]);
+        }
+        let mut invocation = self.many.prepare_invoke();
+        invocation.arg(self.next_nonce()).arg(checks.len());
+        for check in checks {
+            invocation.arg(check.limits.len());
+            self.add_limits(&mut invocation, check);
+        }
+        let values = self.run(&invocation).await?;
+        let mut rest = values.as_slice();
+        let mut results = Vec::with_capacity(checks.len());
+        for check in checks {
+            let n = (1 + script::REPLY_PER_LIMIT * check.limits.len()).min(rest.len());
+            let (mine, after) = rest.split_at(n);
+            results.push(parse_reply(check, mine)?);
+            rest = after;
+        }
+        if !rest.is_empty() {
+            return Err(LimiterError::Reply(format!(
+                "{} values too many",
+                rest.len()
+            )));
+        }
+        Ok(results)
+    }
+
+    /// Makes sorted-set members unique across runs and instances.
+    fn next_nonce(&self) -> String {
         let seq = self.nonce.1.fetch_add(1, Ordering::Relaxed);
-        invocation.arg(format!("{:x}.{seq:x}", self.nonce.0));
+        format!("{:x}.{seq:x}", self.nonce.0)
+    }
+
+    /// A check's keys and per-limit arguments, as the scripts take them.
+    fn add_limits(&self, invocation: &mut redis::ScriptInvocation<'_>, check: &Check) {
+        let tag = keys::subject_tag(&check.subject);
         for limit in &check.limits {
             invocation
                 .key(keys::limit_key(&self.prefix, &tag, limit))
@@ -137,9 +222,21 @@ impl Limiter {
                 .arg(limit.capacity())
                 .arg(u8::from(limit.shadow));
         }
+    }
+
+    /// Runs a script invocation with the timeout, the health check and the
+    /// metrics every run gets.
+    async fn run(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<Vec<i64>, LimiterError> {
+        if self.health.fail_fast() {
+            self.metrics.redis_error(LimiterError::Unhealthy.kind());
+            return Err(LimiterError::Unhealthy);
+        }
         let started = Instant::now();
         let reply =
-            tokio::time::timeout(self.timeout, self.backend.invoke::<Vec<i64>>(&invocation)).await;
+            tokio::time::timeout(self.timeout, self.backend.invoke::<Vec<i64>>(invocation)).await;
         self.metrics.observe_redis(started.elapsed());
         let values = match reply {
             Err(_) => Err(LimiterError::Timeout(self.timeout)),
@@ -148,7 +245,7 @@ impl Limiter {
         }
         .inspect_err(|e| self.metrics.redis_error(e.kind()));
         self.health.record(values.is_ok());
-        parse_reply(check, &values?)
+        values
     }
 
     /// Loads the script once before a batch, so its runs go out in request
@@ -159,9 +256,11 @@ impl Limiter {
         if self.script_loaded.load(Ordering::Relaxed) || self.health.fail_fast() {
             return;
         }
-        if let Ok(Ok(())) =
-            tokio::time::timeout(self.timeout, self.backend.load(&self.script)).await
-        {
+        let load = async {
+            self.backend.load(&self.script).await?;
+            self.backend.load(&self.many).await
+        };
+        if let Ok(Ok(())) = tokio::time::timeout(self.timeout, load).await {
             self.script_loaded.store(true, Ordering::Relaxed);
         }
     }

@@ -1,7 +1,9 @@
-//! The Lua script that decides one check on Redis.
+//! The Lua scripts that decide checks on Redis.
 //!
-//! One script run per check, whatever the number and mix of its limits. It
-//! reads every counter, decides, and only then charges them, so a denied
+//! One decision per check, whatever the number and mix of its limits
+//! ([`CHECK`] makes one per run, [`CHECK_MANY`] several, one after the other,
+//! each all or nothing on its own). A decision reads every counter of its
+//! check, decides, and only then charges them, so a denied
 //! request consumes nothing anywhere (the seed article's sorted-set version
 //! records denied requests too, which keeps a persistent client locked out).
 //! The clock is Redis' `TIME`, never the callers' (N replicas, N clocks).
@@ -39,19 +41,23 @@ pub const ARGS_PER_LIMIT: usize = 6;
 /// Values per limit in the reply after the overall decision.
 pub const REPLY_PER_LIMIT: usize = 4;
 
-pub const CHECK: &str = r#"
-local t = redis.call('TIME')
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local now = math.floor(now_us / 1000)
-local nonce = ARGV[1]
+/// The decision itself, as a Lua function over one check's slice of KEYS
+/// and ARGV, shared by [`CHECK`] and [`CHECK_MANY`].
+macro_rules! decide_fn {
+    () => {
+        r#"
 local function num(x) return string.format('%.0f', x) end
+-- One check: its keys are KEYS[k + 1 .. k + n], its limits' arguments
+-- ARGV[a + 1 .. a + 6n]. Returns allowed, then 4 values per limit.
+local function decide(k, n, a, nonce, now_us)
+local now = math.floor(now_us / 1000)
 local st = {}
 local allowed = 1
-for i = 1, #KEYS do
-  local b = 1 + (i - 1) * 6
+for i = 1, n do
+  local b = a + (i - 1) * 6
   local s = { alg = ARGV[b + 1], limit = tonumber(ARGV[b + 2]), window = tonumber(ARGV[b + 3]),
               cost = tonumber(ARGV[b + 4]), burst = tonumber(ARGV[b + 5]), shadow = ARGV[b + 6] == '1' }
-  local key, limit, window, cost = KEYS[i], s.limit, s.window, s.cost
+  local key, limit, window, cost = KEYS[k + i], s.limit, s.window, s.cost
   if s.alg == 'fw' then
     s.used = tonumber(redis.call('GET', key) or '0')
     s.reset = window - (now % window)
@@ -109,8 +115,8 @@ for i = 1, #KEYS do
   st[i] = s
 end
 local out = { allowed }
-for i = 1, #KEYS do
-  local s, key = st[i], KEYS[i]
+for i = 1, n do
+  local s, key = st[i], KEYS[k + i]
   local charge = allowed == 1 and s.fits
   local remaining, reset
   if s.alg == 'fw' then
@@ -160,4 +166,39 @@ for i = 1, #KEYS do
   out[#out + 1] = math.max(0, s.retry)
 end
 return out
-"#;
+end
+"#
+    };
+}
+
+/// One check per run.
+pub const CHECK: &str = concat!(
+    decide_fn!(),
+    r#"
+local t = redis.call('TIME')
+return decide(0, #KEYS, 1, ARGV[1], tonumber(t[1]) * 1000000 + tonumber(t[2]))
+"#
+);
+
+/// Several checks in one run, decided one after the other, each on its own
+/// and all or nothing exactly as [`CHECK`] decides it; one `TIME` for all.
+///
+/// ARGV: nonce, number of checks, then per check: its number of limits and
+/// their arguments as for [`CHECK`]. KEYS: every check's keys, in order.
+/// Returns every check's reply, concatenated in order.
+pub const CHECK_MANY: &str = concat!(
+    decide_fn!(),
+    r#"
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local out, k, a = {}, 0, 2
+for c = 1, tonumber(ARGV[2]) do
+  local n = tonumber(ARGV[a + 1])
+  local r = decide(k, n, a + 1, ARGV[1] .. '.' .. c, now_us)
+  for j = 1, #r do out[#out + 1] = r[j] end
+  k = k + n
+  a = a + 1 + 6 * n
+end
+return out
+"#
+);
