@@ -81,31 +81,20 @@ fn pin(pid: Option<u32>, cpus: &str) {
 }
 
 /// One oha run; `rate` None means as fast as possible. `url` is a regex
-/// (oha's `--rand-regex-url`) when `client_id_regex` says so, each request
+/// (oha's `--rand-regex-url`) when `url_is_regex` says so, each request
 /// then going to a URL drawn from it.
 fn load(
     url: &str,
     headers: &[&str],
     rate: Option<u64>,
     post: Option<&str>,
-    client_id_regex: bool,
+    url_is_regex: bool,
 ) -> Sample {
     let connections = if rate.is_some() {
         CONNECTIONS
     } else {
         SATURATION_CONNECTIONS
     };
-    parse(run_oha(url, headers, rate, post, connections, client_id_regex).wait_with_output())
-}
-
-fn run_oha(
-    url: &str,
-    headers: &[&str],
-    rate: Option<u64>,
-    post: Option<&str>,
-    connections: u32,
-    url_is_regex: bool,
-) -> std::process::Child {
     let loadgen_cpus = LOADGEN_CPUS.lock().map(|c| c.clone()).unwrap_or(None);
     let mut cmd = match loadgen_cpus {
         Some(cpus) => {
@@ -138,8 +127,10 @@ fn run_oha(
     cmd.arg(url)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    cmd.spawn()
-        .unwrap_or_else(|e| panic!("cannot run oha: {e} (make bench installs it)"))
+    let run = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run oha: {e} (make bench installs it)"));
+    parse(run.wait_with_output())
 }
 
 fn parse(out: std::io::Result<std::process::Output>) -> Sample {
@@ -167,6 +158,15 @@ fn parse(out: std::io::Result<std::process::Output>) -> Sample {
         p999_ms: ms("p99.9"),
         non_2xx_4xx: bad,
     }
+}
+
+/// Median throughput of configuration `i`'s runs.
+fn median_rps(runs: &BTreeMap<usize, Vec<Sample>>, i: usize) -> f64 {
+    median(
+        runs.get(&i)
+            .map(|v| v.iter().map(|s| s.rps).collect())
+            .unwrap_or_default(),
+    )
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -470,8 +470,8 @@ fn main() {
         .collect();
     let rate = {
         let min = saturation
-            .values()
-            .map(|s| median(s.iter().map(|x| x.rps).collect()))
+            .keys()
+            .map(|&i| median_rps(&saturation, i))
             .fold(f64::MAX, f64::min);
         ((min * 0.5 / 100.0).floor() * 100.0).max(100.0) as u64
     };
@@ -600,14 +600,7 @@ fn report(
     rss: &[u64],
     wasm_bytes: u64,
 ) {
-    let sat = |i: usize| {
-        median(
-            saturation
-                .get(&i)
-                .map(|v| v.iter().map(|s| s.rps).collect())
-                .unwrap_or_default(),
-        )
-    };
+    let sat = |i: usize| median_rps(saturation, i);
     let lat = |i: usize, f: fn(&Sample) -> f64| {
         median(
             fixed
@@ -746,14 +739,7 @@ fn report(
         check(per_rq(5) < 0.2 && per_rq(6) < 0.2)
     );
     if !unpinned.is_empty() {
-        let free = |i: usize| {
-            median(
-                unpinned
-                    .get(&i)
-                    .map(|v| v.iter().map(|s| s.rps).collect())
-                    .unwrap_or_default(),
-            )
-        };
+        let free = |i: usize| median_rps(unpinned, i);
         let _ = writeln!(
             md,
             "\n## Unpinned\n\nThe same saturation runs with every process free to run on every core (the \
