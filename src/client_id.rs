@@ -325,3 +325,59 @@ mod tests {
         assert_eq!(id("/?key=a&k%65y=a"), Identity::Reject);
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use crate::host::fake::FakeRequest;
+    use proptest::prelude::*;
+
+    fn by_key() -> ClientIdConfig {
+        ClientIdConfig {
+            headers: Vec::new(),
+            query_params: vec!["key".into()],
+            when_missing: WhenMissing::Reject,
+            trusted_hops: 0,
+            reject_status: 401,
+        }
+    }
+
+    fn percent_encode(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("%{b:02X}")).collect()
+    }
+
+    proptest! {
+        #[test]
+        fn any_path_is_identified_or_refused_never_a_panic(path in "\\PC{0,80}") {
+            let _ = identify(&by_key(), &FakeRequest::default(), &path);
+        }
+
+        #[test]
+        fn any_value_survives_encoding_as_itself(
+            value in prop::collection::vec(any::<u8>(), 1..40),
+            before in "[a-z]{0,5}=[a-z0-9]{0,5}",
+        ) {
+            prop_assume!(!before.starts_with("key="));
+            let path = format!("/x?{before}&key={}", percent_encode(&value));
+            let expected = subject("qry", "key", &value);
+            prop_assert_eq!(
+                identify(&by_key(), &FakeRequest::default(), &path),
+                Identity::Subject(expected)
+            );
+        }
+
+        #[test]
+        fn distinct_values_are_distinct_clients(
+            a in prop::collection::vec(any::<u8>(), 1..20),
+            b in prop::collection::vec(any::<u8>(), 1..20),
+        ) {
+            prop_assume!(a != b);
+            let id = |v: &[u8]| identify(
+                &by_key(),
+                &FakeRequest::default(),
+                &format!("/?key={}", percent_encode(v)),
+            );
+            prop_assert_ne!(id(&a), id(&b));
+        }
+    }
+}
