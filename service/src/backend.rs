@@ -38,6 +38,9 @@ pub struct Options {
     pub sentinel_master: Option<String>,
     /// PEM CA certificate for `rediss://` URLs (otherwise the system's roots).
     pub ca_pem: Option<Vec<u8>>,
+    /// PEM certificate and key meshlimitd presents to Redis (mutual TLS,
+    /// for a Redis with `tls-auth-clients yes`).
+    pub client_pem: Option<(Vec<u8>, Vec<u8>)>,
     pub timeout: Duration,
 }
 
@@ -47,6 +50,8 @@ pub enum ConfigError {
     NoUrl,
     #[error("--redis-mode sentinel needs --sentinel-master")]
     NoSentinelMaster,
+    #[error("TLS files (--redis-ca-file, --redis-client-cert) are not supported with --redis-mode sentinel yet")]
+    SentinelTls,
     #[error("standalone mode takes one --redis-url, got {0}")]
     TooManyUrls(usize),
     #[error("invalid Redis URL: {0}")]
@@ -74,10 +79,21 @@ pub struct SentinelMaster {
     timeout: Duration,
 }
 
-fn tls_certs(ca_pem: &Option<Vec<u8>>) -> Option<redis::TlsCertificates> {
-    ca_pem.as_ref().map(|pem| redis::TlsCertificates {
-        client_tls: None,
-        root_cert: Some(pem.clone()),
+/// The CA and client certificate to use, if any was given (otherwise
+/// `rediss://` trusts the system's roots and presents no certificate).
+fn tls_certs(options: &Options) -> Option<redis::TlsCertificates> {
+    if options.ca_pem.is_none() && options.client_pem.is_none() {
+        return None;
+    }
+    Some(redis::TlsCertificates {
+        client_tls: options
+            .client_pem
+            .as_ref()
+            .map(|(cert, key)| redis::ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: options.ca_pem.clone(),
     })
 }
 
@@ -89,7 +105,7 @@ impl Backend {
                 if options.urls.len() > 1 {
                     return Err(ConfigError::TooManyUrls(options.urls.len()));
                 }
-                let client = match tls_certs(&options.ca_pem) {
+                let client = match tls_certs(options) {
                     Some(certs) => redis::Client::build_with_tls(first.as_str(), certs)?,
                     None => redis::Client::open(first.as_str())?,
                 };
@@ -111,7 +127,7 @@ impl Backend {
                     ClusterClientBuilder::new(options.urls.iter().map(String::as_str))
                         .connection_timeout(options.timeout.max(Duration::from_millis(100)))
                         .response_timeout(options.timeout);
-                if let Some(certs) = tls_certs(&options.ca_pem) {
+                if let Some(certs) = tls_certs(options) {
                     builder = builder.certs(certs);
                 }
                 Ok(Backend::Cluster(Arc::new(LazyCluster {
@@ -126,6 +142,10 @@ impl Backend {
                     .sentinel_master
                     .clone()
                     .ok_or(ConfigError::NoSentinelMaster)?;
+                // Refuse rather than silently connect without the files.
+                if tls_certs(options).is_some() {
+                    return Err(ConfigError::SentinelTls);
+                }
                 let sentinel = SentinelClient::build(
                     options.urls.clone(),
                     master,
@@ -261,5 +281,39 @@ impl SentinelMaster {
                 *self.connection.lock().await = None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(mode: Mode) -> Options {
+        Options {
+            mode,
+            urls: vec!["redis://127.0.0.1:1".into()],
+            sentinel_master: Some("m".into()),
+            ca_pem: None,
+            client_pem: None,
+            timeout: Duration::from_millis(50),
+        }
+    }
+
+    #[test]
+    fn sentinel_refuses_tls_files_instead_of_ignoring_them() {
+        let mut o = options(Mode::Sentinel);
+        assert!(Backend::new(&o).is_ok());
+        o.ca_pem = Some(b"pem".to_vec());
+        assert!(matches!(Backend::new(&o), Err(ConfigError::SentinelTls)));
+    }
+
+    #[test]
+    fn a_client_certificate_alone_still_builds_tls_settings() {
+        let mut o = options(Mode::Standalone);
+        assert!(tls_certs(&o).is_none());
+        o.client_pem = Some((b"cert".to_vec(), b"key".to_vec()));
+        let certs = tls_certs(&o).expect("client certificate");
+        assert!(certs.root_cert.is_none(), "system roots");
+        assert!(certs.client_tls.is_some());
     }
 }

@@ -38,6 +38,21 @@ struct Args {
     /// PEM file of the CA that signed Redis' TLS certificate (rediss://).
     #[arg(long, env = "MESHLIMITD_REDIS_CA_FILE")]
     redis_ca_file: Option<std::path::PathBuf>,
+    /// PEM certificate meshlimitd presents to Redis (mutual TLS); needs
+    /// --redis-client-key.
+    #[arg(
+        long,
+        env = "MESHLIMITD_REDIS_CLIENT_CERT",
+        requires = "redis_client_key"
+    )]
+    redis_client_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --redis-client-cert.
+    #[arg(
+        long,
+        env = "MESHLIMITD_REDIS_CLIENT_KEY",
+        requires = "redis_client_cert"
+    )]
+    redis_client_key: Option<std::path::PathBuf>,
     /// Prefix of every key meshlimitd writes (must not contain '{' or '}').
     #[arg(long, env = "MESHLIMITD_KEY_PREFIX", default_value = "ml:")]
     key_prefix: String,
@@ -90,12 +105,20 @@ async fn run(args: Args) -> Result<(), String> {
         );
     }
     let metrics = Metrics::new();
-    let ca_pem = match &args.redis_ca_file {
-        Some(path) => Some(
-            std::fs::read(path)
-                .map_err(|e| format!("cannot read --redis-ca-file {}: {e}", path.display()))?,
-        ),
-        None => None,
+    let read = |flag: &str, path: &Option<std::path::PathBuf>| -> Result<_, String> {
+        path.as_ref()
+            .map(|p| {
+                std::fs::read(p).map_err(|e| format!("cannot read {flag} {}: {e}", p.display()))
+            })
+            .transpose()
+    };
+    let ca_pem = read("--redis-ca-file", &args.redis_ca_file)?;
+    let client_pem = match (
+        read("--redis-client-cert", &args.redis_client_cert)?,
+        read("--redis-client-key", &args.redis_client_key)?,
+    ) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        _ => None,
     };
     let options = backend::Options {
         mode: args.redis_mode.clone(),
@@ -108,6 +131,7 @@ async fn run(args: Args) -> Result<(), String> {
             .collect(),
         sentinel_master: args.sentinel_master.clone(),
         ca_pem,
+        client_pem,
         timeout: Duration::from_millis(args.redis_timeout_ms.max(1)),
     };
     let limiter = Limiter::new(&options, args.key_prefix.clone(), metrics.clone())

@@ -101,7 +101,7 @@ fn openssl(dir: &Path, args: &[&str]) {
 }
 
 #[test]
-fn tls_with_a_private_ca() {
+fn tls_with_a_private_ca_and_a_client_certificate() {
     let dir = TempDir::new("tls");
     let host = unique_host();
     let d = dir.path();
@@ -212,6 +212,112 @@ fn tls_with_a_private_ca() {
         http::get(&untrusting.addr, "/readyz", &[]).unwrap().status,
         503
     );
+    drop(untrusting);
+
+    // Mutual TLS: a Redis that demands a client certificate signed by the CA.
+    openssl(
+        d,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "client.key",
+            "-out",
+            "client.csr",
+            "-subj",
+            "/CN=meshlimitd",
+        ],
+    );
+    // rustls takes X.509 v3 certificates only; an extension makes it v3.
+    std::fs::write(d.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    openssl(
+        d,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "client.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "client.ext",
+        ],
+    );
+    let mut mtls = Proc::spawn(
+        "redis-mtls",
+        Command::new(tools::redis_server())
+            .args(["--bind", &host, "--port", "0", "--tls-port", "16381"])
+            .args([
+                "--tls-cert-file",
+                "redis.pem",
+                "--tls-key-file",
+                "redis.key",
+                "--tls-ca-cert-file",
+                "ca.pem",
+            ])
+            .args([
+                "--tls-auth-clients",
+                "yes",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .current_dir(d),
+        d,
+    );
+    let mtls_addr = format!("{host}:16381");
+    wait_until(
+        &mut mtls,
+        "listening for TLS",
+        Duration::from_secs(10),
+        || std::net::TcpStream::connect(&mtls_addr).is_ok(),
+    );
+    let url = format!("rediss://{mtls_addr}");
+    let (cert, key) = (d.join("client.pem"), d.join("client.key"));
+    let no_cert = Meshlimitd::start_binary(
+        binary(),
+        &host,
+        &url,
+        d,
+        &["--redis-ca-file", ca.to_str().unwrap()],
+    );
+    assert_eq!(
+        http::get(&no_cert.addr, "/readyz", &[]).unwrap().status,
+        503,
+        "Redis refuses a client without a certificate"
+    );
+    drop(no_cert);
+    let with_cert = Meshlimitd::start_binary(
+        binary(),
+        &host,
+        &url,
+        d,
+        &[
+            "--redis-ca-file",
+            ca.to_str().unwrap(),
+            "--redis-client-cert",
+            cert.to_str().unwrap(),
+            "--redis-client-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(
+        http::get(&with_cert.addr, "/readyz", &[]).unwrap().status,
+        200,
+        "{}",
+        with_cert.proc.output()
+    );
+    assert_eq!(check_status(&with_cert.addr), 200);
 }
 
 fn sentinel(host: &str, dir: &Path, port: u16, master_port: u16) -> Proc {
