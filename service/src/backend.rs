@@ -15,8 +15,11 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::{Cmd, FromRedisValue, RedisError, RedisResult, Script, ScriptInvocation};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{
+    Cmd, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, Script, ScriptInvocation,
+    TlsMode,
+};
 use tokio::sync::Mutex;
 
 /// How to reach Redis.
@@ -50,8 +53,10 @@ pub enum ConfigError {
     NoUrl,
     #[error("--redis-mode sentinel needs --sentinel-master")]
     NoSentinelMaster,
-    #[error("TLS files (--redis-ca-file, --redis-client-cert) are not supported with --redis-mode sentinel yet")]
-    SentinelTls,
+    #[error("with --redis-mode sentinel, TLS files (--redis-ca-file, --redis-client-cert) need rediss:// sentinel URLs")]
+    SentinelTlsFilesWithoutTls,
+    #[error("with --redis-mode sentinel, use rediss:// for every sentinel or for none")]
+    SentinelMixedTls,
     #[error("standalone mode takes one --redis-url, got {0}")]
     TooManyUrls(usize),
     #[error("invalid Redis URL: {0}")]
@@ -95,6 +100,62 @@ fn tls_certs(options: &Options) -> Option<redis::TlsCertificates> {
             }),
         root_cert: options.ca_pem.clone(),
     })
+}
+
+/// The sentinels' client. With `rediss://` sentinel URLs, TLS everywhere:
+/// to the sentinels and to the master they name, with the given CA and
+/// client certificate for both (Redis' `tls-replication yes` setups).
+fn sentinel_client(options: &Options, master: &str) -> Result<SentinelClient, ConfigError> {
+    let secure = options
+        .urls
+        .iter()
+        .filter(|u| u.starts_with("rediss://"))
+        .count();
+    if secure == 0 {
+        // Refuse rather than silently connect without the files.
+        if tls_certs(options).is_some() {
+            return Err(ConfigError::SentinelTlsFilesWithoutTls);
+        }
+        return Ok(SentinelClient::build(
+            options.urls.clone(),
+            master,
+            None,
+            SentinelServerType::Master,
+        )?);
+    }
+    if secure != options.urls.len() {
+        return Err(ConfigError::SentinelMixedTls);
+    }
+    let mut sentinels = Vec::with_capacity(options.urls.len());
+    let mut auth = None;
+    for url in &options.urls {
+        let info = url.as_str().into_connection_info()?;
+        let settings = info.redis_settings();
+        if auth.is_none() {
+            auth = Some((
+                settings.username().map(String::from),
+                settings.password().map(String::from),
+            ));
+        }
+        sentinels.push(info.addr().clone());
+    }
+    let mut builder = SentinelClientBuilder::new(sentinels, master, SentinelServerType::Master)?
+        .set_client_to_redis_tls_mode(TlsMode::Secure);
+    // The sentinels' credentials come from their URLs, as without TLS.
+    if let Some((username, password)) = auth {
+        if let Some(u) = username {
+            builder = builder.set_client_to_sentinel_username(u);
+        }
+        if let Some(p) = password {
+            builder = builder.set_client_to_sentinel_password(p);
+        }
+    }
+    if let Some(certs) = tls_certs(options) {
+        builder = builder
+            .set_client_to_redis_certificates(certs.clone())
+            .set_client_to_sentinel_certificates(certs);
+    }
+    Ok(builder.build()?)
 }
 
 impl Backend {
@@ -142,16 +203,7 @@ impl Backend {
                     .sentinel_master
                     .clone()
                     .ok_or(ConfigError::NoSentinelMaster)?;
-                // Refuse rather than silently connect without the files.
-                if tls_certs(options).is_some() {
-                    return Err(ConfigError::SentinelTls);
-                }
-                let sentinel = SentinelClient::build(
-                    options.urls.clone(),
-                    master,
-                    None,
-                    SentinelServerType::Master,
-                )?;
+                let sentinel = sentinel_client(options, &master)?;
                 Ok(Backend::Sentinel(Arc::new(SentinelMaster {
                     sentinel: Mutex::new(sentinel),
                     connection: Mutex::new(None),
@@ -300,11 +352,25 @@ mod tests {
     }
 
     #[test]
-    fn sentinel_refuses_tls_files_instead_of_ignoring_them() {
+    fn sentinel_tls_follows_the_urls_and_never_ignores_files() {
         let mut o = options(Mode::Sentinel);
         assert!(Backend::new(&o).is_ok());
         o.ca_pem = Some(b"pem".to_vec());
-        assert!(matches!(Backend::new(&o), Err(ConfigError::SentinelTls)));
+        assert!(matches!(
+            Backend::new(&o),
+            Err(ConfigError::SentinelTlsFilesWithoutTls)
+        ));
+        o.ca_pem = None;
+        o.urls = vec!["rediss://127.0.0.1:1".into(), "redis://127.0.0.1:2".into()];
+        assert!(matches!(
+            Backend::new(&o),
+            Err(ConfigError::SentinelMixedTls)
+        ));
+        o.urls = vec![
+            "rediss://u:p@127.0.0.1:1".into(),
+            "rediss://127.0.0.1:2".into(),
+        ];
+        assert!(Backend::new(&o).is_ok());
     }
 
     #[test]

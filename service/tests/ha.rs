@@ -100,11 +100,9 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
-#[test]
-fn tls_with_a_private_ca_and_a_client_certificate() {
-    let dir = TempDir::new("tls");
-    let host = unique_host();
-    let d = dir.path();
+/// A CA (ca.pem, ca.key) and a server certificate it signed for `host`
+/// (redis.pem, redis.key), in `d`.
+fn private_ca(d: &Path, host: &str) {
     openssl(
         d,
         &[
@@ -159,6 +157,14 @@ fn tls_with_a_private_ca_and_a_client_certificate() {
             "san.ext",
         ],
     );
+}
+
+#[test]
+fn tls_with_a_private_ca_and_a_client_certificate() {
+    let dir = TempDir::new("tls");
+    let host = unique_host();
+    let d = dir.path();
+    private_ca(d, &host);
     let mut redis = Proc::spawn(
         "redis-tls",
         Command::new(tools::redis_server())
@@ -421,4 +427,100 @@ fn sentinel_failover_is_followed_without_a_restart() {
         "sentinel failover: checks global again {} ms after the master died",
         killed.elapsed().as_millis()
     );
+}
+
+#[test]
+fn sentinel_over_tls_finds_and_uses_the_master_over_tls() {
+    let dir = TempDir::new("sentinel-tls");
+    let host = unique_host();
+    let d = dir.path();
+    private_ca(d, &host);
+    let tls_files = [
+        "--tls-cert-file",
+        "redis.pem",
+        "--tls-key-file",
+        "redis.key",
+        "--tls-ca-cert-file",
+        "ca.pem",
+        "--tls-auth-clients",
+        "no",
+    ];
+    // A master and a sentinel that listen on TLS only; the sentinel talks
+    // to the master over TLS too.
+    let mut master = Proc::spawn(
+        "redis-master-tls",
+        Command::new(tools::redis_server())
+            .args(["--bind", &host, "--port", "0", "--tls-port", "16382"])
+            .args(tls_files)
+            .args([
+                "--tls-replication",
+                "yes",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .current_dir(d),
+        d,
+    );
+    let master_addr = format!("{host}:16382");
+    wait_until(
+        &mut master,
+        "listening for TLS",
+        Duration::from_secs(10),
+        || std::net::TcpStream::connect(&master_addr).is_ok(),
+    );
+    let conf = d.join("sentinel-tls.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "port 0\ntls-port 16383\nbind {host}\nprotected-mode no\ndir {}\n\
+             tls-cert-file redis.pem\ntls-key-file redis.key\ntls-ca-cert-file ca.pem\n\
+             tls-auth-clients no\ntls-replication yes\n\
+             sentinel announce-ip {host}\n\
+             sentinel monitor mymaster {host} 16382 1\n",
+            d.display()
+        ),
+    )
+    .unwrap();
+    let mut sentinel = Proc::spawn(
+        "sentinel-tls",
+        Command::new(tools::redis_server())
+            .arg(&conf)
+            .arg("--sentinel")
+            .current_dir(d),
+        d,
+    );
+    let sentinel_addr = format!("{host}:16383");
+    wait_until(
+        &mut sentinel,
+        "sentinel listening for TLS",
+        Duration::from_secs(10),
+        || std::net::TcpStream::connect(&sentinel_addr).is_ok(),
+    );
+    let ca = d.join("ca.pem");
+    let service = Meshlimitd::start_binary(
+        binary(),
+        &host,
+        &format!("rediss://{sentinel_addr}"),
+        d,
+        &[
+            "--redis-mode",
+            "sentinel",
+            "--sentinel-master",
+            "mymaster",
+            "--redis-ca-file",
+            ca.to_str().unwrap(),
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http::get(&service.addr, "/readyz", &[]).unwrap().status != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "not ready over TLS: {}",
+            service.proc.output()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(check_status(&service.addr), 200);
 }
