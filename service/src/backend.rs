@@ -233,12 +233,12 @@ impl Backend {
         }
     }
 
-    /// Loads a script into the script cache (every node, for a cluster).
     /// Whether keys with different hash tags may live on different nodes.
     pub fn is_cluster(&self) -> bool {
         matches!(self, Backend::Cluster(_))
     }
 
+    /// Loads a script into the script cache (every node, for a cluster).
     pub async fn load(&self, script: &Script) -> RedisResult<()> {
         match self {
             Backend::Standalone(conn) => script.load_async(&mut conn.clone()).await.map(drop),
