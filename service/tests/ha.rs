@@ -100,6 +100,52 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
+/// A redis-server on `host:port` that speaks TLS only, with the
+/// certificates of [`private_ca`] in `d`, and `extra` settings.
+fn tls_redis(d: &Path, host: &str, port: u16, extra: &[&str]) -> Proc {
+    spawn_listening(
+        &format!("redis-tls-{port}"),
+        Command::new(tools::redis_server())
+            .args([
+                "--bind",
+                host,
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+            ])
+            .args([
+                "--tls-cert-file",
+                "redis.pem",
+                "--tls-key-file",
+                "redis.key",
+            ])
+            .args([
+                "--tls-ca-cert-file",
+                "ca.pem",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(extra)
+            .current_dir(d),
+        d,
+        &format!("{host}:{port}"),
+        "listening for TLS",
+    )
+}
+
+/// Starts `cmd` and waits until it accepts connections on `addr`
+/// (`what`: the log line that says so, for the failure message).
+fn spawn_listening(name: &str, cmd: &mut Command, dir: &Path, addr: &str, what: &str) -> Proc {
+    let mut proc = Proc::spawn(name, cmd, dir);
+    wait_until(&mut proc, what, Duration::from_secs(10), || {
+        std::net::TcpStream::connect(addr).is_ok()
+    });
+    proc
+}
+
 /// A CA (ca.pem, ca.key) and a server certificate it signed for `host`
 /// (redis.pem, redis.key), in `d`.
 fn private_ca(d: &Path, host: &str) {
@@ -121,6 +167,15 @@ fn private_ca(d: &Path, host: &str) {
             "/CN=meshlimit test CA",
         ],
     );
+    issue(d, "redis", &format!("subjectAltName=IP:{host}"));
+}
+
+/// `<name>.pem` and `<name>.key`: a certificate signed by [`private_ca`]'s
+/// CA, with extension `ext` (which also makes it X.509 v3, the only
+/// version rustls takes).
+fn issue(d: &Path, name: &str, ext: &str) {
+    let file = |suffix: &str| format!("{name}.{suffix}");
+    std::fs::write(d.join(file("ext")), format!("{ext}\n")).unwrap();
     openssl(
         d,
         &[
@@ -129,32 +184,31 @@ fn private_ca(d: &Path, host: &str) {
             "rsa:2048",
             "-nodes",
             "-keyout",
-            "redis.key",
+            &file("key"),
             "-out",
-            "redis.csr",
+            &file("csr"),
             "-subj",
-            "/CN=redis",
+            &format!("/CN={name}"),
         ],
     );
-    std::fs::write(d.join("san.ext"), format!("subjectAltName=IP:{host}\n")).unwrap();
     openssl(
         d,
         &[
             "x509",
             "-req",
             "-in",
-            "redis.csr",
+            &file("csr"),
             "-CA",
             "ca.pem",
             "-CAkey",
             "ca.key",
             "-CAcreateserial",
             "-out",
-            "redis.pem",
+            &file("pem"),
             "-days",
             "2",
             "-extfile",
-            "san.ext",
+            &file("ext"),
         ],
     );
 }
@@ -165,36 +219,7 @@ fn tls_with_a_private_ca_and_a_client_certificate() {
     let host = unique_host();
     let d = dir.path();
     private_ca(d, &host);
-    let mut redis = Proc::spawn(
-        "redis-tls",
-        Command::new(tools::redis_server())
-            .args(["--bind", &host, "--port", "0", "--tls-port", "16380"])
-            .args([
-                "--tls-cert-file",
-                "redis.pem",
-                "--tls-key-file",
-                "redis.key",
-                "--tls-ca-cert-file",
-                "ca.pem",
-            ])
-            .args([
-                "--tls-auth-clients",
-                "no",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .current_dir(d),
-        d,
-    );
-    let addr = format!("{host}:16380");
-    wait_until(
-        &mut redis,
-        "listening for TLS",
-        Duration::from_secs(10),
-        || std::net::TcpStream::connect(&addr).is_ok(),
-    );
+    let _redis = tls_redis(d, &host, 16380, &["--tls-auth-clients", "no"]);
     let ca = d.join("ca.pem");
     let service = Meshlimitd::start_binary(
         binary(),
@@ -221,73 +246,9 @@ fn tls_with_a_private_ca_and_a_client_certificate() {
     drop(untrusting);
 
     // Mutual TLS: a Redis that demands a client certificate signed by the CA.
-    openssl(
-        d,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "client.key",
-            "-out",
-            "client.csr",
-            "-subj",
-            "/CN=meshlimitd",
-        ],
-    );
-    // rustls takes X.509 v3 certificates only; an extension makes it v3.
-    std::fs::write(d.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
-    openssl(
-        d,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "client.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "client.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "client.ext",
-        ],
-    );
-    let mut mtls = Proc::spawn(
-        "redis-mtls",
-        Command::new(tools::redis_server())
-            .args(["--bind", &host, "--port", "0", "--tls-port", "16381"])
-            .args([
-                "--tls-cert-file",
-                "redis.pem",
-                "--tls-key-file",
-                "redis.key",
-                "--tls-ca-cert-file",
-                "ca.pem",
-            ])
-            .args([
-                "--tls-auth-clients",
-                "yes",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .current_dir(d),
-        d,
-    );
+    issue(d, "client", "extendedKeyUsage=clientAuth");
+    let _mtls = tls_redis(d, &host, 16381, &["--tls-auth-clients", "yes"]);
     let mtls_addr = format!("{host}:16381");
-    wait_until(
-        &mut mtls,
-        "listening for TLS",
-        Duration::from_secs(10),
-        || std::net::TcpStream::connect(&mtls_addr).is_ok(),
-    );
     let url = format!("rediss://{mtls_addr}");
     let (cert, key) = (d.join("client.pem"), d.join("client.key"));
     let no_cert = Meshlimitd::start_binary(
@@ -340,21 +301,15 @@ fn sentinel(host: &str, dir: &Path, port: u16, master_port: u16) -> Proc {
         ),
     )
     .unwrap();
-    let mut proc = Proc::spawn(
+    spawn_listening(
         &format!("sentinel-{port}"),
         Command::new(tools::redis_server())
             .arg(&conf)
             .arg("--sentinel"),
         dir,
-    );
-    let addr = format!("{host}:{port}");
-    wait_until(
-        &mut proc,
+        &format!("{host}:{port}"),
         "accepting connections",
-        Duration::from_secs(10),
-        || std::net::TcpStream::connect(&addr).is_ok(),
-    );
-    proc
+    )
 }
 
 #[test]
@@ -435,40 +390,13 @@ fn sentinel_over_tls_finds_and_uses_the_master_over_tls() {
     let host = unique_host();
     let d = dir.path();
     private_ca(d, &host);
-    let tls_files = [
-        "--tls-cert-file",
-        "redis.pem",
-        "--tls-key-file",
-        "redis.key",
-        "--tls-ca-cert-file",
-        "ca.pem",
-        "--tls-auth-clients",
-        "no",
-    ];
     // A master and a sentinel that listen on TLS only; the sentinel talks
     // to the master over TLS too.
-    let mut master = Proc::spawn(
-        "redis-master-tls",
-        Command::new(tools::redis_server())
-            .args(["--bind", &host, "--port", "0", "--tls-port", "16382"])
-            .args(tls_files)
-            .args([
-                "--tls-replication",
-                "yes",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .current_dir(d),
+    let _master = tls_redis(
         d,
-    );
-    let master_addr = format!("{host}:16382");
-    wait_until(
-        &mut master,
-        "listening for TLS",
-        Duration::from_secs(10),
-        || std::net::TcpStream::connect(&master_addr).is_ok(),
+        &host,
+        16382,
+        &["--tls-auth-clients", "no", "--tls-replication", "yes"],
     );
     let conf = d.join("sentinel-tls.conf");
     std::fs::write(
@@ -483,20 +411,16 @@ fn sentinel_over_tls_finds_and_uses_the_master_over_tls() {
         ),
     )
     .unwrap();
-    let mut sentinel = Proc::spawn(
+    let sentinel_addr = format!("{host}:16383");
+    let _sentinel = spawn_listening(
         "sentinel-tls",
         Command::new(tools::redis_server())
             .arg(&conf)
             .arg("--sentinel")
             .current_dir(d),
         d,
-    );
-    let sentinel_addr = format!("{host}:16383");
-    wait_until(
-        &mut sentinel,
+        &sentinel_addr,
         "sentinel listening for TLS",
-        Duration::from_secs(10),
-        || std::net::TcpStream::connect(&sentinel_addr).is_ok(),
     );
     let ca = d.join("ca.pem");
     let service = Meshlimitd::start_binary(
