@@ -4,10 +4,12 @@
 //! Both sides depend on this crate so the two cannot drift: the filter
 //! serializes what the service deserializes, field for field.
 //!
-//! A request is a batch of [`Check`]s (one per HTTP request today; many once
-//! the filter coalesces concurrent requests). Each check is decided on its
-//! own and atomically: all of its limits admit the request, or none of them
-//! consumes quota.
+//! A request is a batch of [`Check`]s: one per HTTP request when the filter
+//! calls per request, many when group commit coalesces the checks of
+//! concurrent requests into one call. Each check is decided on its own and
+//! atomically: all of its limits admit the request, or none of them
+//! consumes quota. [`bounds`] holds what makes a limit valid, for both
+//! sides.
 //!
 //! This crate does no I/O and knows nothing of proxy-wasm or tokio.
 
@@ -23,6 +25,8 @@
 )]
 
 use serde::{Deserialize, Serialize};
+
+pub mod bounds;
 
 /// Path of the check endpoint on `meshlimitd`.
 pub const CHECK_PATH: &str = "/v1/check";
@@ -81,10 +85,7 @@ pub struct Limit {
 impl Limit {
     /// The most units one request can ever take from this limit.
     pub fn capacity(&self) -> u64 {
-        match self.algorithm {
-            Algorithm::TokenBucket => self.burst.unwrap_or(self.requests),
-            _ => self.requests,
-        }
+        bounds::capacity(self.algorithm, self.requests, self.burst)
     }
 }
 

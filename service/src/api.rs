@@ -10,7 +10,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use meshlimit_protocol::{Algorithm, CheckRequest, CheckResponse, ErrorBody, CHECK_PATH};
+use meshlimit_protocol::bounds::{self, LimitField};
+use meshlimit_protocol::{CheckRequest, CheckResponse, ErrorBody, CHECK_PATH};
 use tracing::{debug, warn};
 
 use crate::limiter::Limiter;
@@ -20,7 +21,6 @@ use crate::metrics::Metrics;
 pub const MAX_CHECKS: usize = 1024;
 pub const MAX_LIMITS_PER_CHECK: usize = 32;
 pub const MAX_SUBJECT_BYTES: usize = 64 * 1024;
-const MAX_WINDOW_MS: u64 = 31 * 86_400_000;
 
 #[derive(Clone)]
 pub struct AppState {
@@ -203,39 +203,27 @@ pub fn validate(request: &CheckRequest) -> Result<(), String> {
         }
         for (j, limit) in check.limits.iter().enumerate() {
             let at = format!("checks[{i}].limits[{j}]");
-            if limit.name.is_empty()
-                || limit.name.len() > 160
-                || !limit
-                    .name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
-            {
+            if !bounds::is_limit_name(&limit.name) {
                 return Err(format!(
-                    "{at}.name: 1 to 160 of letters, digits, '-', '_', '.', '/'"
+                    "{at}.name: 1 to {} of letters, digits, '-', '_', '.', '/'",
+                    bounds::MAX_LIMIT_NAME_LEN
                 ));
             }
-            if limit.requests == 0 {
-                return Err(format!("{at}.requests: must be at least 1"));
-            }
-            if limit.window_ms == 0 || limit.window_ms > MAX_WINDOW_MS {
-                return Err(format!(
-                    "{at}.window_ms: must be between 1 and {MAX_WINDOW_MS}"
-                ));
+            if let Err(e) = bounds::check_limit(
+                limit.requests,
+                limit.window_ms,
+                limit.algorithm,
+                limit.burst,
+            ) {
+                let field = match e.field {
+                    LimitField::Requests => "requests",
+                    LimitField::Window => "window_ms",
+                    LimitField::Burst => "burst",
+                };
+                return Err(format!("{at}.{field}: {}", e.problem));
             }
             if limit.cost == 0 {
                 return Err(format!("{at}.cost: must be at least 1"));
-            }
-            match (limit.algorithm, limit.burst) {
-                (Algorithm::TokenBucket, Some(0)) => {
-                    return Err(format!("{at}.burst: must be at least 1"));
-                }
-                (Algorithm::TokenBucket, _) | (_, None) => {}
-                (other, Some(_)) => {
-                    return Err(format!(
-                        "{at}.burst: only token_bucket has a burst, not {}",
-                        other.as_str()
-                    ));
-                }
             }
         }
     }
@@ -263,7 +251,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshlimit_protocol::{Check, Limit};
+    use meshlimit_protocol::{Algorithm, Check, Limit};
 
     fn request(algorithm: Algorithm, subject: &str, requests: u64) -> CheckRequest {
         CheckRequest {

@@ -1,0 +1,128 @@
+//! What makes a limit valid, wherever it comes from.
+//!
+//! The filter checks its configuration with these rules at load (naming the
+//! config field), and meshlimitd checks every call with the same rules
+//! (naming the field of the call): one home, so a limit the filter accepts
+//! is never refused by the service, and the service never trusts a caller
+//! to have checked.
+
+use crate::Algorithm;
+
+/// Longest window of any limit: 31 days, enough for a monthly quota, short
+/// enough that a typo (`"60d"`) is caught, and every key expires.
+pub const MAX_WINDOW_MS: u64 = 31 * 86_400_000;
+/// Longest rule or limit name, each; names become part of Redis keys and
+/// header values.
+pub const MAX_NAME_LEN: usize = 64;
+/// Longest qualified limit name (`rule/limit`) in a check call.
+pub const MAX_LIMIT_NAME_LEN: usize = 160;
+
+/// The field of a limit that breaks a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitField {
+    Requests,
+    Window,
+    Burst,
+}
+
+/// Why a limit is invalid: the field, and what it must be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitProblem {
+    pub field: LimitField,
+    pub problem: String,
+}
+
+fn problem(field: LimitField, problem: impl Into<String>) -> LimitProblem {
+    LimitProblem {
+        field,
+        problem: problem.into(),
+    }
+}
+
+/// Checks a limit's numbers: at least one request, a window from 1 ms to
+/// [`MAX_WINDOW_MS`], and a burst (of at least 1) only on token buckets.
+pub fn check_limit(
+    requests: u64,
+    window_ms: u64,
+    algorithm: Algorithm,
+    burst: Option<u64>,
+) -> Result<(), LimitProblem> {
+    if requests == 0 {
+        return Err(problem(LimitField::Requests, "must be at least 1"));
+    }
+    if window_ms == 0 || window_ms > MAX_WINDOW_MS {
+        return Err(problem(LimitField::Window, "must be between 1ms and 31d"));
+    }
+    match (algorithm, burst) {
+        (Algorithm::TokenBucket, Some(0)) => Err(problem(LimitField::Burst, "must be at least 1")),
+        (Algorithm::TokenBucket, _) | (_, None) => Ok(()),
+        (other, Some(_)) => Err(problem(
+            LimitField::Burst,
+            format!("only token_bucket has a burst, not {}", other.as_str()),
+        )),
+    }
+}
+
+/// The most units one request can ever take from a limit: the burst of a
+/// token bucket (its `requests` when unset), else `requests`.
+pub fn capacity(algorithm: Algorithm, requests: u64, burst: Option<u64>) -> u64 {
+    match algorithm {
+        Algorithm::TokenBucket => burst.unwrap_or(requests),
+        _ => requests,
+    }
+}
+
+/// A rule or limit name: 1 to [`MAX_NAME_LEN`] letters, digits, `-`, `_`, `.`.
+pub fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+/// A qualified limit name in a call: 1 to [`MAX_LIMIT_NAME_LEN`] letters,
+/// digits, `-`, `_`, `.`, `/`.
+pub fn is_limit_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_LIMIT_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rule_names_its_field() {
+        let fw = Algorithm::FixedWindow;
+        assert!(check_limit(1, 1, fw, None).is_ok());
+        assert!(check_limit(1, MAX_WINDOW_MS, Algorithm::TokenBucket, Some(1)).is_ok());
+        let field = |r: Result<(), LimitProblem>| r.unwrap_err().field;
+        assert_eq!(field(check_limit(0, 1, fw, None)), LimitField::Requests);
+        assert_eq!(field(check_limit(1, 0, fw, None)), LimitField::Window);
+        assert_eq!(
+            field(check_limit(1, MAX_WINDOW_MS + 1, fw, None)),
+            LimitField::Window
+        );
+        assert_eq!(field(check_limit(1, 1, fw, Some(2))), LimitField::Burst);
+        assert_eq!(
+            field(check_limit(1, 1, Algorithm::TokenBucket, Some(0))),
+            LimitField::Burst
+        );
+    }
+
+    #[test]
+    fn names_are_plain() {
+        assert!(is_plain_name("per-minute_1.x"));
+        assert!(!is_plain_name("a/b") && !is_plain_name("") && !is_plain_name("a b"));
+        assert!(!is_plain_name(&"a".repeat(MAX_NAME_LEN + 1)));
+        assert!(is_limit_name("api/per-minute"));
+        assert!(!is_limit_name("api:m") && !is_limit_name(""));
+        // The longest qualified name the filter can build fits a call.
+        let longest = format!("{}/{}", "a".repeat(MAX_NAME_LEN), "b".repeat(MAX_NAME_LEN));
+        assert!(is_limit_name(&longest));
+    }
+}

@@ -1,0 +1,136 @@
+-- meshlimit: the decision of one check on Redis, shared by check.lua and
+-- check_many.lua (script.rs puts this file in front of each). What it does
+-- and why is told in script.rs; the algorithms are:
+-- fw  fixed window, swl sliding window log, swc sliding window counter,
+-- tb  token bucket (GCRA).
+
+-- Argument layout, also named in script.rs (a unit test compares them):
+-- ARGS_PER_LIMIT arguments per limit (algorithm, requests, window_ms, cost,
+-- burst, shadow), REPLY_PER_LIMIT reply values per limit (fits, remaining,
+-- reset_after_ms, retry_after_ms) after the overall decision.
+local ARGS_PER_LIMIT = 6
+local REPLY_PER_LIMIT = 4
+
+-- Large numbers go to Redis through '%.0f': Lua's default conversion keeps
+-- 14 digits, which would silently round a microsecond timestamp.
+local function num(x) return string.format('%.0f', x) end
+
+-- One check: its keys are KEYS[k + 1 .. k + n], its limits' arguments
+-- ARGV[a + 1 .. a + ARGS_PER_LIMIT * n]. Returns allowed, then
+-- REPLY_PER_LIMIT values per limit.
+local function decide(k, n, a, nonce, now_us)
+local now = math.floor(now_us / 1000)
+local st = {}
+local allowed = 1
+for i = 1, n do
+  local b = a + (i - 1) * ARGS_PER_LIMIT
+  local s = { alg = ARGV[b + 1], limit = tonumber(ARGV[b + 2]), window = tonumber(ARGV[b + 3]),
+              cost = tonumber(ARGV[b + 4]), burst = tonumber(ARGV[b + 5]), shadow = ARGV[b + 6] == '1' }
+  local key, limit, window, cost = KEYS[k + i], s.limit, s.window, s.cost
+  if s.alg == 'fw' then
+    s.used = tonumber(redis.call('GET', key) or '0')
+    s.reset = window - (now % window)
+    s.fits = s.used + cost <= limit
+    s.retry = s.reset
+  elseif s.alg == 'swl' then
+    local window_us = window * 1000
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', num(now_us - window_us))
+    s.used = redis.call('ZCARD', key)
+    s.fits = s.used + cost <= limit
+    s.retry = 0
+    if not s.fits and cost <= limit then
+      -- The request fits once enough of the oldest admissions have left.
+      local k = s.used + cost - limit - 1
+      local e = redis.call('ZRANGE', key, k, k, 'WITHSCORES')
+      s.retry = math.ceil((tonumber(e[2]) + window_us - now_us) / 1000)
+    end
+    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    s.reset = 0
+    if newest[2] then s.reset = math.ceil((tonumber(newest[2]) + window_us - now_us) / 1000) end
+  elseif s.alg == 'swc' then
+    local idx = math.floor(now / window)
+    local h = redis.call('HMGET', key, 'w', 'c', 'p')
+    local w, c, p = tonumber(h[1]), tonumber(h[2]) or 0, tonumber(h[3]) or 0
+    local cur, prev = 0, 0
+    if w == idx then cur, prev = c, p elseif w == idx - 1 then prev = c end
+    local into = now % window
+    s.idx, s.cur, s.prev, s.into = idx, cur, prev, into
+    s.used = prev * (window - into) / window + cur
+    s.fits = s.used + cost <= limit
+    s.retry = 0
+    if not s.fits and cost <= limit then
+      if cur + cost <= limit and prev > 0 then
+        -- Later in this window, once enough of the previous one has slid out.
+        local f = 1 - (limit - cur - cost) / prev
+        s.retry = math.max(1, math.ceil(f * window - into))
+      else
+        -- Next window: this window's count becomes the weighted one.
+        local f = 0
+        if cur > 0 then f = math.max(0, 1 - (limit - cost) / cur) end
+        s.retry = math.max(1, math.ceil(window - into + f * window))
+      end
+    end
+  elseif s.alg == 'tb' then
+    local T = window * 1000 / limit
+    local tat = tonumber(redis.call('GET', key) or '0')
+    if tat < now_us then tat = now_us end
+    local allow_at = tat + T * cost - T * s.burst
+    s.T, s.tat = T, tat
+    s.fits = allow_at <= now_us
+    s.retry = math.ceil((allow_at - now_us) / 1000)
+  end
+  if s.fits then s.retry = 0 end
+  if not s.fits and not s.shadow then allowed = 0 end
+  st[i] = s
+end
+local out = { allowed }
+for i = 1, n do
+  local s, key = st[i], KEYS[k + i]
+  local charge = allowed == 1 and s.fits
+  local remaining, reset
+  if s.alg == 'fw' then
+    local used = s.used
+    if charge then
+      used = redis.call('INCRBY', key, s.cost)
+      if used == s.cost or redis.call('PTTL', key) < 0 then
+        redis.call('PEXPIREAT', key, num(now + s.reset))
+      end
+    end
+    remaining, reset = s.limit - used, s.reset
+  elseif s.alg == 'swl' then
+    local used = s.used
+    if charge then
+      for j = 1, s.cost do
+        redis.call('ZADD', key, num(now_us), num(now_us) .. ':' .. nonce .. ':' .. i .. ':' .. j)
+      end
+      redis.call('PEXPIRE', key, s.window)
+      used = used + s.cost
+      s.reset = s.window
+    end
+    remaining, reset = s.limit - used, s.reset
+  elseif s.alg == 'swc' then
+    local used, cur = s.used, s.cur
+    if charge then
+      cur = cur + s.cost
+      used = used + s.cost
+      redis.call('HSET', key, 'w', num(s.idx), 'c', num(cur), 'p', num(s.prev))
+      redis.call('PEXPIREAT', key, num((s.idx + 2) * s.window))
+    end
+    remaining = math.floor(s.limit - used)
+    reset = 0
+    if cur > 0 then reset = 2 * s.window - s.into
+    elseif s.prev > 0 then reset = s.window - s.into end
+  elseif s.alg == 'tb' then
+    local tat = s.tat
+    if charge then
+      tat = tat + s.T * s.cost
+      redis.call('SET', key, num(math.ceil(tat)), 'PX', num(math.ceil((tat - now_us) / 1000) + 1))
+    end
+    remaining = math.floor((s.T * s.burst - (tat - now_us)) / s.T)
+    reset = math.ceil((tat - now_us) / 1000)
+  end
+  local reply = { s.fits and 1 or 0, math.max(0, remaining), math.max(0, reset), math.max(0, s.retry) }
+  for j = 1, REPLY_PER_LIMIT do out[#out + 1] = reply[j] end
+end
+return out
+end
