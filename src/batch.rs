@@ -57,10 +57,12 @@ impl<T> Batcher<T> {
         }
     }
 
+    #[cfg(test)]
     pub fn queued(&self) -> usize {
         self.queue.len()
     }
 
+    #[cfg(test)]
     pub fn calls_in_flight(&self) -> usize {
         self.in_flight.len()
     }

@@ -1,38 +1,21 @@
 //! From a request to a verdict, without the host.
 //!
-//! [`plan`] says what a request needs (nothing, a rejection, or a check of
-//! some limits for some subject); [`read_answer`] turns meshlimitd's answer,
-//! or the lack of one, into a [`CheckResult`] or a [`ServiceError`]; and
-//! [`verdict`] turns a result into what the client sees. The proxy-wasm glue
-//! only moves bytes between these and the host.
+//! [`plan`] says what a request needs (nothing, a rejection, or a
+//! [`Check`]); [`read_answer`] and [`read_batch_answer`] turn meshlimitd's
+//! answer, or the lack of one, into [`CheckResult`]s or a [`ServiceError`];
+//! and [`verdict`] turns a result into what the client sees. The order in
+//! which these run is [`crate::flow`]'s business.
 
-use meshlimit_protocol::{Check, CheckRequest, CheckResponse, CheckResult, ErrorBody, Limit};
+use meshlimit_protocol::{CheckResponse, CheckResult, ErrorBody};
 
+use crate::check::{Applied, Check};
 use crate::client_id::{self, Identity};
-use crate::config::{Config, Cost, LimitConfig, Rule, Scope};
+use crate::config::{Config, Cost, Rule, Scope};
 use crate::headers::{self, Headers};
 use crate::host::RequestView;
 use crate::rules;
-
-/// A limit that applies to a request: its position in the config (kept
-/// instead of a clone so a paused request carries no copies of the config)
-/// and the request's cost on it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LimitRef {
-    pub rule: usize,
-    pub limit: usize,
-    pub cost: u64,
-}
-
-/// A [`LimitRef`] resolved against the config.
-#[derive(Debug, Clone, Copy)]
-pub struct Applied<'a> {
-    pub limit: &'a LimitConfig,
-    pub cost: u64,
-    pub shadow: bool,
-    /// From a `scope: local` rule: counted in this Envoy only.
-    pub local: bool,
-}
+use crate::shared::deny_cache::DenyCache;
+use crate::shared::SharedStore;
 
 /// What a request needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,7 +25,7 @@ pub enum Plan {
     /// Refused before any check, for the reason given.
     Reject(DenyResponse, RejectReason),
     /// Decide these limits for this subject.
-    Check(PendingCheck),
+    Check(Check),
 }
 
 /// Why a request was refused without a check (each has its own stat).
@@ -54,57 +37,6 @@ pub enum RejectReason {
     InvalidCost,
     /// The request's cost exceeds a limit's capacity: it could never fit.
     CostAboveCapacity,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PendingCheck {
-    pub subject: String,
-    pub limits: Vec<LimitRef>,
-}
-
-impl PendingCheck {
-    pub fn resolve<'a>(&self, cfg: &'a Config) -> Vec<Applied<'a>> {
-        self.limits
-            .iter()
-            .filter_map(|r| {
-                let rule = cfg.rules.get(r.rule)?;
-                Some(Applied {
-                    limit: rule.limits.get(r.limit)?,
-                    cost: r.cost,
-                    shadow: rule.shadow,
-                    local: rule.scope == Scope::Local,
-                })
-            })
-            .collect()
-    }
-
-    /// The limits of `scope: local` rules, and the global ones.
-    pub fn split<'a>(&self, cfg: &'a Config) -> (Vec<Applied<'a>>, Vec<Applied<'a>>) {
-        self.resolve(cfg).into_iter().partition(|a| a.local)
-    }
-
-    /// The body of the check call: the global limits only.
-    pub fn to_request(&self, cfg: &Config) -> CheckRequest {
-        CheckRequest {
-            checks: vec![Check {
-                subject: self.subject.clone(),
-                limits: self
-                    .resolve(cfg)
-                    .into_iter()
-                    .filter(|a| !a.local)
-                    .map(|a| Limit {
-                        name: a.limit.qualified_name.clone(),
-                        requests: a.limit.requests,
-                        window_ms: a.limit.window_ms,
-                        algorithm: a.limit.algorithm,
-                        cost: a.cost,
-                        burst: a.limit.burst,
-                        shadow: a.shadow,
-                    })
-                    .collect(),
-            }],
-        }
-    }
 }
 
 /// A response the filter sends instead of forwarding the request.
@@ -130,16 +62,13 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
     if matched.is_empty() {
         return Plan::Pass;
     }
-    let mut limits = Vec::new();
+    let (mut local, mut global) = (Vec::new(), Vec::new());
     for rule in matched {
-        let Some(ri) = cfg.rules.iter().position(|r| std::ptr::eq(r, rule)) else {
-            continue;
-        };
         let cost = match request_cost(rule, req) {
             Ok(cost) => cost,
             Err(body) => return Plan::Reject(plain(400, body), RejectReason::InvalidCost),
         };
-        for (li, limit) in rule.limits.iter().enumerate() {
+        for limit in &rule.limits {
             if cost > limit.capacity() && !rule.shadow {
                 // Waiting would never help: say why instead of a retry time.
                 let mut deny = plain(
@@ -156,11 +85,15 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
                 ));
                 return Plan::Reject(deny, RejectReason::CostAboveCapacity);
             }
-            limits.push(LimitRef {
-                rule: ri,
-                limit: li,
+            let applied = Applied {
+                limit: limit.clone(),
                 cost,
-            });
+                shadow: rule.shadow,
+            };
+            match rule.scope {
+                Scope::Local => local.push(applied),
+                Scope::Global => global.push(applied),
+            }
         }
     }
     match client_id::identify(&cfg.client_id, req, path) {
@@ -171,7 +104,11 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
             ),
             RejectReason::NoClientId,
         ),
-        Identity::Subject(subject) => Plan::Check(PendingCheck { subject, limits }),
+        Identity::Subject(subject) => Plan::Check(Check {
+            subject,
+            local,
+            global,
+        }),
     }
 }
 
@@ -339,7 +276,7 @@ pub fn read_batch_answer(
 }
 
 /// What the client sees for a decided check.
-pub fn verdict(cfg: &Config, limits: &[Applied<'_>], result: &CheckResult) -> Verdict {
+pub fn verdict(cfg: &Config, limits: &[Applied], result: &CheckResult) -> Verdict {
     let mut hdrs = headers::rate_limit_headers(cfg.response.headers, limits, result);
     if result.allowed {
         return Verdict::Allow { headers: hdrs };
@@ -366,18 +303,18 @@ pub fn verdict(cfg: &Config, limits: &[Applied<'_>], result: &CheckResult) -> Ve
 /// A deny from the deny cache, if one of `global_limits` is known to be
 /// exhausted for `subject`. Only cost-1 limits are cached: a retry time
 /// computed for a heavier request would over-deny a lighter one.
-pub fn cached_deny<S: crate::host::SharedStore>(
+pub fn cached_deny<S: SharedStore>(
     cfg: &Config,
-    subject: &str,
-    global_limits: &[Applied<'_>],
-    cache: &crate::deny_cache::DenyCache<'_, S>,
+    check: &Check,
+    cache: &DenyCache<'_, S>,
     now_ms: u64,
 ) -> Option<Verdict> {
-    global_limits
+    check
+        .global
         .iter()
-        .filter(|a| !a.shadow && !a.local && a.cost == 1)
+        .filter(|a| !a.shadow && a.cost == 1)
         .find_map(|a| {
-            let until = cache.denied_until(subject, &a.limit.qualified_name, now_ms)?;
+            let until = cache.denied_until(&check.subject, &a.limit.qualified_name, now_ms)?;
             let wait = until - now_ms;
             let result = CheckResult {
                 allowed: false,
@@ -395,18 +332,18 @@ pub fn cached_deny<S: crate::host::SharedStore>(
         })
 }
 
-/// Remembers in the deny cache every enforced cost-1 limit that `result`
-/// reports exhausted, until it may admit again. Returns how many live
-/// entries of other subjects that evicted.
-pub fn remember_denials<S: crate::host::SharedStore>(
-    check: &PendingCheck,
-    applied: &[Applied<'_>],
+/// Remembers in the deny cache every enforced cost-1 global limit that
+/// `result` (meshlimitd's answer for `check`) reports exhausted, until it
+/// may admit again. Returns how many live entries of other subjects that
+/// evicted.
+pub fn remember_denials<S: SharedStore>(
+    check: &Check,
     result: &CheckResult,
-    cache: &crate::deny_cache::DenyCache<'_, S>,
+    cache: &DenyCache<'_, S>,
     now_ms: u64,
 ) -> usize {
     let mut evicted = 0;
-    for (a, status) in applied.iter().zip(&result.limits) {
+    for (a, status) in check.global.iter().zip(&result.limits) {
         if !a.shadow
             && a.cost == 1
             && !status.allowed
@@ -427,11 +364,11 @@ pub fn remember_denials<S: crate::host::SharedStore>(
 
 /// One result for a request decided partly locally (`scope: local` rules)
 /// and partly globally, in the order `local` then `global`.
-pub fn combine<'a>(
-    local: (&[Applied<'a>], &CheckResult),
-    global: (&[Applied<'a>], &CheckResult),
-) -> (Vec<Applied<'a>>, CheckResult) {
-    let applied = local.0.iter().chain(global.0).copied().collect();
+pub fn combine(
+    local: (&[Applied], &CheckResult),
+    global: (&[Applied], &CheckResult),
+) -> (Vec<Applied>, CheckResult) {
+    let applied = local.0.iter().chain(global.0).cloned().collect();
     let result = CheckResult {
         allowed: local.1.allowed && global.1.allowed,
         limits: local
@@ -474,6 +411,7 @@ mod tests {
     use super::*;
     use crate::config;
     use crate::host::fake::FakeRequest;
+    use crate::testing;
     use meshlimit_protocol::LimitStatus;
 
     fn cfg(extra: &str) -> Config {
@@ -500,9 +438,16 @@ mod tests {
         let Plan::Check(p) = plan(&c, &req, "GET", "/api/items") else {
             panic!("expected a check")
         };
-        let refs: Vec<_> = p.limits.iter().map(|r| (r.rule, r.limit, r.cost)).collect();
-        assert_eq!(refs, vec![(0, 0, 1), (0, 1, 1), (1, 0, 1)]);
-        let body = p.to_request(&c);
+        let refs: Vec<_> = p
+            .global
+            .iter()
+            .map(|a| (a.limit.qualified_name.as_str(), a.cost))
+            .collect();
+        assert_eq!(
+            refs,
+            vec![("api/per-minute", 1), ("api/per-hour", 1), ("all/burst", 1)]
+        );
+        let body = p.to_request();
         assert_eq!(body.checks.len(), 1);
         let names: Vec<_> = body.checks[0]
             .limits
@@ -535,26 +480,18 @@ mod tests {
     }
 
     fn status(allowed: bool, limit: u64, remaining: u64, reset: u64) -> LimitStatus {
-        LimitStatus {
+        testing::status(
             allowed,
             limit,
             remaining,
-            reset_after_ms: reset,
-            retry_after_ms: if allowed { 0 } else { reset },
-            shadow: false,
-            reason: None,
-        }
+            reset,
+            if allowed { 0 } else { reset },
+        )
     }
 
-    fn applied(c: &Config, refs: &[(usize, usize)]) -> Vec<Applied<'static>> {
-        let c: &'static Config = Box::leak(Box::new(c.clone()));
+    fn applied(c: &Config, refs: &[(usize, usize)]) -> Vec<Applied> {
         refs.iter()
-            .map(|&(r, l)| Applied {
-                limit: &c.rules[r].limits[l],
-                cost: 1,
-                shadow: false,
-                local: false,
-            })
+            .map(|&(r, l)| testing::applied(&c.rules[r].limits[l]))
             .collect()
     }
 
@@ -707,11 +644,8 @@ mod tests {
         let Plan::Check(p) = plan(&cost_cfg("5", false), &req, "GET", "/") else {
             panic!("expected a check")
         };
-        assert_eq!(p.limits[0].cost, 5);
-        assert_eq!(
-            p.to_request(&cost_cfg("5", false)).checks[0].limits[0].cost,
-            5
-        );
+        assert_eq!(p.global[0].cost, 5);
+        assert_eq!(p.to_request().checks[0].limits[0].cost, 5);
         let header = cost_cfg(r#"{"header":"x-cost","max":10,"default":2}"#, false);
         let cost_of = |v: Option<&[u8]>| {
             let mut r = FakeRequest::default().with_header("x-api-key", b"A");
@@ -720,8 +654,8 @@ mod tests {
             }
             plan(&header, &r, "GET", "/")
         };
-        assert!(matches!(cost_of(None), Plan::Check(p) if p.limits[0].cost == 2));
-        assert!(matches!(cost_of(Some(b" 7 ")), Plan::Check(p) if p.limits[0].cost == 7));
+        assert!(matches!(cost_of(None), Plan::Check(p) if p.global[0].cost == 2));
+        assert!(matches!(cost_of(Some(b" 7 ")), Plan::Check(p) if p.global[0].cost == 7));
         for bad in [&b"0"[..], b"11", b"-1", b"x", b"1.5", &[0xff]] {
             let Plan::Reject(d, RejectReason::InvalidCost) = cost_of(Some(bad)) else {
                 panic!("{bad:?} should be refused")
@@ -759,7 +693,7 @@ mod tests {
         let Plan::Check(p) = plan(&c, &req, "GET", "/") else {
             panic!("expected a check")
         };
-        let limits = p.resolve(&c);
+        let limits = p.all();
         assert!(limits[0].shadow);
         let body = body(
             r#"{"allowed":true,"limits":[{"allowed":false,"limit":10,"remaining":0,"reset_after_ms":5,"retry_after_ms":5,"shadow":true}]}"#,
@@ -772,8 +706,8 @@ mod tests {
 
     #[test]
     fn denials_are_cached_until_retry_and_answered_locally() {
-        use crate::deny_cache::DenyCache;
         use crate::host::fake::FakeStore;
+        use crate::shared::deny_cache::DenyCache;
         let c = keyed();
         let store = FakeStore::default();
         let cache = DenyCache {
@@ -785,8 +719,7 @@ mod tests {
         let Plan::Check(p) = plan(&c, &req, "GET", "/api/x") else {
             panic!("expected a check")
         };
-        assert!(cached_deny(&c, &p.subject, &p.split(&c).1, &cache, 1_000).is_none());
-        let applied = p.resolve(&c);
+        assert!(cached_deny(&c, &p, &cache, 1_000).is_none());
         let result = CheckResult {
             allowed: false,
             limits: vec![
@@ -795,25 +728,21 @@ mod tests {
                 status(true, 50, 3, 10),
             ],
         };
-        remember_denials(&p, &applied, &result, &cache, 1_000);
-        let Some(Verdict::Deny(d)) = cached_deny(&c, &p.subject, &p.split(&c).1, &cache, 11_000)
-        else {
+        remember_denials(&p, &result, &cache, 1_000);
+        let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 11_000) else {
             panic!("expected a cached deny")
         };
         assert!(d.headers.contains(&("retry-after".into(), "20".into())));
         assert!(d
             .headers
             .contains(&("ratelimit".into(), "\"api/per-minute\";r=0;t=20".into())));
-        assert!(
-            cached_deny(&c, &p.subject, &p.split(&c).1, &cache, 31_000).is_none(),
-            "expired"
-        );
+        assert!(cached_deny(&c, &p, &cache, 31_000).is_none(), "expired");
         // Another client is not affected.
         let other = FakeRequest::default().with_header("x-api-key", b"B");
         let Plan::Check(q) = plan(&c, &other, "GET", "/api/x") else {
             panic!("expected a check")
         };
-        assert!(cached_deny(&c, &q.subject, &q.split(&c).1, &cache, 11_000).is_none());
+        assert!(cached_deny(&c, &q, &cache, 11_000).is_none());
     }
 
     #[test]
@@ -828,9 +757,9 @@ mod tests {
         let Plan::Check(p) = plan(&c, &req, "GET", "/") else {
             panic!("expected a check")
         };
-        let (local, global) = p.split(&c);
+        let (local, global) = (&p.local, &p.global);
         assert_eq!((local.len(), global.len()), (1, 1));
-        let body = p.to_request(&c);
+        let body = p.to_request();
         assert_eq!(body.checks[0].limits.len(), 1);
         assert_eq!(body.checks[0].limits[0].name, "api/m");
         let l = CheckResult {
@@ -841,7 +770,7 @@ mod tests {
             allowed: true,
             limits: vec![status(true, 100, 40, 9000)],
         };
-        let (applied, result) = combine((&local, &l), (&global, &g));
+        let (applied, result) = combine((local, &l), (global, &g));
         let Verdict::Allow { headers } = verdict(&c, &applied, &result) else {
             panic!("expected allow")
         };
@@ -850,7 +779,7 @@ mod tests {
             allowed: false,
             limits: vec![status(false, 100, 0, 9000)],
         };
-        let (_, result) = combine((&local, &l), (&global, &denied));
+        let (_, result) = combine((local, &l), (global, &denied));
         assert!(!result.allowed);
     }
 

@@ -8,8 +8,8 @@
 
 use meshlimit_protocol::{CheckResult, LimitStatus};
 
+use crate::check::Applied;
 use crate::config::HeaderStyle;
-use crate::decision::Applied;
 
 pub type Headers = Vec<(String, String)>;
 
@@ -27,11 +27,7 @@ pub fn retry_after_secs(ms: u64) -> u64 {
 
 /// Headers describing `result`, whose statuses are in the order of `limits`.
 /// Shadow limits are left out: they describe no quota the client has.
-pub fn rate_limit_headers(
-    style: HeaderStyle,
-    limits: &[Applied<'_>],
-    result: &CheckResult,
-) -> Headers {
+pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &CheckResult) -> Headers {
     let Some(top) = most_constraining(limits, result) else {
         return Vec::new();
     };
@@ -77,7 +73,7 @@ pub fn rate_limit_headers(
 }
 
 fn most_constraining<'a>(
-    limits: &[Applied<'a>],
+    limits: &'a [Applied],
     result: &'a CheckResult,
 ) -> Option<(&'a str, &'a LimitStatus)> {
     let top = result.most_constraining()?;
@@ -90,39 +86,18 @@ fn most_constraining<'a>(
 mod tests {
     use super::*;
     use crate::config::LimitConfig;
-    use meshlimit_protocol::Algorithm;
+    use crate::testing;
 
     fn limit(name: &str, requests: u64, window_ms: u64) -> LimitConfig {
-        LimitConfig {
-            name: name.into(),
-            qualified_name: format!("api/{name}"),
-            requests,
-            window_ms,
-            algorithm: Algorithm::FixedWindow,
-            burst: None,
-            fallback_requests: requests,
-        }
+        testing::limit(&format!("api/{name}"), requests, window_ms)
     }
 
-    fn ap(l: &LimitConfig) -> Applied<'_> {
-        Applied {
-            limit: l,
-            cost: 1,
-            shadow: false,
-            local: false,
-        }
+    fn ap(l: &LimitConfig) -> Applied {
+        testing::applied(l)
     }
 
     fn st(allowed: bool, limit: u64, remaining: u64, reset: u64, retry: u64) -> LimitStatus {
-        LimitStatus {
-            allowed,
-            limit,
-            remaining,
-            reset_after_ms: reset,
-            retry_after_ms: retry,
-            shadow: false,
-            reason: None,
-        }
+        testing::status(allowed, limit, remaining, reset, retry)
     }
 
     #[test]
@@ -212,8 +187,6 @@ mod tests {
 #[cfg(test)]
 mod proptests {
     use super::*;
-    use crate::config::LimitConfig;
-    use meshlimit_protocol::Algorithm;
     use proptest::prelude::*;
 
     proptest! {
@@ -227,27 +200,11 @@ mod proptests {
             allowed in any::<bool>(),
             style in prop::sample::select(vec![HeaderStyle::Draft, HeaderStyle::XRatelimit, HeaderStyle::None]),
         ) {
-            let limit = LimitConfig {
-                name: name.clone(),
-                qualified_name: format!("r/{name}"),
-                requests,
-                window_ms,
-                algorithm: Algorithm::FixedWindow,
-                burst: None,
-                fallback_requests: requests,
-            };
-            let applied = Applied { limit: &limit, cost: 1, shadow: false, local: false };
+            let limit = crate::testing::limit(&format!("r/{name}"), requests, window_ms);
+            let applied = crate::testing::applied(&limit);
             let result = CheckResult {
                 allowed,
-                limits: vec![LimitStatus {
-                    allowed,
-                    limit: requests,
-                    remaining,
-                    reset_after_ms: reset,
-                    retry_after_ms: reset,
-                    shadow: false,
-                    reason: None,
-                }],
+                limits: vec![crate::testing::status(allowed, requests, remaining, reset, reset)],
             };
             for (k, v) in rate_limit_headers(style, &[applied], &result) {
                 prop_assert!(k.bytes().all(|b| b.is_ascii_lowercase() || b == b'-'));

@@ -1,9 +1,22 @@
 //! meshlimit: global per-client rate limiting as a proxy-wasm HTTP filter.
 //!
-//! The decision logic (configuration, rule matching, client identity, local
-//! fallback counting, header rendering) is plain Rust behind the small
-//! traits in [`host`], unit-tested natively. Only [`filter`] talks to the
-//! proxy-wasm host, and it is compiled for wasm only.
+//! Everything that decides is plain Rust, unit-tested natively:
+//! - [`config`]: the plugin configuration, parsed and validated once.
+//! - What a request needs: [`rules`] (which rules match), [`client_id`]
+//!   (whose quota), [`check`] (its limits, split into local and global
+//!   parts once), built by [`decision::plan`].
+//! - [`decision`]: meshlimitd's answer to a result, a result to a verdict;
+//!   [`headers`] renders the RateLimit headers.
+//! - [`flow`]: the order of it all, per callback, over the [`host::Host`]
+//!   trait: local rules, deny cache, breaker, group commit or a call of its
+//!   own, answers, fallback.
+//! - [`shared`]: state in proxy-wasm shared data (fallback counters,
+//!   breaker, deny cache); [`batch`]: group commit's queue policy;
+//!   [`algorithms`]: the four counting algorithms for local decisions.
+//! - [`stats`]: every stat, declared once; [`throttle`]: bounded logging.
+//!
+//! Only `wasm` (compiled for wasm only) touches proxy-wasm: it reads each
+//! callback, calls the flow, and carries out the step it returns.
 
 // Tests may unwrap and index: a failing test should panic loudly.
 #![cfg_attr(
@@ -15,23 +28,25 @@
         clippy::indexing_slicing
     )
 )]
+// The flow is driven by the wasm glue, which a native build leaves out;
+// dead code is caught by the wasm build's lints instead.
+#![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
 
-pub mod algorithms;
-pub mod batch;
-pub mod breaker;
-pub mod client_id;
+pub(crate) mod algorithms;
+pub(crate) mod batch;
+pub(crate) mod check;
+pub(crate) mod client_id;
 pub mod config;
 pub mod decision;
-pub mod deny_cache;
-pub mod duration;
-pub mod headers;
+pub(crate) mod flow;
+pub(crate) mod headers;
 pub mod host;
-pub mod local;
-pub mod rules;
-pub mod stats;
-pub mod throttle;
+pub(crate) mod rules;
+pub mod shared;
+pub(crate) mod stats;
+#[cfg(test)]
+mod testing;
+pub(crate) mod throttle;
 
 #[cfg(target_arch = "wasm32")]
-mod abi;
-#[cfg(target_arch = "wasm32")]
-mod filter;
+mod wasm;

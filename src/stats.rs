@@ -1,48 +1,255 @@
-//! Names of the Envoy stats the filter defines. Envoy shows them under
-//! `wasmcustom.` in its stats (e.g. `wasmcustom.meshlimit.requests_denied`).
+//! The Envoy stats the filter defines, declared once: name, kind and
+//! meaning. [`crate::flow`] defines every one of them at configure time from
+//! [`Stat::ALL`]; the README's table lists them (a test checks it does).
+//! Envoy shows them under `wasmcustom.` (e.g.
+//! `wasmcustom.meshlimit.requests_denied`) and exports them to Prometheus
+//! as `meshlimit_*`.
 
-/// Decisions made from meshlimitd's answer.
-pub const REQUESTS_ALLOWED: &str = "meshlimit.requests_allowed";
-pub const REQUESTS_DENIED: &str = "meshlimit.requests_denied";
-/// Decisions of `scope: local` rules (never a call).
-pub const LOCAL_ALLOWED: &str = "meshlimit.local_allowed";
-pub const LOCAL_DENIED: &str = "meshlimit.local_denied";
-/// Decisions made without meshlimitd (`failure_mode` at work).
-pub const FALLBACK_ALLOWED: &str = "meshlimit.fallback_allowed";
-pub const FALLBACK_DENIED: &str = "meshlimit.fallback_denied";
-/// Local fallback decisions admitted uncounted because shared data failed.
-pub const FALLBACK_UNCOUNTED: &str = "meshlimit.fallback_uncounted";
-/// Requests a shadow rule would have denied (they were not denied).
-pub const SHADOW_DENIED: &str = "meshlimit.shadow_denied";
-/// Requests denied by the deny cache without calling meshlimitd.
-pub const DENY_CACHE_HITS: &str = "meshlimit.deny_cache_hits";
-/// Deny-cache entries of one client overwritten by another's while still
-/// live: the cache is too small for the abusers at hand.
-pub const DENY_CACHE_EVICTIONS: &str = "meshlimit.deny_cache_evictions";
-/// Times the circuit breaker opened.
-pub const BREAKER_OPENED: &str = "meshlimit.breaker_opened";
-/// Gauge: 1 while the breaker is open, 0 once it closed again.
-pub const BREAKER_OPEN: &str = "meshlimit.breaker_open";
-/// Group commit: calls that carried a batch, and the checks they carried.
-pub const BATCHES: &str = "meshlimit.batches";
-pub const BATCHED_CHECKS: &str = "meshlimit.batched_checks";
-/// Group commit: checks refused because the queue was full (decided by
-/// failure_mode).
-pub const BATCH_OVERFLOW: &str = "meshlimit.batch_overflow";
-/// Requests refused before any check: no client id, an invalid cost
-/// header, a cost above a limit's capacity.
-pub const REJECTED_NO_CLIENT_ID: &str = "meshlimit.rejected_no_client_id";
-pub const REJECTED_INVALID_COST: &str = "meshlimit.rejected_invalid_cost";
-pub const REJECTED_COST_ABOVE_CAPACITY: &str = "meshlimit.rejected_cost_above_capacity";
-/// Failed calls to meshlimitd, one stat per [`crate::decision::ServiceError`] kind.
-pub const SERVICE_ERROR_KINDS: [&str; 5] = [
-    "timeout",
-    "connection",
-    "unavailable",
-    "bad_status",
-    "bad_body",
-];
+use crate::decision::ServiceError;
 
-pub fn service_error(kind: &str) -> String {
-    format!("meshlimit.service_errors.{kind}")
+/// What kind of Envoy metric a stat is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+}
+
+/// A stat's declaration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatDef {
+    pub name: &'static str,
+    pub kind: MetricKind,
+    pub help: &'static str,
+}
+
+/// Every stat the filter keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stat {
+    RequestsAllowed,
+    RequestsDenied,
+    LocalAllowed,
+    LocalDenied,
+    FallbackAllowed,
+    FallbackDenied,
+    FallbackUncounted,
+    ShadowDenied,
+    DenyCacheHits,
+    DenyCacheEvictions,
+    BreakerOpened,
+    BreakerOpen,
+    Batches,
+    BatchedChecks,
+    BatchOverflow,
+    RejectedNoClientId,
+    RejectedInvalidCost,
+    RejectedCostAboveCapacity,
+    ServiceErrorTimeout,
+    ServiceErrorConnection,
+    ServiceErrorUnavailable,
+    ServiceErrorBadStatus,
+    ServiceErrorBadBody,
+}
+
+impl Stat {
+    /// Every stat, in declaration order (`stat as usize` is its position).
+    pub const ALL: [Stat; 23] = [
+        Stat::RequestsAllowed,
+        Stat::RequestsDenied,
+        Stat::LocalAllowed,
+        Stat::LocalDenied,
+        Stat::FallbackAllowed,
+        Stat::FallbackDenied,
+        Stat::FallbackUncounted,
+        Stat::ShadowDenied,
+        Stat::DenyCacheHits,
+        Stat::DenyCacheEvictions,
+        Stat::BreakerOpened,
+        Stat::BreakerOpen,
+        Stat::Batches,
+        Stat::BatchedChecks,
+        Stat::BatchOverflow,
+        Stat::RejectedNoClientId,
+        Stat::RejectedInvalidCost,
+        Stat::RejectedCostAboveCapacity,
+        Stat::ServiceErrorTimeout,
+        Stat::ServiceErrorConnection,
+        Stat::ServiceErrorUnavailable,
+        Stat::ServiceErrorBadStatus,
+        Stat::ServiceErrorBadBody,
+    ];
+
+    /// The stat counting failed calls of this kind.
+    pub fn service_error(e: &ServiceError) -> Stat {
+        match e {
+            ServiceError::Timeout => Stat::ServiceErrorTimeout,
+            ServiceError::Connection => Stat::ServiceErrorConnection,
+            ServiceError::Unavailable => Stat::ServiceErrorUnavailable,
+            ServiceError::BadStatus(_) => Stat::ServiceErrorBadStatus,
+            ServiceError::BadBody(_) => Stat::ServiceErrorBadBody,
+        }
+    }
+
+    /// Name, kind and meaning: the one home of each.
+    pub fn def(self) -> StatDef {
+        use MetricKind::{Counter, Gauge};
+        let (name, kind, help) = match self {
+            Stat::RequestsAllowed => (
+                "meshlimit.requests_allowed",
+                Counter,
+                "decisions made from meshlimitd's answer: allowed",
+            ),
+            Stat::RequestsDenied => (
+                "meshlimit.requests_denied",
+                Counter,
+                "decisions made from meshlimitd's answer: denied",
+            ),
+            Stat::LocalAllowed => (
+                "meshlimit.local_allowed",
+                Counter,
+                "decisions of scope: local rules (never a call): allowed",
+            ),
+            Stat::LocalDenied => (
+                "meshlimit.local_denied",
+                Counter,
+                "decisions of scope: local rules (never a call): denied",
+            ),
+            Stat::FallbackAllowed => (
+                "meshlimit.fallback_allowed",
+                Counter,
+                "decisions made without meshlimitd, by failure_mode: allowed",
+            ),
+            Stat::FallbackDenied => (
+                "meshlimit.fallback_denied",
+                Counter,
+                "decisions made without meshlimitd, by failure_mode: denied",
+            ),
+            Stat::FallbackUncounted => (
+                "meshlimit.fallback_uncounted",
+                Counter,
+                "local fallback decisions admitted uncounted because shared data failed",
+            ),
+            Stat::ShadowDenied => (
+                "meshlimit.shadow_denied",
+                Counter,
+                "requests a shadow rule would have denied (they were not)",
+            ),
+            Stat::DenyCacheHits => (
+                "meshlimit.deny_cache_hits",
+                Counter,
+                "requests denied by the deny cache without calling meshlimitd",
+            ),
+            Stat::DenyCacheEvictions => (
+                "meshlimit.deny_cache_evictions",
+                Counter,
+                "live deny-cache entries overwritten by another client's: the cache is too small",
+            ),
+            Stat::BreakerOpened => (
+                "meshlimit.breaker_opened",
+                Counter,
+                "times the circuit breaker opened",
+            ),
+            Stat::BreakerOpen => (
+                "meshlimit.breaker_open",
+                Gauge,
+                "1 while the breaker is open, 0 once it closed again",
+            ),
+            Stat::Batches => (
+                "meshlimit.batches",
+                Counter,
+                "group commit: calls that carried a batch",
+            ),
+            Stat::BatchedChecks => (
+                "meshlimit.batched_checks",
+                Counter,
+                "group commit: checks those calls carried",
+            ),
+            Stat::BatchOverflow => (
+                "meshlimit.batch_overflow",
+                Counter,
+                "group commit: checks refused because the queue was full (decided by failure_mode)",
+            ),
+            Stat::RejectedNoClientId => (
+                "meshlimit.rejected_no_client_id",
+                Counter,
+                "requests refused by when_missing: reject",
+            ),
+            Stat::RejectedInvalidCost => (
+                "meshlimit.rejected_invalid_cost",
+                Counter,
+                "requests refused for an unusable cost header (400)",
+            ),
+            Stat::RejectedCostAboveCapacity => (
+                "meshlimit.rejected_cost_above_capacity",
+                Counter,
+                "requests refused for a cost above a limit's capacity",
+            ),
+            Stat::ServiceErrorTimeout => (
+                "meshlimit.service_errors.timeout",
+                Counter,
+                "failed calls: no answer in time",
+            ),
+            Stat::ServiceErrorConnection => (
+                "meshlimit.service_errors.connection",
+                Counter,
+                "failed calls: no connection to any meshlimitd",
+            ),
+            Stat::ServiceErrorUnavailable => (
+                "meshlimit.service_errors.unavailable",
+                Counter,
+                "failed calls: meshlimitd cannot reach Redis (503)",
+            ),
+            Stat::ServiceErrorBadStatus => (
+                "meshlimit.service_errors.bad_status",
+                Counter,
+                "failed calls: another status",
+            ),
+            Stat::ServiceErrorBadBody => (
+                "meshlimit.service_errors.bad_body",
+                Counter,
+                "failed calls: a 200 whose body is not a valid answer",
+            ),
+        };
+        StatDef { name, kind, help }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_lists_every_stat_in_order_with_unique_names() {
+        for (i, stat) in Stat::ALL.iter().enumerate() {
+            assert_eq!(*stat as usize, i, "{stat:?}");
+        }
+        let mut names: Vec<_> = Stat::ALL.iter().map(|s| s.def().name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Stat::ALL.len());
+        assert!(names.iter().all(|n| n.starts_with("meshlimit.")));
+    }
+
+    #[test]
+    fn every_service_error_kind_has_its_stat() {
+        for e in [
+            ServiceError::Timeout,
+            ServiceError::Connection,
+            ServiceError::Unavailable,
+            ServiceError::BadStatus(418),
+            ServiceError::BadBody(String::new()),
+        ] {
+            let name = Stat::service_error(&e).def().name;
+            assert_eq!(name, format!("meshlimit.service_errors.{}", e.kind()));
+        }
+    }
+
+    #[test]
+    fn the_readme_lists_every_stat() {
+        let readme = include_str!("../README.md");
+        for stat in Stat::ALL {
+            let name = stat.def().name;
+            let last = name.rsplit(['.']).next().unwrap_or(name);
+            assert!(readme.contains(last), "README does not list {name}");
+        }
+    }
 }

@@ -1,5 +1,17 @@
-//! The little the decision logic needs from the host, as traits, so that all
-//! of it runs (and is unit-tested) natively without Envoy.
+//! What the filter needs from its host, as traits, so that all of it, the
+//! request flow included, runs (and is unit-tested) natively without Envoy.
+//!
+//! [`Host`] is everything [`crate::flow`] does to the outside world; the
+//! proxy-wasm implementation (`crate::wasm::host`) is the only code that
+//! touches `proxy_wasm`, and [`fake::FakeHost`] records what the flow did,
+//! for tests. Each method is one hostcall, so a test can count them.
+
+use crate::decision::DenyResponse;
+pub use crate::shared::{SharedStore, StoreError};
+use crate::stats::MetricKind;
+
+#[cfg(test)]
+pub mod fake;
 
 /// Read access to the request being decided.
 pub trait RequestView {
@@ -11,108 +23,51 @@ pub trait RequestView {
     fn source_address(&self) -> Option<String>;
 }
 
-/// The `i`-th little-endian u64 of a shared-data value, if it has one.
-/// Values in shared data are sequences of such words.
-pub fn le_word(bytes: &[u8], i: usize) -> Option<u64> {
-    bytes
-        .get(i * 8..i * 8 + 8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map(u64::from_le_bytes)
+/// A check call to meshlimitd.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// The Envoy cluster of meshlimitd instances.
+    pub cluster: &'a str,
+    pub authority: &'a str,
+    pub path: &'a str,
+    pub body: &'a [u8],
+    pub timeout_ms: u64,
 }
 
-/// Why a shared-data operation failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreError {
-    /// Another worker wrote the key since we read it: retry.
-    CasMismatch,
-    /// Anything else the host reported.
-    Failed,
-}
+/// Everything the request flow does to its host. The request, the call
+/// response and the stream operations act on the host's current (effective)
+/// context.
+pub trait Host: RequestView + SharedStore {
+    /// Milliseconds since the Unix epoch, as the host's clock says.
+    fn now_ms(&self) -> u64;
+    /// Fresh random words (fingerprint seeds, queue names).
+    fn random_seed(&self) -> (u64, u64);
 
-/// proxy-wasm shared data: one byte string per key, shared by every worker
-/// of the VM, with compare-and-swap. It has no expiry, which is why callers
-/// use a fixed set of keys.
-pub trait SharedStore {
-    /// The value and its CAS token.
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError>;
-    /// Writes when `cas` still matches (or unconditionally with `None`).
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
-}
+    /// Defines a stat; its id, or `None` when the host refused it.
+    fn define_metric(&self, kind: MetricKind, name: &str) -> Option<u32>;
+    fn increment_metric(&self, id: u32, delta: u64);
+    fn record_metric(&self, id: u32, value: u64);
 
-#[cfg(test)]
-pub mod fake {
-    //! In-memory doubles of the host traits, for unit tests.
-    use super::*;
-    use std::cell::RefCell;
-    use std::collections::HashMap;
+    /// Registers this worker's wake-up queue; its id.
+    fn register_queue(&self, name: &str) -> Option<u32>;
+    /// Puts a wake-up on `queue` (the root is called back); false if not.
+    fn enqueue(&self, queue: u32) -> bool;
 
-    #[derive(Default, Clone)]
-    pub struct FakeRequest {
-        pub headers: Vec<(String, Vec<u8>)>,
-        pub source: Option<String>,
-    }
+    /// Sends a call from the current context; its token.
+    fn dispatch(&self, call: &Call<'_>) -> Result<u32, String>;
+    /// A header of the answered call's response. Only asked when the host
+    /// reported headers: after a timeout or reset there are none to read.
+    fn call_response_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// Up to `max` bytes of the answered call's response body.
+    fn call_response_body(&self, max: usize) -> Option<Vec<u8>>;
 
-    impl FakeRequest {
-        pub fn with_header(mut self, name: &str, value: &[u8]) -> Self {
-            self.headers.push((name.to_string(), value.to_vec()));
-            self
-        }
-        pub fn from_source(mut self, addr: &str) -> Self {
-            self.source = Some(addr.to_string());
-            self
-        }
-    }
-
-    impl RequestView for FakeRequest {
-        fn header(&self, name: &str) -> Option<Vec<u8>> {
-            self.headers
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| v.clone())
-        }
-        fn source_address(&self) -> Option<String> {
-            self.source.clone()
-        }
-    }
-
-    /// Shared data with CAS tokens, plus a switch to inject CAS conflicts.
-    #[derive(Default)]
-    pub struct FakeStore {
-        pub data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
-        pub conflicts_left: RefCell<u32>,
-        pub broken: bool,
-    }
-
-    impl SharedStore for FakeStore {
-        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
-            if self.broken {
-                return Err(StoreError::Failed);
-            }
-            Ok(match self.data.borrow().get(key) {
-                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
-                None => (None, None),
-            })
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            if self.broken {
-                return Err(StoreError::Failed);
-            }
-            let mut left = self.conflicts_left.borrow_mut();
-            if *left > 0 {
-                *left -= 1;
-                return Err(StoreError::CasMismatch);
-            }
-            let mut data = self.data.borrow_mut();
-            let current = data.get(key).map(|(_, c)| *c);
-            // Envoy's rule: a non-zero token must match an existing entry's.
-            if let (Some(c), Some(cur)) = (cas, current) {
-                if c != 0 && c != cur {
-                    return Err(StoreError::CasMismatch);
-                }
-            }
-            let next = current.unwrap_or(0) + 1;
-            data.insert(key.to_string(), (value.to_vec(), next));
-            Ok(())
-        }
-    }
+    /// Makes `context_id` the current context (to act for a paused stream,
+    /// or to make calls belong to the root again); false when it is gone.
+    fn set_effective_context(&self, context_id: u32) -> bool;
+    /// Lets the current (paused) request continue upstream.
+    fn resume_request(&self) -> bool;
+    /// Answers the current request locally.
+    fn send_reply(&self, reply: &DenyResponse) -> bool;
+    /// Adds a header to the current stream's response.
+    fn add_response_header(&self, name: &str, value: &str);
 }

@@ -8,10 +8,8 @@
 //! elects it); success closes the breaker, failure reopens it for twice as
 //! long, up to `max_open`.
 
-use crate::host::{le_word, SharedStore, StoreError};
-
-pub const KEY: &str = "meshlimit.breaker";
-const MAX_CAS_RETRIES: usize = 8;
+use super::keys;
+use super::store::{le_word, le_words, retry_on_conflict, SharedStore, StoreError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BreakerConfig {
@@ -61,40 +59,36 @@ pub struct Breaker<'a, S: SharedStore> {
 impl<S: SharedStore> Breaker<'_, S> {
     /// Whether this check may call meshlimitd now.
     pub fn gate(&self, now_ms: u64, call_timeout_ms: u64) -> Gate {
-        for _ in 0..MAX_CAS_RETRIES {
+        retry_on_conflict(|| {
             let Ok((state, cas)) = self.load() else {
                 // Shared data failing is no reason to stop limiting globally.
-                return Gate::Call;
+                return Ok(Gate::Call);
             };
             if state.open_until_ms == 0 {
-                return Gate::Call;
+                return Ok(Gate::Call);
             }
             if now_ms < state.open_until_ms || now_ms < state.probe_until_ms {
-                return Gate::Skip;
+                return Ok(Gate::Skip);
             }
             // Half-open: try to be the one probe.
             let next = State {
                 probe_until_ms: now_ms + 2 * call_timeout_ms.max(1),
                 ..state
             };
-            match self.save(&next, cas) {
-                Ok(()) => return Gate::Probe,
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Failed) => return Gate::Skip,
-            }
-        }
-        Gate::Skip
+            self.save(&next, cas).map(|()| Gate::Probe)
+        })
+        .unwrap_or(Gate::Skip)
     }
 
     /// Records a call's outcome.
     pub fn record(&self, success: bool, now_ms: u64) -> Transition {
-        for _ in 0..MAX_CAS_RETRIES {
+        retry_on_conflict(|| {
             let Ok((state, cas)) = self.load() else {
-                return Transition::None;
+                return Ok(Transition::None);
             };
             let (next, transition) = if success {
                 if state == State::default() {
-                    return Transition::None;
+                    return Ok(Transition::None);
                 }
                 let was_open = state.open_until_ms != 0;
                 (
@@ -138,17 +132,13 @@ impl<S: SharedStore> Breaker<'_, S> {
                     )
                 }
             };
-            match self.save(&next, cas) {
-                Ok(()) => return transition,
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Failed) => return Transition::None,
-            }
-        }
-        Transition::None
+            self.save(&next, cas).map(|()| transition)
+        })
+        .unwrap_or(Transition::None)
     }
 
     fn load(&self) -> Result<(State, Option<u32>), StoreError> {
-        let (bytes, cas) = self.store.get(KEY)?;
+        let (bytes, cas) = self.store.get(keys::BREAKER)?;
         let word = |i: usize| bytes.as_deref().and_then(|b| le_word(b, i)).unwrap_or(0);
         Ok((
             State {
@@ -162,16 +152,13 @@ impl<S: SharedStore> Breaker<'_, S> {
     }
 
     fn save(&self, state: &State, cas: Option<u32>) -> Result<(), StoreError> {
-        let mut out = Vec::with_capacity(32);
-        for w in [
+        let words = le_words(&[
             u64::from(state.consecutive_failures),
             state.open_until_ms,
             state.next_open_ms,
             state.probe_until_ms,
-        ] {
-            out.extend_from_slice(&w.to_le_bytes());
-        }
-        self.store.set(KEY, &out, cas)
+        ]);
+        self.store.set(keys::BREAKER, &words, cas)
     }
 }
 

@@ -7,7 +7,8 @@
 //! only denies when the full 64-bit keyed fingerprint matches: a collision
 //! can only cost a call (the other entry is missing), never a wrong deny.
 
-use crate::host::{le_word, SharedStore};
+use super::keys;
+use super::store::{self, le_word, le_words, Purpose, SharedStore};
 
 #[derive(Debug, Clone, Copy)]
 pub struct DenyCache<'a, S: SharedStore> {
@@ -38,27 +39,17 @@ impl<S: SharedStore> DenyCache<'_, S> {
             }
             _ => false,
         };
-        let mut value = fp.to_le_bytes().to_vec();
-        value.extend_from_slice(&until_ms.to_le_bytes());
         // Unconditional write: the slot belongs to the latest deny.
-        let _ = self.store.set(&key, &value, None);
+        let _ = self.store.set(&key, &le_words(&[fp, until_ms]), None);
         evicted
     }
 
     fn key(&self, fp: u64) -> String {
-        format!(
-            "meshlimit.deny.{}",
-            (fp ^ fp >> 29) % u64::from(self.slots.max(1))
-        )
+        keys::deny_slot(store::slot(fp, self.slots))
     }
 
     fn fingerprint(&self, subject: &str, limit: &str) -> u64 {
-        use std::hash::{Hash, Hasher};
-        #[allow(deprecated)] // SipHasher is the keyed hash std offers.
-        let mut h = std::hash::SipHasher::new_with_keys(self.seed.1, self.seed.0);
-        limit.hash(&mut h);
-        subject.hash(&mut h);
-        h.finish()
+        store::fingerprint(self.seed, Purpose::DenyCache, limit, 0, subject)
     }
 }
 

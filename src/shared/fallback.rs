@@ -9,22 +9,20 @@
 //! counts (admits more) rather than charging one client for another's
 //! requests. The counting itself is [`crate::algorithms`].
 //!
-//! Fingerprints are keyed with a per-Envoy random seed so that a client
-//! cannot craft ids that collide with a victim's.
+//! Fingerprints are keyed with a per-Envoy random seed
+//! ([`super::store::fingerprint`]) so that a client cannot craft ids that
+//! collide with a victim's.
 
 use meshlimit_protocol::{CheckResult, LimitStatus};
 
+use super::keys;
+use super::store::{self, le_word, le_words, retry_on_conflict, Purpose, SharedStore, StoreError};
 use crate::algorithms::{self, Params, State};
-use crate::decision::Applied;
-use crate::host::{le_word, SharedStore, StoreError};
+use crate::check::Applied;
 
 /// Entries per slot.
 pub const WAYS: usize = 4;
 const ENTRY_LEN: usize = 40;
-/// Compare-and-swap attempts before giving up on a write.
-const MAX_CAS_RETRIES: usize = 8;
-/// Shared-data key holding the fingerprint seed.
-pub const SEED_KEY: &str = "meshlimit.seed";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct Entry {
@@ -64,20 +62,14 @@ impl LocalLimiter {
         &self,
         store: &impl SharedStore,
         subject: &str,
-        limits: &[Applied<'_>],
+        limits: &[Applied],
         now_ms: u64,
     ) -> LocalDecision {
-        for _ in 0..MAX_CAS_RETRIES {
-            match self.try_check(store, subject, limits, now_ms) {
-                Ok(result) => {
-                    return LocalDecision {
-                        result,
-                        degraded: false,
-                    }
-                }
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Failed) => break,
-            }
+        if let Ok(result) = retry_on_conflict(|| self.try_check(store, subject, limits, now_ms)) {
+            return LocalDecision {
+                result,
+                degraded: false,
+            };
         }
         // Fail open, visibly: the caller counts and logs degraded decisions.
         LocalDecision {
@@ -104,7 +96,7 @@ impl LocalLimiter {
         &self,
         store: &impl SharedStore,
         subject: &str,
-        limits: &[Applied<'_>],
+        limits: &[Applied],
         now_ms: u64,
     ) -> Result<CheckResult, StoreError> {
         struct Pending {
@@ -119,9 +111,15 @@ impl LocalLimiter {
         let mut statuses = Vec::with_capacity(limits.len());
         let mut allowed = true;
         for applied in limits {
-            let limit = applied.limit;
-            let fingerprint = self.fingerprint(subject, &limit.qualified_name, limit.window_ms);
-            let key = format!("meshlimit.fb.{}", self.slot(fingerprint));
+            let limit = &applied.limit;
+            let fingerprint = store::fingerprint(
+                self.seed,
+                Purpose::Fallback,
+                &limit.qualified_name,
+                limit.window_ms,
+                subject,
+            );
+            let key = keys::fallback_slot(store::slot(fingerprint, self.slots));
             let (bytes, cas) = store.get(&key)?;
             let entries = decode(bytes.as_deref());
             let (way, current) = find_or_evict(&entries, fingerprint);
@@ -187,20 +185,6 @@ impl LocalLimiter {
             limits: statuses,
         })
     }
-
-    fn fingerprint(&self, subject: &str, limit_name: &str, window_ms: u64) -> u64 {
-        #[allow(deprecated)] // SipHasher is the keyed hash std offers.
-        let mut h = std::hash::SipHasher::new_with_keys(self.seed.0, self.seed.1);
-        use std::hash::{Hash, Hasher};
-        limit_name.hash(&mut h);
-        window_ms.hash(&mut h);
-        subject.hash(&mut h);
-        h.finish()
-    }
-
-    fn slot(&self, fingerprint: u64) -> u64 {
-        (fingerprint >> 32 ^ fingerprint.rotate_left(17)) % u64::from(self.slots)
-    }
 }
 
 /// The way holding `fingerprint`, else an empty way, else the least
@@ -241,36 +225,30 @@ fn decode(bytes: Option<&[u8]>) -> [Entry; WAYS] {
 }
 
 fn encode(entries: &[Entry; WAYS]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(WAYS * ENTRY_LEN);
-    for e in entries {
-        for word in [e.fingerprint, e.state.a, e.state.b, e.state.c, e.touched] {
-            out.extend_from_slice(&word.to_le_bytes());
-        }
-    }
-    out
+    let words: Vec<u64> = entries
+        .iter()
+        .flat_map(|e| [e.fingerprint, e.state.a, e.state.b, e.state.c, e.touched])
+        .collect();
+    le_words(&words)
 }
 
 /// Reads the shared fingerprint seed, creating it from `fresh` when no
 /// worker has yet. Every worker must use the same seed, or they would count
 /// one client in different slots.
 pub fn shared_seed(store: &impl SharedStore, fresh: (u64, u64)) -> Option<(u64, u64)> {
-    for _ in 0..MAX_CAS_RETRIES {
-        let (bytes, cas) = store.get(SEED_KEY).ok()?;
+    retry_on_conflict(|| {
+        let (bytes, cas) = store.get(keys::SEED)?;
         if let Some(b) = bytes {
-            return Some((le_word(&b, 0)?, le_word(&b, 1)?));
+            return Ok(le_word(&b, 0).zip(le_word(&b, 1)));
         }
-        let mut value = fresh.0.to_le_bytes().to_vec();
-        value.extend_from_slice(&fresh.1.to_le_bytes());
         // Two workers racing here may both write; the last write wins and,
-        // since callers read the seed for every fallback decision, every
-        // worker agrees from then on.
-        match store.set(SEED_KEY, &value, cas) {
-            Ok(()) => return Some(fresh),
-            Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Failed) => return None,
-        }
-    }
-    None
+        // since callers re-read the seed now and then, every worker agrees
+        // from then on.
+        store.set(keys::SEED, &le_words(&[fresh.0, fresh.1]), cas)?;
+        Ok(Some(fresh))
+    })
+    .ok()
+    .flatten()
 }
 
 #[cfg(test)]
@@ -278,30 +256,15 @@ mod tests {
     use super::*;
     use crate::config::LimitConfig;
     use crate::host::fake::FakeStore;
+    use crate::testing;
     use meshlimit_protocol::Algorithm;
 
     fn limit(name: &str, requests: u64, window_ms: u64) -> LimitConfig {
-        LimitConfig {
-            name: name.into(),
-            qualified_name: format!("r/{name}"),
-            requests,
-            window_ms,
-            algorithm: Algorithm::FixedWindow,
-            burst: None,
-            fallback_requests: requests,
-        }
+        testing::limit(&format!("r/{name}"), requests, window_ms)
     }
 
-    fn applied(limits: &[&LimitConfig]) -> Vec<Applied<'static>> {
-        limits
-            .iter()
-            .map(|l| Applied {
-                limit: Box::leak(Box::new((*l).clone())),
-                cost: 1,
-                shadow: false,
-                local: false,
-            })
-            .collect()
+    fn applied(limits: &[&LimitConfig]) -> Vec<Applied> {
+        limits.iter().map(|l| testing::applied(l)).collect()
     }
 
     fn admitted(

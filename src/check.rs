@@ -1,0 +1,80 @@
+//! A request's check: whose quota it spends, and which limits apply, with
+//! the request's cost on each.
+//!
+//! Built once per request by [`crate::decision::plan`] and already split
+//! into the limits this Envoy decides alone (`scope: local` rules) and the
+//! global ones that meshlimitd decides. The limits are shared with the
+//! configuration (`Rc`), so a paused request carries no copies of it, and
+//! nothing downstream resolves or splits the check again.
+
+use std::rc::Rc;
+
+use meshlimit_protocol::{CheckRequest, Limit};
+
+use crate::config::LimitConfig;
+
+/// A limit that applies to a request, and the request's cost on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub limit: Rc<LimitConfig>,
+    pub cost: u64,
+    /// From a shadow rule: decided and counted, never enforced.
+    pub shadow: bool,
+}
+
+impl Applied {
+    /// The limit as meshlimitd's check API carries it.
+    pub fn to_wire(&self) -> Limit {
+        Limit {
+            name: self.limit.qualified_name.clone(),
+            requests: self.limit.requests,
+            window_ms: self.limit.window_ms,
+            algorithm: self.limit.algorithm,
+            cost: self.cost,
+            burst: self.limit.burst,
+            shadow: self.shadow,
+        }
+    }
+
+    /// The same limit at this Envoy's share, for a fallback decision.
+    pub fn for_fallback(&self) -> Applied {
+        Applied {
+            limit: Rc::new(self.limit.for_fallback()),
+            ..self.clone()
+        }
+    }
+}
+
+/// What a request needs decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    /// Whose quota (see [`crate::client_id`]).
+    pub subject: String,
+    /// Limits of `scope: local` rules: counted in this Envoy, never called for.
+    pub local: Vec<Applied>,
+    /// Limits decided by meshlimitd, or by `failure_mode` when it cannot be
+    /// asked.
+    pub global: Vec<Applied>,
+}
+
+impl Check {
+    /// The check as one entry of a call: the global limits only.
+    pub fn to_wire(&self) -> meshlimit_protocol::Check {
+        meshlimit_protocol::Check {
+            subject: self.subject.clone(),
+            limits: self.global.iter().map(Applied::to_wire).collect(),
+        }
+    }
+
+    /// The body of a call for this check alone.
+    pub fn to_request(&self) -> CheckRequest {
+        CheckRequest {
+            checks: vec![self.to_wire()],
+        }
+    }
+
+    /// Every limit, local ones first (the order of a combined result).
+    pub fn all(&self) -> Vec<Applied> {
+        self.local.iter().chain(&self.global).cloned().collect()
+    }
+}

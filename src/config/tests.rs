@@ -1,0 +1,432 @@
+//! Unit and property tests of the configuration parser.
+
+use super::*;
+
+const MINIMAL: &str =
+    r#"{"rules":[{"name":"api","limits":[{"name":"per-minute","requests":100,"window":"60s"}]}]}"#;
+
+fn parse_str(s: &str) -> Result<Config, ConfigError> {
+    parse(s.as_bytes())
+}
+
+fn rejects(json: &str, field: &str, problem_part: &str) {
+    let e = parse_str(json).expect_err("config should be rejected");
+    assert_eq!(e.field, field, "wrong field in {e}");
+    assert!(
+        e.problem.contains(problem_part),
+        "problem {:?} should mention {:?}",
+        e.problem,
+        problem_part
+    );
+}
+
+#[test]
+fn minimal_config_gets_documented_defaults() {
+    let c = parse_str(MINIMAL).unwrap();
+    assert_eq!(c.service.cluster, "meshlimit");
+    assert_eq!(c.service.authority, "meshlimitd");
+    assert_eq!(c.service.timeout_ms, 20);
+    assert_eq!(c.client_id.when_missing, WhenMissing::ClientAddress);
+    assert!(c.client_id.headers.is_empty());
+    assert_eq!(c.failure_mode, FailureMode::Local);
+    assert_eq!(c.response.status, 429);
+    assert_eq!(c.response.headers, HeaderStyle::Draft);
+    assert_eq!(c.local.slots, 4096);
+    assert_eq!(
+        c.breaker,
+        BreakerConfig {
+            failures: 5,
+            open_ms: 250,
+            max_open_ms: 2_000
+        }
+    );
+    assert_eq!(c.deny_cache_slots, 4096);
+    let off = parse_str(
+            r#"{"group_commit":{"enabled":false},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+    assert_eq!(off.group_commit, None, "one call per request");
+    assert_eq!(
+        c.group_commit,
+        Some(crate::batch::BatchConfig {
+            max_batch: 64,
+            max_age_ms: 0,
+            max_queued: 1024,
+            max_in_flight: 4
+        })
+    );
+    rejects(
+        r#"{"group_commit":{"enabled":true,"max_batch":0},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "group_commit.max_batch",
+        "between 1",
+    );
+    let rule = &c.rules[0];
+    assert_eq!(rule.path_prefix, "/");
+    assert!(rule.methods.is_empty());
+    assert_eq!(rule.limits[0].window_ms, 60_000);
+    assert_eq!(rule.limits[0].qualified_name, "api/per-minute");
+    assert_eq!(rule.limits[0].algorithm, Algorithm::FixedWindow);
+}
+
+#[test]
+fn full_design_example_parses() {
+    let json = r#"{
+          "service": {"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "25ms"},
+          "client_id": {"headers": ["X-Api-Key", "x-client-id"], "when_missing": "reject"},
+          "rules": [
+            {"name": "api", "match": {"path_prefix": "/api/", "methods": ["get", "POST"]},
+             "limits": [{"name": "per-minute", "requests": 100, "window": "60s", "algorithm": "fixed_window"}]}
+          ],
+          "failure_mode": "deny",
+          "response": {"status": 429, "body": "slow down\n", "headers": "x-ratelimit"},
+          "local": {"slots": 64}
+        }"#;
+    let c = parse_str(json).unwrap();
+    assert_eq!(c.client_id.headers, vec!["x-api-key", "x-client-id"]);
+    assert_eq!(c.rules[0].methods, vec!["GET", "POST"]);
+    assert_eq!(c.failure_mode, FailureMode::Deny);
+    assert_eq!(c.response.headers, HeaderStyle::XRatelimit);
+    assert_eq!(c.service.timeout_ms, 25);
+}
+
+#[test]
+fn empty_config_is_rejected() {
+    assert!(parse(b"").unwrap_err().problem.contains("empty"));
+    assert!(parse(b"  \n").unwrap_err().problem.contains("empty"));
+    rejects("{}", "rules", "required");
+    rejects(r#"{"rules":[]}"#, "rules", "at least one");
+}
+
+#[test]
+fn unknown_fields_are_named_with_their_path() {
+    rejects(
+        r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":1,"window":"1s","burts":3}]}]}"#,
+        "rules[0].limits[0].burts",
+        "unknown field `burts`",
+    );
+    rejects(
+        r#"{"servce":{},"rules":[]}"#,
+        "servce",
+        "unknown field `servce`",
+    );
+    rejects(
+        r#"{"service":{"timeout_ms":20},"rules":[]}"#,
+        "service.timeout_ms",
+        "unknown field `timeout_ms`",
+    );
+}
+
+#[test]
+fn zero_and_negative_limits_are_rejected() {
+    rejects(
+        r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":0,"window":"1s"}]}]}"#,
+        "rules[0].limits[0].requests",
+        "at least 1",
+    );
+    rejects(
+        r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":-5,"window":"1s"}]}]}"#,
+        "rules[0].limits[0].requests",
+        "invalid value",
+    );
+}
+
+#[test]
+fn bad_durations_are_rejected() {
+    rejects(
+        r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":1,"window":"60"}]}]}"#,
+        "rules[0].limits[0].window",
+        "no unit",
+    );
+    rejects(
+        r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":1,"window":"0s"}]}]}"#,
+        "rules[0].limits[0].window",
+        "between",
+    );
+    rejects(
+        r#"{"service":{"timeout":"fast"},"rules":[{"name":"api","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "service.timeout",
+        "must start with",
+    );
+}
+
+#[test]
+fn rules_without_limits_and_duplicates_are_rejected() {
+    rejects(
+        r#"{"rules":[{"name":"api"}]}"#,
+        "rules[0].limits",
+        "at least one limit",
+    );
+    rejects(
+        r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]},{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "rules[1].name",
+        "duplicate rule name",
+    );
+    rejects(
+        r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"},{"name":"m","requests":2,"window":"1h"}]}]}"#,
+        "rules[0].limits[1].name",
+        "duplicate limit name",
+    );
+}
+
+#[test]
+fn names_that_could_move_a_hash_slot_are_rejected() {
+    rejects(
+        r#"{"rules":[{"name":"a{b}","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "rules[0].name",
+        "may only contain",
+    );
+}
+
+#[test]
+fn every_algorithm_parses_and_burst_is_token_bucket_only() {
+    let c = parse_str(
+        r#"{"rules":[{"name":"a","limits":[
+              {"name":"fw","requests":1,"window":"1s","algorithm":"fixed_window"},
+              {"name":"swl","requests":1,"window":"1s","algorithm":"sliding_window_log"},
+              {"name":"swc","requests":1,"window":"1s","algorithm":"sliding_window_counter"},
+              {"name":"tb","requests":10,"window":"1s","algorithm":"token_bucket","burst":3}]}]}"#,
+    )
+    .unwrap();
+    assert_eq!(c.rules[0].limits[3].capacity(), 3);
+    assert_eq!(c.rules[0].limits[0].capacity(), 1);
+    rejects(
+        r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","burst":2}]}]}"#,
+        "rules[0].limits[0].burst",
+        "only token_bucket",
+    );
+    rejects(
+        r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","algorithm":"token_bucket","burst":0}]}]}"#,
+        "rules[0].limits[0].burst",
+        "at least 1",
+    );
+}
+
+#[test]
+fn cost_is_fixed_or_from_a_bounded_header() {
+    let c = parse_str(
+            r#"{"rules":[
+              {"name":"a","cost":5,"limits":[{"name":"m","requests":10,"window":"1s"}]},
+              {"name":"b","cost":{"header":"X-Cost","max":100},"shadow":true,"limits":[{"name":"m","requests":10,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+    assert_eq!(c.rules[0].cost, Cost::Fixed(5));
+    assert!(!c.rules[0].shadow);
+    assert_eq!(
+        c.rules[1].cost,
+        Cost::Header {
+            name: "x-cost".into(),
+            default: 1,
+            max: 100
+        }
+    );
+    assert!(c.rules[1].shadow);
+    rejects(
+        r#"{"rules":[{"name":"a","cost":0,"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "rules[0].cost",
+        "at least 1",
+    );
+    rejects(
+        r#"{"rules":[{"name":"a","cost":{"header":"x-cost","max":10,"default":11},"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "rules[0].cost.default",
+        "between 1 and max",
+    );
+}
+
+#[test]
+fn unknown_algorithms_are_named() {
+    rejects(
+        r#"{"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s","algorithm":"leaky"}]}]}"#,
+        "rules[0].limits[0].algorithm",
+        "unknown variant `leaky`",
+    );
+}
+
+#[test]
+fn enum_fields_name_their_choices() {
+    rejects(
+        r#"{"failure_mode":"open","rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "failure_mode",
+        "expected one of `local`, `allow`, `deny`",
+    );
+    rejects(
+        r#"{"response":{"headers":"ietf"},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "response.headers",
+        "`draft`",
+    );
+}
+
+#[test]
+fn statuses_and_headers_are_checked() {
+    rejects(
+        r#"{"response":{"status":200},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "response.status",
+        "4xx or 5xx",
+    );
+    rejects(
+        r#"{"client_id":{"reject_status":302},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "client_id.reject_status",
+        "4xx",
+    );
+    rejects(
+        r#"{"client_id":{"headers":["x api"]},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "client_id.headers[0]",
+        "not a valid header name",
+    );
+    rejects(
+        r#"{"client_id":{"query_params":["key","a=b"]},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "client_id.query_params[1]",
+        "not a usable parameter name",
+    );
+    rejects(
+        r#"{"rules":[{"name":"a","match":{"path_prefix":"api"},"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "rules[0].match.path_prefix",
+        "start with",
+    );
+}
+
+#[test]
+fn fallback_share_comes_from_the_rule_or_the_replica_count() {
+    let c = parse_str(
+            r#"{"local":{"expected_replicas":4},"rules":[
+              {"name":"a","limits":[{"name":"m","requests":20,"window":"1s"}]},
+              {"name":"b","fallback_share":0.5,"limits":[{"name":"m","requests":21,"window":"1s","algorithm":"token_bucket","burst":9}]},
+              {"name":"c","scope":"local","limits":[{"name":"m","requests":3,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+    assert_eq!(c.rules[0].limits[0].fallback_requests, 5);
+    assert_eq!(c.rules[1].limits[0].fallback_requests, 11);
+    assert_eq!(c.rules[1].limits[0].for_fallback().burst, Some(5));
+    assert_eq!(c.rules[2].scope, Scope::Local);
+    assert_eq!(c.rules[0].scope, Scope::Global);
+    let minimal = parse_str(MINIMAL).unwrap();
+    assert_eq!(
+        minimal.rules[0].limits[0].fallback_requests, 100,
+        "default share is 1"
+    );
+    rejects(
+        r#"{"rules":[{"name":"a","fallback_share":1.5,"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "rules[0].fallback_share",
+        "at most 1",
+    );
+    rejects(
+        r#"{"rules":[{"name":"a","scope":"local","fallback_share":0.5,"limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "rules[0].fallback_share",
+        "never falls back",
+    );
+    rejects(
+        r#"{"rules":[{"name":"a","scope":"everywhere","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "rules[0].scope",
+        "expected `global` or `local`",
+    );
+}
+
+#[test]
+fn breaker_settings_are_checked() {
+    rejects(
+        r#"{"breaker":{"failures":0},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "breaker.failures",
+        "between 1",
+    );
+    rejects(
+        r#"{"breaker":{"open":"5s","max_open":"1s"},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "breaker.max_open",
+        "at least breaker.open",
+    );
+    let c = parse_str(
+            r#"{"deny_cache":{"slots":0},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        )
+        .unwrap();
+    assert_eq!(c.deny_cache_slots, 0);
+}
+
+#[test]
+fn malformed_json_is_reported_without_panicking() {
+    let e = parse(b"{\"rules\": [").unwrap_err();
+    assert!(e.to_string().starts_with("invalid meshlimit configuration"));
+    assert!(parse(&[0xff, 0xfe, 0x00]).is_err());
+}
+
+#[test]
+fn error_line_names_the_field() {
+    let e = parse_str(
+        r#"{"rules":[{"name":"api","limits":[{"name":"m","requests":0,"window":"1s"}]}]}"#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid meshlimit configuration: field `rules[0].limits[0].requests`: must be at least 1"
+    );
+}
+
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Arbitrary JSON values, nested a few levels.
+    fn json() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::from),
+            any::<i64>().prop_map(serde_json::Value::from),
+            "\\PC{0,12}".prop_map(serde_json::Value::from),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+                prop::collection::btree_map(
+                    prop::sample::select(vec![
+                        "rules",
+                        "name",
+                        "limits",
+                        "requests",
+                        "window",
+                        "algorithm",
+                        "service",
+                        "timeout",
+                        "cost",
+                        "shadow",
+                        "burst",
+                        "match",
+                        "client_id",
+                        "x"
+                    ])
+                    .prop_map(String::from),
+                    inner,
+                    0..4
+                )
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_are_parsed_or_refused_with_a_message(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+            if let Err(e) = parse(&bytes) {
+                prop_assert!(!e.to_string().is_empty());
+            }
+        }
+
+        #[test]
+        fn arbitrary_json_is_parsed_or_refused_never_a_panic(value in json()) {
+            let bytes = serde_json::to_vec(&value).unwrap();
+            let _ = parse(&bytes);
+        }
+
+        #[test]
+        fn valid_limits_keep_their_values(
+            name in "[a-z][a-z0-9_.-]{0,20}",
+            requests in 1u64..1_000_000,
+            secs in 1u64..86_400,
+            algorithm in prop::sample::select(vec!["fixed_window", "sliding_window_log", "sliding_window_counter", "token_bucket"]),
+        ) {
+            let json = format!(r#"{{"rules":[{{"name":"{name}","limits":[{{"name":"l","requests":{requests},"window":"{secs}s","algorithm":"{algorithm}"}}]}}]}}"#);
+            let c = parse(json.as_bytes()).unwrap();
+            let l = &c.rules[0].limits[0];
+            prop_assert_eq!(l.requests, requests);
+            prop_assert_eq!(l.window_ms, secs * 1000);
+            prop_assert_eq!(l.algorithm.as_str(), algorithm);
+            prop_assert_eq!(&l.qualified_name, &format!("{name}/l"));
+        }
+    }
+}

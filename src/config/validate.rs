@@ -1,0 +1,366 @@
+//! Checks the wire shape and builds the [`Config`] the filter runs with.
+//! Every refusal names the field by its path.
+
+use std::collections::HashSet;
+use std::rc::Rc;
+
+use meshlimit_protocol::bounds::{self, LimitField};
+
+use super::duration;
+use super::raw::*;
+use super::{
+    err, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, LimitConfig, LocalConfig,
+    ResponseConfig, Rule, Scope, ServiceConfig,
+};
+
+/// Parts per million, so the config stays `Eq`.
+const PPM: f64 = 1_000_000.0;
+
+/// Bounds that keep a typo from becoming an outage.
+const MAX_TIMEOUT_MS: u64 = 60_000;
+const MIN_SLOTS: u32 = 16;
+const MAX_SLOTS: u32 = 1 << 20;
+const MAX_NAME_LEN: usize = bounds::MAX_NAME_LEN;
+const MAX_COST: u64 = 1_000_000;
+
+pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
+    let service = validate_service(raw.service)?;
+    let client_id = validate_client_id(raw.client_id)?;
+    let raw_rules = raw
+        .rules
+        .ok_or_else(|| err("rules", "missing: at least one rule is required"))?;
+    if raw_rules.is_empty() {
+        return Err(err("rules", "must contain at least one rule"));
+    }
+    if raw.local.expected_replicas == 0 || raw.local.expected_replicas > 10_000 {
+        return Err(err(
+            "local.expected_replicas",
+            "must be between 1 and 10000",
+        ));
+    }
+    let default_share_ppm = (PPM / f64::from(raw.local.expected_replicas)).ceil() as u64;
+    let mut rule_names = HashSet::new();
+    let mut rules = Vec::with_capacity(raw_rules.len());
+    for (i, raw_rule) in raw_rules.into_iter().enumerate() {
+        let rule = validate_rule(i, raw_rule, default_share_ppm)?;
+        if !rule_names.insert(rule.name.clone()) {
+            return Err(err(
+                format!("rules[{i}].name"),
+                format!("duplicate rule name \"{}\"", rule.name),
+            ));
+        }
+        rules.push(rule);
+    }
+    let response = validate_response(raw.response)?;
+    if !(MIN_SLOTS..=MAX_SLOTS).contains(&raw.local.slots) {
+        return Err(err(
+            "local.slots",
+            format!("must be between {MIN_SLOTS} and {MAX_SLOTS}"),
+        ));
+    }
+    let breaker = validate_breaker(raw.breaker)?;
+    if raw.deny_cache.slots > MAX_SLOTS {
+        return Err(err(
+            "deny_cache.slots",
+            format!("must be at most {MAX_SLOTS} (0 turns the cache off)"),
+        ));
+    }
+    Ok(Config {
+        service,
+        client_id,
+        rules,
+        failure_mode: raw.failure_mode,
+        response,
+        local: LocalConfig {
+            slots: raw.local.slots,
+        },
+        breaker,
+        deny_cache_slots: raw.deny_cache.slots,
+        group_commit: validate_group_commit(raw.group_commit)?,
+    })
+}
+
+fn validate_group_commit(
+    raw: RawGroupCommit,
+) -> Result<Option<crate::batch::BatchConfig>, ConfigError> {
+    if !(1..=1024).contains(&raw.max_batch) {
+        return Err(err("group_commit.max_batch", "must be between 1 and 1024"));
+    }
+    if !(1..=100_000).contains(&raw.max_queued) {
+        return Err(err(
+            "group_commit.max_queued",
+            "must be between 1 and 100000",
+        ));
+    }
+    if !(1..=64).contains(&raw.max_calls_in_flight) {
+        return Err(err(
+            "group_commit.max_calls_in_flight",
+            "must be between 1 and 64",
+        ));
+    }
+    let max_age_ms = duration::parse_millis(&raw.max_queue_age)
+        .map_err(|e| err("group_commit.max_queue_age", e.to_string()))?;
+    if max_age_ms > 1_000 {
+        return Err(err("group_commit.max_queue_age", "must be at most 1s"));
+    }
+    Ok(raw.enabled.then_some(crate::batch::BatchConfig {
+        max_batch: raw.max_batch,
+        max_age_ms,
+        max_queued: raw.max_queued,
+        max_in_flight: raw.max_calls_in_flight,
+    }))
+}
+
+fn validate_breaker(raw: RawBreaker) -> Result<BreakerConfig, ConfigError> {
+    if raw.failures == 0 || raw.failures > 1000 {
+        return Err(err("breaker.failures", "must be between 1 and 1000"));
+    }
+    let open_ms =
+        duration::parse_millis(&raw.open).map_err(|e| err("breaker.open", e.to_string()))?;
+    let max_open_ms = duration::parse_millis(&raw.max_open)
+        .map_err(|e| err("breaker.max_open", e.to_string()))?;
+    if open_ms == 0 || open_ms > 600_000 {
+        return Err(err("breaker.open", "must be between 1ms and 10m"));
+    }
+    if max_open_ms < open_ms || max_open_ms > 600_000 {
+        return Err(err(
+            "breaker.max_open",
+            "must be at least breaker.open and at most 10m",
+        ));
+    }
+    Ok(BreakerConfig {
+        failures: raw.failures,
+        open_ms,
+        max_open_ms,
+    })
+}
+
+fn validate_service(raw: RawService) -> Result<ServiceConfig, ConfigError> {
+    if raw.cluster.trim().is_empty() {
+        return Err(err("service.cluster", "must not be empty"));
+    }
+    if raw.authority.trim().is_empty() {
+        return Err(err("service.authority", "must not be empty"));
+    }
+    let timeout_ms =
+        duration::parse_millis(&raw.timeout).map_err(|e| err("service.timeout", e.to_string()))?;
+    if timeout_ms == 0 || timeout_ms > MAX_TIMEOUT_MS {
+        return Err(err(
+            "service.timeout",
+            format!("must be between 1ms and {}s", MAX_TIMEOUT_MS / 1000),
+        ));
+    }
+    Ok(ServiceConfig {
+        cluster: raw.cluster,
+        authority: raw.authority,
+        timeout_ms,
+    })
+}
+
+fn validate_client_id(raw: RawClientId) -> Result<ClientIdConfig, ConfigError> {
+    let mut headers = Vec::with_capacity(raw.headers.len());
+    for (i, h) in raw.headers.iter().enumerate() {
+        let lower = h.trim().to_ascii_lowercase();
+        if lower.is_empty() || !lower.bytes().all(is_header_name_byte) {
+            return Err(err(
+                format!("client_id.headers[{i}]"),
+                format!("\"{h}\" is not a valid header name"),
+            ));
+        }
+        headers.push(lower);
+    }
+    for (i, name) in raw.query_params.iter().enumerate() {
+        // Names are compared after decoding, so most text will do; not
+        // what could never appear as a name, nor the ':' that ends the name
+        // in a subject (`qry:<name>:<value>` must stay one-to-one).
+        if name.is_empty() || name.len() > MAX_NAME_LEN || name.contains(['&', '=', '#', ':']) {
+            return Err(err(
+                format!("client_id.query_params[{i}]"),
+                format!(
+                    "\"{name}\" is not a usable parameter name (1 to {MAX_NAME_LEN} characters, none of '&', '=', '#', ':')"
+                ),
+            ));
+        }
+    }
+    if !(400..=499).contains(&raw.reject_status) {
+        return Err(err(
+            "client_id.reject_status",
+            "must be a 4xx status (e.g. 400 or 401)",
+        ));
+    }
+    if raw.trusted_hops > 16 {
+        return Err(err("client_id.trusted_hops", "must be at most 16"));
+    }
+    Ok(ClientIdConfig {
+        headers,
+        query_params: raw.query_params,
+        when_missing: raw.when_missing,
+        trusted_hops: raw.trusted_hops,
+        reject_status: raw.reject_status,
+    })
+}
+
+fn is_header_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// Names become part of Redis keys and header values: keep them plain.
+fn check_name(field: String, name: &str) -> Result<(), ConfigError> {
+    if bounds::is_plain_name(name) {
+        return Ok(());
+    }
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Err(err(
+            field,
+            format!("must be 1 to {MAX_NAME_LEN} characters long"),
+        ));
+    }
+    Err(err(
+        field,
+        format!("\"{name}\" may only contain letters, digits, '-', '_' and '.'"),
+    ))
+}
+
+fn validate_rule(i: usize, raw: RawRule, default_share_ppm: u64) -> Result<Rule, ConfigError> {
+    check_name(format!("rules[{i}].name"), &raw.name)?;
+    let share_ppm = match raw.fallback_share {
+        None => default_share_ppm,
+        Some(_) if raw.scope == Scope::Local => {
+            return Err(err(
+                format!("rules[{i}].fallback_share"),
+                "a local rule never falls back; fallback_share only applies to global rules",
+            ));
+        }
+        Some(share) if share > 0.0 && share <= 1.0 => (share * PPM).round() as u64,
+        Some(_) => {
+            return Err(err(
+                format!("rules[{i}].fallback_share"),
+                "must be greater than 0 and at most 1",
+            ));
+        }
+    };
+    if !raw.matcher.path_prefix.starts_with('/') {
+        return Err(err(
+            format!("rules[{i}].match.path_prefix"),
+            "must start with '/'",
+        ));
+    }
+    let mut methods = Vec::with_capacity(raw.matcher.methods.len());
+    for (j, m) in raw.matcher.methods.iter().enumerate() {
+        let upper = m.trim().to_ascii_uppercase();
+        if upper.is_empty() || !upper.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(err(
+                format!("rules[{i}].match.methods[{j}]"),
+                format!("\"{m}\" is not an HTTP method"),
+            ));
+        }
+        methods.push(upper);
+    }
+    if raw.limits.is_empty() {
+        return Err(err(
+            format!("rules[{i}].limits"),
+            "a rule needs at least one limit",
+        ));
+    }
+    let mut limit_names = HashSet::new();
+    let mut limits = Vec::with_capacity(raw.limits.len());
+    for (j, l) in raw.limits.into_iter().enumerate() {
+        let field = |f: &str| format!("rules[{i}].limits[{j}].{f}");
+        check_name(field("name"), &l.name)?;
+        if !limit_names.insert(l.name.clone()) {
+            return Err(err(
+                field("name"),
+                format!(
+                    "duplicate limit name \"{}\" in rule \"{}\"",
+                    l.name, raw.name
+                ),
+            ));
+        }
+        let window_ms =
+            duration::parse_millis(&l.window).map_err(|e| err(field("window"), e.to_string()))?;
+        bounds::check_limit(l.requests, window_ms, l.algorithm, l.burst).map_err(|e| {
+            let name = match e.field {
+                LimitField::Requests => "requests",
+                LimitField::Window => "window",
+                LimitField::Burst => "burst",
+            };
+            err(field(name), e.problem)
+        })?;
+        limits.push(Rc::new(LimitConfig {
+            qualified_name: format!("{}/{}", raw.name, l.name),
+            name: l.name,
+            requests: l.requests,
+            window_ms,
+            algorithm: l.algorithm,
+            burst: l.burst,
+            fallback_requests: (((l.requests as u128 * u128::from(share_ppm)) as f64 / PPM).ceil()
+                as u64)
+                .clamp(1, l.requests),
+        }));
+    }
+    let cost = match raw.cost {
+        None => Cost::Fixed(1),
+        Some(RawCost::Fixed(0)) => {
+            return Err(err(format!("rules[{i}].cost"), "must be at least 1"));
+        }
+        Some(RawCost::Fixed(n)) if n > MAX_COST => {
+            return Err(err(
+                format!("rules[{i}].cost"),
+                format!("must be at most {MAX_COST}"),
+            ));
+        }
+        Some(RawCost::Fixed(n)) => Cost::Fixed(n),
+        Some(RawCost::Header(h)) => {
+            let name = h.header.trim().to_ascii_lowercase();
+            if name.is_empty() || !name.bytes().all(is_header_name_byte) {
+                return Err(err(
+                    format!("rules[{i}].cost.header"),
+                    format!("\"{}\" is not a valid header name", h.header),
+                ));
+            }
+            if h.max == 0 || h.max > MAX_COST {
+                return Err(err(
+                    format!("rules[{i}].cost.max"),
+                    format!("must be between 1 and {MAX_COST}"),
+                ));
+            }
+            if h.default == 0 || h.default > h.max {
+                return Err(err(
+                    format!("rules[{i}].cost.default"),
+                    "must be between 1 and max",
+                ));
+            }
+            Cost::Header {
+                name,
+                default: h.default,
+                max: h.max,
+            }
+        }
+    };
+    Ok(Rule {
+        name: raw.name,
+        path_prefix: raw.matcher.path_prefix,
+        methods,
+        limits,
+        cost,
+        shadow: raw.shadow,
+        scope: raw.scope,
+    })
+}
+
+fn validate_response(raw: RawResponse) -> Result<ResponseConfig, ConfigError> {
+    if !(400..=599).contains(&raw.status) {
+        return Err(err(
+            "response.status",
+            "must be a 4xx or 5xx status (429 is the standard one)",
+        ));
+    }
+    if raw.body.len() > 64 * 1024 {
+        return Err(err("response.body", "must be at most 64 KiB"));
+    }
+    Ok(ResponseConfig {
+        status: raw.status,
+        body: raw.body,
+        headers: raw.headers,
+    })
+}

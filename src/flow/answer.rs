@@ -1,0 +1,226 @@
+//! What happens when a call comes back (or fails): the breaker is told once
+//! per call, each check gets its verdict from meshlimitd's answer or, when
+//! there is none, from `failure_mode`.
+
+use log::warn;
+use meshlimit_protocol::CheckResult;
+
+use super::metrics::Tally;
+use super::{with_local, Step, Stream, Worker};
+use crate::check::{Applied, Check};
+use crate::config::FailureMode;
+use crate::decision::{self, ServiceError, Verdict};
+use crate::host::Host;
+use crate::shared::fallback::LocalLimiter;
+use crate::stats::Stat;
+
+impl Worker {
+    /// The stream's own call came back (`headers` is the number of response
+    /// headers Envoy reports: 0 after a timeout or reset).
+    pub fn on_call_answer(
+        &self,
+        host: &impl Host,
+        stream: &mut Stream,
+        headers: usize,
+        body_size: usize,
+    ) -> Step {
+        let Some(in_flight) = stream.in_flight.take() else {
+            return Step::Pause;
+        };
+        let (status, body) = read_call_response(host, headers, body_size, 1);
+        let now = host.now_ms();
+        let timed_out = self.timed_out(in_flight.started_ms, now);
+        let outcome = decision::read_answer(
+            status,
+            body.as_deref(),
+            in_flight.check.global.len(),
+            timed_out,
+        );
+        self.report_call(host, outcome.as_ref().err(), now);
+        let verdict = self.verdict_after_call(
+            host,
+            &mut Tally::new(&self.metrics, host),
+            now,
+            &in_flight.check,
+            in_flight.local.as_ref(),
+            outcome,
+        );
+        stream.apply(verdict)
+    }
+
+    /// A batch call the root sent came back: every stream in it is resumed
+    /// or answered.
+    pub fn on_batch_answer(&self, host: &impl Host, token: u32, headers: usize, body_size: usize) {
+        let batch = self
+            .batcher
+            .as_ref()
+            .and_then(|b| b.borrow_mut().answered(token));
+        let Some(batch) = batch else {
+            return;
+        };
+        let started = self.batch_started.borrow_mut().remove(&token).unwrap_or(0);
+        let expected: Vec<usize> = batch.iter().map(|q| q.check.global.len()).collect();
+        let (status, body) = read_call_response(host, headers, body_size, batch.len());
+        let now = host.now_ms();
+        let timed_out = self.timed_out(started, now);
+        let answers = decision::read_batch_answer(status, body.as_deref(), &expected, timed_out);
+        self.report_call(host, answers.as_ref().err(), now);
+        // The checks that queued meanwhile go out before this batch's
+        // streams are resumed: meshlimitd and Redis work on the next batch
+        // while this worker forwards the admitted requests, instead of
+        // waiting for it to finish.
+        self.flush(host, now);
+        let mut tally = Tally::new(&self.metrics, host);
+        for (i, queued) in batch.into_iter().enumerate() {
+            let outcome = match &answers {
+                Ok(results) => results
+                    .get(i)
+                    .cloned()
+                    .ok_or_else(|| ServiceError::BadBody("missing result".into())),
+                Err(e) => Err(e.clone()),
+            };
+            let verdict = self.verdict_after_call(
+                host,
+                &mut tally,
+                now,
+                &queued.check,
+                queued.local.as_ref(),
+                outcome,
+            );
+            // A stream reset meanwhile is gone: nothing to act on.
+            self.act_for(host, queued.context_id, verdict);
+        }
+    }
+
+    /// Tells the breaker how a call went (once per call, not per check).
+    fn report_call(&self, host: &impl Host, error: Option<&ServiceError>, now: u64) {
+        match error {
+            None => self.record_call(host, true, now),
+            Some(e) if trips_breaker(e) => self.record_call(host, false, now),
+            Some(_) => {}
+        }
+    }
+
+    /// Envoy's timer and the wall clock we read can disagree by a
+    /// millisecond or two: no answer after 90% of the timeout is a timeout.
+    fn timed_out(&self, started_ms: u64, now: u64) -> bool {
+        now.saturating_sub(started_ms) * 10 >= self.config.service.timeout_ms * 9
+    }
+
+    /// What a request gets once its call was answered, or failed. The
+    /// caller has already told the breaker.
+    pub(super) fn verdict_after_call(
+        &self,
+        host: &impl Host,
+        tally: &mut Tally<'_, impl Host>,
+        now: u64,
+        check: &Check,
+        local: Option<&CheckResult>,
+        outcome: Result<CheckResult, ServiceError>,
+    ) -> Verdict {
+        let decided = match outcome {
+            Ok(result) => {
+                tally.decided(result.allowed);
+                self.count_shadow(host, now, &check.subject, &result);
+                if let Some(cache) = self.deny_cache(host, now) {
+                    let evicted = decision::remember_denials(check, &result, &cache, now);
+                    self.metrics.add(host, Stat::DenyCacheEvictions, evicted);
+                }
+                result
+            }
+            Err(e) => match self.fallback(host, now, check, Some(&e)) {
+                Ok(result) => result,
+                Err(verdict) => return verdict,
+            },
+        };
+        with_local(&self.config, check, local, &decided)
+    }
+
+    /// Decides the global limits without meshlimitd, as `failure_mode`
+    /// says, and says so in the stats and (at most once per interval) in
+    /// the log. `why` is the failed call, or `None` when the open breaker
+    /// skipped the call. A decided result, or for `failure_mode: deny` the
+    /// configured deny.
+    pub(super) fn fallback(
+        &self,
+        host: &impl Host,
+        now: u64,
+        check: &Check,
+        why: Option<&ServiceError>,
+    ) -> Result<CheckResult, Verdict> {
+        if let Some(e) = why {
+            self.metrics.bump(host, Stat::service_error(e));
+        }
+        let config = &self.config;
+        let decided =
+            match config.failure_mode {
+                FailureMode::Allow => Ok(CheckResult {
+                    allowed: true,
+                    limits: Vec::new(),
+                }),
+                FailureMode::Deny => Err(decision::failure_deny(config)),
+                FailureMode::Local => {
+                    // Each Envoy enforces its share of the global limit.
+                    let scaled: Vec<Applied> =
+                        check.global.iter().map(Applied::for_fallback).collect();
+                    let decided = LocalLimiter::new(config.local.slots, self.seed(host, now))
+                        .check(host, &check.subject, &scaled, now);
+                    if decided.degraded {
+                        self.metrics.bump(host, Stat::FallbackUncounted);
+                    }
+                    self.count_shadow(host, now, &check.subject, &decided.result);
+                    Ok(decided.result)
+                }
+            };
+        let allowed = matches!(&decided, Ok(r) if r.allowed);
+        self.metrics.bump(
+            host,
+            if allowed {
+                Stat::FallbackAllowed
+            } else {
+                Stat::FallbackDenied
+            },
+        );
+        if let Some(skipped) = self.fallback_log.allow(now) {
+            let why = why.map_or_else(|| "breaker open".to_string(), ToString::to_string);
+            warn!(
+                "{why}; deciding by failure_mode {:?} (this one: {}; {skipped} fallback decisions since the last line)",
+                config.failure_mode,
+                if allowed { "allowed" } else { "denied" }
+            );
+        }
+        decided
+    }
+}
+
+/// Whether a failed call says meshlimitd is unhealthy. A 4xx says our
+/// request was wrong, which no amount of waiting fixes.
+fn trips_breaker(e: &ServiceError) -> bool {
+    !matches!(e, ServiceError::BadStatus(s) if *s < 500)
+}
+
+/// The status and body of the answered call's response. No headers: the
+/// call failed (timeout or reset) and Envoy has no response to read; asking
+/// for one anyway would be an error status.
+fn read_call_response(
+    host: &impl Host,
+    headers: usize,
+    body_size: usize,
+    checks: usize,
+) -> (Option<u32>, Option<Vec<u8>>) {
+    let status = if headers > 0 {
+        host.call_response_header(":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok())
+    } else {
+        None
+    };
+    // Read one byte more than we accept, so an oversized body is seen as
+    // oversized rather than as truncated JSON.
+    let max = decision::MAX_ANSWER_BYTES.saturating_mul(checks.max(1)) + 1;
+    let body = if status.is_some() && body_size > 0 {
+        host.call_response_body(body_size.min(max))
+    } else {
+        None
+    };
+    (status, body)
+}

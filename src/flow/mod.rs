@@ -1,0 +1,590 @@
+//! The request path, as plain Rust over [`Host`].
+//!
+//! One [`Worker`] per Envoy worker thread holds what its contexts share (the
+//! configuration, stats ids, log throttles and, with group commit, the
+//! batches); one [`Stream`] per HTTP request holds that request's state.
+//! The proxy-wasm glue (`crate::wasm`) calls one method per callback and
+//! carries out the [`Step`] it returns:
+//!
+//! - [`Worker::on_request_headers`]: plan the check, then in this order:
+//!   `scope: local` rules (a local deny costs no call), the deny cache (a
+//!   cached deny costs no call), the breaker (open: decide by
+//!   `failure_mode`, no call), then queue the check for the worker's next
+//!   batch (group commit) or call for it alone.
+//! - [`Worker::on_call_answer`] for a stream's own call, and
+//!   [`Worker::on_batch_answer`] for a batch the root sent; a missing or
+//!   unusable answer is a [`ServiceError`] and goes to the fallback.
+//! - [`Worker::on_wake`] when a stream woke the root: send due batches.
+//! - [`Worker::on_response_headers`] adds the RateLimit headers;
+//!   [`Worker::on_stream_end`] forgets a stream that ends early.
+//!
+//! Group commit: streams queue their checks and wake their worker's root
+//! through a shared queue; the root owns the calls (a call must outlive any
+//! one stream) and acts for each paused stream through
+//! `set_effective_context`. Both paths end in `verdict_after_call`.
+
+mod answer;
+mod metrics;
+#[cfg(test)]
+mod tests;
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+use log::{info, warn};
+use meshlimit_protocol::CheckResult;
+
+use crate::batch::{Batcher, Enqueued};
+use crate::check::Check;
+use crate::config::Config;
+use crate::decision::{self, DenyResponse, Plan, RejectReason, ServiceError, Verdict};
+use crate::headers::Headers;
+use crate::host::{Call, Host};
+use crate::shared::breaker::{Breaker, Gate, Transition};
+use crate::shared::deny_cache::DenyCache;
+use crate::shared::fallback::{self, LocalLimiter};
+use crate::shared::keys;
+use crate::stats::Stat;
+use crate::throttle::LogThrottle;
+use metrics::{Metrics, Tally};
+
+/// Interval between two log lines about the same kind of trouble.
+const LOG_EVERY_MS: u64 = 10_000;
+/// How often a worker re-reads the shared seed.
+const SEED_REFRESH_MS: u64 = 10_000;
+
+/// What the glue does next with the current stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Forward the request (resuming it if it was paused).
+    Continue,
+    /// Keep it paused: its check is queued or in flight.
+    Pause,
+    /// Answer it locally with this response; it goes no further.
+    Reply(DenyResponse),
+}
+
+/// Carries out `step` for the current stream; true when the request goes
+/// on now. `paused` says the request is paused (it must be resumed).
+pub fn perform(host: &impl Host, step: Step, paused: bool) -> bool {
+    match step {
+        Step::Continue => {
+            if paused {
+                host.resume_request();
+            }
+            true
+        }
+        Step::Pause => false,
+        Step::Reply(reply) => {
+            if !host.send_reply(&reply) {
+                warn!("cannot send the {} response", reply.status);
+            }
+            false
+        }
+    }
+}
+
+/// One HTTP request's state.
+pub struct Stream {
+    pub context_id: u32,
+    /// The check this stream called for itself, while the call is out.
+    in_flight: Option<InFlight>,
+    /// RateLimit headers to add to the upstream's response.
+    response_headers: Headers,
+}
+
+/// A check a stream sent itself and waits for.
+struct InFlight {
+    check: Check,
+    started_ms: u64,
+    /// The admitted decision of the request's `scope: local` rules, to
+    /// report together with the global one.
+    local: Option<CheckResult>,
+}
+
+/// A check waiting in (or sent in) a batch, and the paused stream it is for.
+struct Queued {
+    context_id: u32,
+    check: Check,
+    /// The admitted decision of the request's `scope: local` rules.
+    local: Option<CheckResult>,
+}
+
+/// What every context of one worker shares.
+pub struct Worker {
+    config: Config,
+    metrics: Metrics,
+    /// The root context: batches are sent as the root.
+    root_context_id: u32,
+    fallback_log: LogThrottle,
+    error_log: LogThrottle,
+    shadow_log: LogThrottle,
+    /// The fingerprint seed shared through shared data, re-read now and
+    /// then so that workers that raced to create it converge.
+    seed: Cell<Option<(u64, u64)>>,
+    seed_read_ms: Cell<u64>,
+    /// Group commit: the queue and the calls in flight.
+    batcher: Option<RefCell<Batcher<Queued>>>,
+    /// The root's shared queue: enqueueing to it wakes the root.
+    wake_queue: Option<u32>,
+    /// When each batch call went out, by token.
+    batch_started: RefCell<HashMap<u32, u64>>,
+    /// RateLimit headers for streams the root admitted, by context id.
+    decided_headers: RefCell<HashMap<u32, Headers>>,
+    /// Whether any rule matches on the method (else it is not read).
+    rules_match_methods: bool,
+    /// The millisecond in which this worker last found the breaker closed.
+    /// Within that millisecond the shared state is not read again: a
+    /// hostcall per request saved, and another worker's opening is seen at
+    /// most a millisecond later. This worker's own failures clear it.
+    breaker_closed_at: Cell<Option<u64>>,
+}
+
+impl Worker {
+    /// A worker for `config`, whose root context is `root_context_id`.
+    pub fn new(host: &impl Host, config: Config, root_context_id: u32) -> Worker {
+        info!(
+            "configured {} rule(s), service cluster \"{}\", failure_mode {:?}, group commit {}",
+            config.rules.len(),
+            config.service.cluster,
+            config.failure_mode,
+            if config.group_commit.is_some() {
+                "on"
+            } else {
+                "off"
+            }
+        );
+        // One queue per worker: each worker's streams wake their own root.
+        let wake_queue = config.group_commit.and_then(|_| {
+            let queue = host.register_queue(&keys::wake_queue(host.random_seed().0));
+            if queue.is_none() {
+                warn!("cannot register the group-commit queue; calling per request");
+            }
+            queue
+        });
+        let batcher = match (config.group_commit, wake_queue) {
+            (Some(c), Some(_)) => Some(RefCell::new(Batcher::new(c))),
+            _ => None,
+        };
+        let rules_match_methods = config.rules.iter().any(|r| !r.methods.is_empty());
+        Worker {
+            metrics: Metrics::define(host),
+            config,
+            root_context_id,
+            fallback_log: LogThrottle::new(LOG_EVERY_MS),
+            error_log: LogThrottle::new(LOG_EVERY_MS),
+            shadow_log: LogThrottle::new(LOG_EVERY_MS),
+            seed: Cell::new(None),
+            seed_read_ms: Cell::new(0),
+            batcher,
+            wake_queue,
+            batch_started: RefCell::new(HashMap::new()),
+            decided_headers: RefCell::new(HashMap::new()),
+            rules_match_methods,
+            breaker_closed_at: Cell::new(None),
+        }
+    }
+
+    /// The state of a new stream.
+    pub fn stream(&self, context_id: u32) -> Stream {
+        Stream {
+            context_id,
+            in_flight: None,
+            response_headers: Vec::new(),
+        }
+    }
+
+    /// The request's headers are in: decide, or start deciding.
+    pub fn on_request_headers(&self, host: &impl Host, stream: &mut Stream) -> Step {
+        // Most configs match on paths only: skip a hostcall when no rule
+        // looks at the method.
+        let method = if self.rules_match_methods {
+            header_text(host, ":method")
+        } else {
+            String::new()
+        };
+        let path = header_text(host, ":path");
+        let check = match decision::plan(&self.config, host, &method, &path) {
+            Plan::Pass => return Step::Continue,
+            Plan::Reject(deny, why) => {
+                self.metrics.bump(
+                    host,
+                    match why {
+                        RejectReason::NoClientId => Stat::RejectedNoClientId,
+                        RejectReason::InvalidCost => Stat::RejectedInvalidCost,
+                        RejectReason::CostAboveCapacity => Stat::RejectedCostAboveCapacity,
+                    },
+                );
+                return Step::Reply(deny);
+            }
+            Plan::Check(check) => check,
+        };
+        let now = host.now_ms();
+        let config = &self.config;
+        // Local rules first: a local deny needs no call at all. (A request
+        // they admit and the global rules deny still used its local quota.)
+        let local = if check.local.is_empty() {
+            None
+        } else {
+            let decided = LocalLimiter::new(config.local.slots, self.seed(host, now)).check(
+                host,
+                &check.subject,
+                &check.local,
+                now,
+            );
+            self.count_shadow(host, now, &check.subject, &decided.result);
+            self.metrics.bump(
+                host,
+                if decided.result.allowed {
+                    Stat::LocalAllowed
+                } else {
+                    Stat::LocalDenied
+                },
+            );
+            if !decided.result.allowed || check.global.is_empty() {
+                let verdict = decision::verdict(config, &check.local, &decided.result);
+                return stream.apply(verdict);
+            }
+            Some(decided.result)
+        };
+        if let Some(cache) = self.deny_cache(host, now) {
+            if let Some(verdict) = decision::cached_deny(config, &check, &cache, now) {
+                self.metrics.bump(host, Stat::DenyCacheHits);
+                return stream.apply(verdict);
+            }
+        }
+        match self.gate(host, now) {
+            Gate::Skip => {
+                let verdict = match self.fallback(host, now, &check, None) {
+                    Ok(result) => with_local(config, &check, local.as_ref(), &result),
+                    Err(verdict) => verdict,
+                };
+                stream.apply(verdict)
+            }
+            Gate::Call | Gate::Probe if self.batcher.is_some() => {
+                self.enqueue(host, stream, now, check, local)
+            }
+            Gate::Call | Gate::Probe => self.ask_service(host, stream, now, check, local),
+        }
+    }
+
+    /// The upstream's response headers are in: add the RateLimit headers.
+    pub fn on_response_headers(&self, host: &impl Host, stream: &mut Stream) {
+        let mut headers = std::mem::take(&mut stream.response_headers);
+        if let Some(decided) = self.decided_headers.borrow_mut().remove(&stream.context_id) {
+            headers.extend(decided);
+        }
+        for (name, value) in headers {
+            host.add_response_header(&name, &value);
+        }
+    }
+
+    /// The stream is gone. A check still queued leaves the batch; one
+    /// already sent is skipped when the answer comes (its context is gone).
+    pub fn on_stream_end(&self, stream: &Stream) {
+        let id = stream.context_id;
+        self.decided_headers.borrow_mut().remove(&id);
+        if let Some(batcher) = &self.batcher {
+            if let Ok(mut b) = batcher.try_borrow_mut() {
+                let _ = b.withdraw(|q| q.context_id == id);
+            }
+        }
+    }
+
+    /// A stream woke the root: send every batch that is due.
+    pub fn on_wake(&self, host: &impl Host) {
+        self.flush(host, host.now_ms());
+    }
+
+    /// Calls meshlimitd for this request alone.
+    fn ask_service(
+        &self,
+        host: &impl Host,
+        stream: &mut Stream,
+        now: u64,
+        check: Check,
+        local: Option<CheckResult>,
+    ) -> Step {
+        let dispatched = serde_json::to_vec(&check.to_request())
+            .map_err(|e| ServiceError::BadBody(e.to_string()))
+            .and_then(|body| self.dispatch(host, &body, now));
+        match dispatched {
+            Ok(_token) => {
+                stream.in_flight = Some(InFlight {
+                    check,
+                    started_ms: now,
+                    local,
+                });
+                Step::Pause
+            }
+            Err(e) => {
+                self.record_call(host, false, now);
+                let verdict = self.verdict_after_call(
+                    host,
+                    &mut Tally::new(&self.metrics, host),
+                    now,
+                    &check,
+                    local.as_ref(),
+                    Err(e),
+                );
+                stream.apply(verdict)
+            }
+        }
+    }
+
+    /// Group commit: queues the check for the root to send in a batch.
+    fn enqueue(
+        &self,
+        host: &impl Host,
+        stream: &mut Stream,
+        now: u64,
+        check: Check,
+        local: Option<CheckResult>,
+    ) -> Step {
+        let (Some(batcher), Some(queue)) = (self.batcher.as_ref(), self.wake_queue) else {
+            return self.ask_service(host, stream, now, check, local);
+        };
+        let queued = Queued {
+            context_id: stream.context_id,
+            check,
+            local,
+        };
+        let outcome = batcher.borrow_mut().enqueue(queued, now);
+        match outcome {
+            Enqueued::Wait => Step::Pause,
+            Enqueued::Wake => {
+                if host.enqueue(queue) {
+                    return Step::Pause;
+                }
+                // The root cannot be woken: call for this check ourselves.
+                let mut b = batcher.borrow_mut();
+                b.wake_failed();
+                let id = stream.context_id;
+                let mine = b.withdraw(|q| q.context_id == id);
+                drop(b);
+                match mine {
+                    Some(q) => self.ask_service(host, stream, now, q.check, q.local),
+                    None => Step::Pause,
+                }
+            }
+            Enqueued::Refused(q) => {
+                // Too many queued: decide by failure_mode, and count it.
+                self.metrics.bump(host, Stat::BatchOverflow);
+                let verdict = self.verdict_after_call(
+                    host,
+                    &mut Tally::new(&self.metrics, host),
+                    now,
+                    &q.check,
+                    q.local.as_ref(),
+                    Err(ServiceError::Connection),
+                );
+                stream.apply(verdict)
+            }
+        }
+    }
+
+    /// Sends every batch that is due, as the root (the calls outlive any
+    /// one stream).
+    fn flush(&self, host: &impl Host, now: u64) {
+        let Some(batcher) = self.batcher.as_ref() else {
+            return;
+        };
+        loop {
+            let Some(batch) = batcher.borrow_mut().take_batch(now) else {
+                return;
+            };
+            // After acting for streams, calls must again belong to the root.
+            host.set_effective_context(self.root_context_id);
+            let request = meshlimit_protocol::CheckRequest {
+                checks: batch.iter().map(|q| q.check.to_wire()).collect(),
+            };
+            let dispatched = serde_json::to_vec(&request)
+                .map_err(|e| ServiceError::BadBody(e.to_string()))
+                .and_then(|body| self.dispatch(host, &body, now));
+            match dispatched {
+                Ok(token) => {
+                    self.metrics.bump(host, Stat::Batches);
+                    self.metrics.add(host, Stat::BatchedChecks, batch.len());
+                    self.batch_started.borrow_mut().insert(token, now);
+                    batcher.borrow_mut().sent(token, batch);
+                }
+                Err(e) => {
+                    self.record_call(host, false, now);
+                    let mut tally = Tally::new(&self.metrics, host);
+                    for queued in batch {
+                        let verdict = self.verdict_after_call(
+                            host,
+                            &mut tally,
+                            now,
+                            &queued.check,
+                            queued.local.as_ref(),
+                            Err(e.clone()),
+                        );
+                        self.act_for(host, queued.context_id, verdict);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends a check request to meshlimitd from the current context.
+    fn dispatch(&self, host: &impl Host, body: &[u8], now: u64) -> Result<u32, ServiceError> {
+        let service = &self.config.service;
+        host.dispatch(&Call {
+            cluster: &service.cluster,
+            authority: &service.authority,
+            path: meshlimit_protocol::CHECK_PATH,
+            body,
+            timeout_ms: service.timeout_ms,
+        })
+        .map_err(|e| {
+            // Typically an unknown cluster, or no healthy meshlimitd.
+            if let Some(skipped) = self.error_log.allow(now) {
+                warn!(
+                    "cannot dispatch to cluster \"{}\": {e} ({skipped} similar lines suppressed)",
+                    service.cluster
+                );
+            }
+            ServiceError::Connection
+        })
+    }
+
+    /// Carries out a verdict for a paused stream from another context (the
+    /// root, after a batch). False when the stream is gone.
+    fn act_for(&self, host: &impl Host, context_id: u32, verdict: Verdict) -> bool {
+        if !host.set_effective_context(context_id) {
+            return false;
+        }
+        match verdict {
+            Verdict::Allow { headers } => {
+                self.decided_headers
+                    .borrow_mut()
+                    .insert(context_id, headers);
+                host.resume_request();
+            }
+            Verdict::Deny(deny) => {
+                perform(host, Step::Reply(deny), true);
+            }
+        }
+        true
+    }
+
+    fn seed(&self, host: &impl Host, now: u64) -> (u64, u64) {
+        match self.seed.get() {
+            Some(seed) if now < self.seed_read_ms.get() + SEED_REFRESH_MS => seed,
+            _ => {
+                let seed = fallback::shared_seed(host, host.random_seed()).unwrap_or((0, 0));
+                self.seed.set(Some(seed));
+                self.seed_read_ms.set(now);
+                seed
+            }
+        }
+    }
+
+    fn breaker<'h, H: Host>(&self, host: &'h H) -> Breaker<'h, H> {
+        Breaker {
+            config: self.config.breaker,
+            store: host,
+        }
+    }
+
+    fn deny_cache<'h, H: Host>(&self, host: &'h H, now: u64) -> Option<DenyCache<'h, H>> {
+        (self.config.deny_cache_slots > 0).then(|| DenyCache {
+            slots: self.config.deny_cache_slots,
+            seed: self.seed(host, now),
+            store: host,
+        })
+    }
+
+    /// Whether a check may call meshlimitd now (see `breaker_closed_at`).
+    fn gate(&self, host: &impl Host, now: u64) -> Gate {
+        if self.breaker_closed_at.get() == Some(now) {
+            return Gate::Call;
+        }
+        let gate = self.breaker(host).gate(now, self.config.service.timeout_ms);
+        self.breaker_closed_at
+            .set((gate == Gate::Call).then_some(now));
+        gate
+    }
+
+    /// Reports a call's outcome to the breaker, and says what changed.
+    fn record_call(&self, host: &impl Host, success: bool, now: u64) {
+        if !success {
+            self.breaker_closed_at.set(None);
+        }
+        match self.breaker(host).record(success, now) {
+            Transition::None => {}
+            Transition::Opened { for_ms } => {
+                self.metrics.bump(host, Stat::BreakerOpened);
+                self.metrics.set(host, Stat::BreakerOpen, 1);
+                warn!(
+                    "breaker open: meshlimitd failing; deciding by failure_mode {:?} without calling for {for_ms}ms",
+                    self.config.failure_mode
+                );
+            }
+            Transition::Closed => {
+                self.metrics.set(host, Stat::BreakerOpen, 0);
+                info!("breaker closed: meshlimitd answers again; limits are global again");
+            }
+        }
+    }
+
+    /// Shadow rules: what they would have denied is counted and logged,
+    /// never enforced.
+    fn count_shadow(&self, host: &impl Host, now: u64, subject: &str, result: &CheckResult) {
+        if decision::shadow_denials(result) == 0 {
+            return;
+        }
+        self.metrics.bump(host, Stat::ShadowDenied);
+        if let Some(skipped) = self.shadow_log.allow(now) {
+            let shown: String = subject.chars().take(64).collect();
+            info!(
+                "shadow rule would deny {shown:?} ({skipped} more shadow denials since the last line)"
+            );
+        }
+    }
+}
+
+impl Stream {
+    /// The step for a verdict reached while the stream's own callback runs.
+    fn apply(&mut self, verdict: Verdict) -> Step {
+        match verdict {
+            Verdict::Allow { headers } => {
+                self.response_headers = headers;
+                Step::Continue
+            }
+            Verdict::Deny(deny) => Step::Reply(deny),
+        }
+    }
+}
+
+/// The verdict for a request whose global limits were decided (by
+/// meshlimitd or a fallback) after its local ones admitted it.
+fn with_local(
+    config: &Config,
+    check: &Check,
+    local: Option<&CheckResult>,
+    global: &CheckResult,
+) -> Verdict {
+    match local {
+        None => decision::verdict(config, &check.global, global),
+        Some(local) => {
+            // failure_mode allow reports no global statuses.
+            let global_limits = if global.limits.is_empty() {
+                &[][..]
+            } else {
+                &check.global[..]
+            };
+            let (applied, result) =
+                decision::combine((&check.local, local), (global_limits, global));
+            decision::verdict(config, &applied, &result)
+        }
+    }
+}
+
+/// A request header as text (lossy: only compared with configured text).
+fn header_text(host: &impl Host, name: &str) -> String {
+    host.header(name)
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+        .unwrap_or_default()
+}

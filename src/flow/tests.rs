@@ -1,0 +1,807 @@
+//! The request flow against the fake host: what only the end-to-end tests
+//! used to see, one branch at a time, in microseconds.
+
+use super::*;
+use crate::host::fake::{Acted, FakeHost, FakeRequest};
+
+const ROOT: u32 = 1;
+
+/// A worker on a fake host, with helpers to drive requests through it.
+struct Harness {
+    host: FakeHost,
+    worker: Worker,
+    next_context: u32,
+}
+
+/// A config with the `api` rule (20 a minute per `x-api-key`); `extra` is
+/// spliced in at the top level (e.g. `"failure_mode": "deny",`).
+fn config(extra: &str) -> Config {
+    crate::config::parse(
+        format!(
+            r#"{{{extra}
+            "client_id": {{"headers": ["x-api-key"], "when_missing": "reject"}},
+            "rules": [{{"name": "api", "match": {{"path_prefix": "/api/"}},
+                        "limits": [{{"name": "per-minute", "requests": 20, "window": "60s"}}]}}]}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap()
+}
+
+fn harness_with(config: Config) -> Harness {
+    let host = FakeHost::default();
+    host.context.set(ROOT);
+    let worker = Worker::new(&host, config, ROOT);
+    Harness {
+        host,
+        worker,
+        next_context: 100,
+    }
+}
+
+fn harness(extra: &str) -> Harness {
+    harness_with(config(extra))
+}
+
+/// Without group commit: each request calls for itself.
+const ONE_CALL: &str = r#""group_commit": {"enabled": false},"#;
+/// Group commit with one call slot: checks queue behind the call in flight.
+const ONE_SLOT: &str = r#""group_commit": {"max_calls_in_flight": 1},"#;
+
+impl Harness {
+    /// A new request from `id` (no key when empty) to `path`, through
+    /// `on_request_headers` in its own context.
+    fn request_to(&mut self, path: &str, id: &str) -> (Stream, Step) {
+        self.next_context += 1;
+        let mut stream = self.worker.stream(self.next_context);
+        let mut req = FakeRequest::default().with_header(":path", path.as_bytes());
+        if !id.is_empty() {
+            req = req.with_header("x-api-key", id.as_bytes());
+        }
+        *self.host.request.borrow_mut() = req;
+        self.host.context.set(stream.context_id);
+        let step = self.worker.on_request_headers(&self.host, &mut stream);
+        (stream, step)
+    }
+
+    fn request(&mut self, id: &str) -> (Stream, Step) {
+        self.request_to("/api/items", id)
+    }
+
+    /// The root is woken and sends what is due.
+    fn wake(&self) {
+        self.host.context.set(ROOT);
+        self.worker.on_wake(&self.host);
+    }
+
+    /// The batch call `token` comes back with `status` and `body`
+    /// (`status` None: no response at all, as after a timeout or reset).
+    fn answer_batch(&self, token: u32, status: Option<u32>, body: &str) {
+        self.host.respond(status, body);
+        self.host.context.set(ROOT);
+        let headers = usize::from(status.is_some());
+        self.worker
+            .on_batch_answer(&self.host, token, headers, body.len());
+    }
+
+    /// The stream's own call comes back.
+    fn answer_own(&self, stream: &mut Stream, status: Option<u32>, body: &str) -> Step {
+        self.host.respond(status, body);
+        self.host.context.set(stream.context_id);
+        let headers = usize::from(status.is_some());
+        self.worker
+            .on_call_answer(&self.host, stream, headers, body.len())
+    }
+
+    fn calls(&self) -> usize {
+        self.host.sent.borrow().len()
+    }
+
+    fn last_call_body(&self) -> serde_json::Value {
+        let sent = self.host.sent.borrow();
+        serde_json::from_slice(&sent.last().unwrap().body).unwrap()
+    }
+
+    fn stat(&self, name: &str) -> u64 {
+        self.host.stat(&format!("meshlimit.{name}"))
+    }
+
+    fn fallbacks(&self) -> u64 {
+        self.stat("fallback_allowed") + self.stat("fallback_denied")
+    }
+
+    fn advance(&self, ms: u64) {
+        self.host.now.set(self.host.now.get() + ms);
+    }
+}
+
+/// One check's answer for one limit of 20.
+fn result(allowed: bool, remaining: u64) -> String {
+    let retry = if allowed { 0 } else { 30_000 };
+    format!(
+        r#"{{"allowed":{allowed},"limits":[{{"allowed":{allowed},"limit":20,"remaining":{remaining},"reset_after_ms":30000,"retry_after_ms":{retry}}}]}}"#
+    )
+}
+
+fn answer(results: &[String]) -> String {
+    format!(r#"{{"results":[{}]}}"#, results.join(","))
+}
+
+fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn reply_status(step: &Step) -> Option<u32> {
+    match step {
+        Step::Reply(r) => Some(r.status),
+        _ => None,
+    }
+}
+
+// ---- the order of the request path ----
+
+#[test]
+fn unmatched_requests_pass_untouched() {
+    let mut h = harness("");
+    h.host.take_hostcalls();
+    let (_, step) = h.request_to("/health", "a");
+    assert_eq!(step, Step::Continue);
+    assert_eq!(h.calls(), 0);
+    // Only `:path` was read: no method rule, no id, no clock, no stat.
+    assert_eq!(h.host.take_hostcalls(), ["get_header"]);
+}
+
+#[test]
+fn rejections_are_replied_and_counted_without_a_call() {
+    let mut h = harness("");
+    let (_, step) = h.request("");
+    assert_eq!(reply_status(&step), Some(401));
+    assert_eq!(h.stat("rejected_no_client_id"), 1);
+    let h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"]},
+                "rules": [{"name": "api", "cost": {"header": "x-cost", "max": 5},
+                           "limits": [{"name": "m", "requests": 3, "window": "60s"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    *h.host.request.borrow_mut() = FakeRequest::default()
+        .with_header(":path", b"/")
+        .with_header("x-api-key", b"a")
+        .with_header("x-cost", b"9");
+    let mut s = h.worker.stream(5);
+    let step = h.worker.on_request_headers(&h.host, &mut s);
+    assert_eq!(reply_status(&step), Some(400));
+    assert_eq!(h.stat("rejected_invalid_cost"), 1);
+    h.host.request.borrow_mut().headers.pop();
+    h.host
+        .request
+        .borrow_mut()
+        .headers
+        .push(("x-cost".into(), b"4".to_vec()));
+    let step = h.worker.on_request_headers(&h.host, &mut s);
+    assert_eq!(reply_status(&step), Some(429));
+    assert_eq!(h.stat("rejected_cost_above_capacity"), 1);
+    assert_eq!(h.calls(), 0);
+}
+
+#[test]
+fn a_local_deny_costs_no_call() {
+    let mut h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"]}, "rules": [
+              {"name": "edge", "scope": "local", "limits": [{"name": "s", "requests": 2, "window": "1s"}]},
+              {"name": "api", "limits": [{"name": "m", "requests": 100, "window": "60s"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    for _ in 0..2 {
+        let (_, step) = h.request("a");
+        assert_eq!(
+            step,
+            Step::Pause,
+            "admitted locally, queued for the global limit"
+        );
+    }
+    h.wake();
+    assert_eq!(h.calls(), 1);
+    let (_, step) = h.request("a");
+    assert_eq!(reply_status(&step), Some(429));
+    let Step::Reply(deny) = step else { panic!() };
+    assert_eq!(
+        header(&deny.headers, "ratelimit"),
+        Some("\"edge/s\";r=0;t=1")
+    );
+    assert_eq!((h.stat("local_allowed"), h.stat("local_denied")), (2, 1));
+    h.wake();
+    assert_eq!(h.calls(), 1, "the local deny made no call");
+}
+
+#[test]
+fn local_only_requests_never_call() {
+    let mut h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"]}, "rules": [
+              {"name": "edge", "scope": "local", "limits": [{"name": "s", "requests": 1, "window": "1s"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    let (mut s, step) = h.request("a");
+    assert_eq!(step, Step::Continue);
+    h.worker.on_response_headers(&h.host, &mut s);
+    let headers = h.host.response_headers.borrow();
+    assert!(headers
+        .iter()
+        .any(|(_, k, v)| k == "ratelimit" && v == "\"edge/s\";r=0;t=1"));
+    drop(headers);
+    assert_eq!(reply_status(&h.request("a").1), Some(429));
+    h.wake();
+    assert_eq!(h.calls(), 0);
+}
+
+#[test]
+fn a_cached_deny_costs_no_call() {
+    let mut h = harness(ONE_CALL);
+    let (mut s, step) = h.request("a");
+    assert_eq!(step, Step::Pause);
+    let step = h.answer_own(&mut s, Some(200), &answer(&[result(false, 0)]));
+    assert_eq!(reply_status(&step), Some(429));
+    assert_eq!(h.calls(), 1);
+    let (_, step) = h.request("a");
+    let Step::Reply(deny) = step else {
+        panic!("expected a cached deny")
+    };
+    assert_eq!(deny.status, 429);
+    assert_eq!(header(&deny.headers, "retry-after"), Some("30"));
+    assert_eq!(h.calls(), 1, "no call for a cached deny");
+    assert_eq!(h.stat("deny_cache_hits"), 1);
+    // Another client is not affected, and the deny ends when it said.
+    assert_eq!(h.request("b").1, Step::Pause);
+    h.advance(30_000);
+    assert_eq!(h.request("a").1, Step::Pause);
+    assert_eq!(h.calls(), 3);
+}
+
+#[test]
+fn an_open_breaker_costs_no_call_and_one_probe_closes_it() {
+    let mut h = harness(ONE_CALL);
+    // Five failed calls (the default) open it.
+    for _ in 0..5 {
+        let (mut s, _) = h.request("a");
+        let step = h.answer_own(&mut s, Some(503), r#"{"error":"redis down"}"#);
+        assert_eq!(step, Step::Continue, "failure_mode local admits");
+    }
+    assert_eq!(h.stat("breaker_opened"), 1);
+    assert_eq!(h.stat("breaker_open"), 1);
+    let calls = h.calls();
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue);
+    assert_eq!(h.calls(), calls, "open: decided without a call");
+    // After `open` (250ms), exactly one request probes.
+    h.advance(250);
+    let (mut probe, step) = h.request("a");
+    assert_eq!(step, Step::Pause);
+    assert_eq!(h.request("b").1, Step::Continue, "others keep skipping");
+    assert_eq!(h.calls(), calls + 1);
+    h.answer_own(&mut probe, Some(200), &answer(&[result(true, 10)]));
+    assert_eq!(h.stat("breaker_open"), 0, "closed again");
+    assert_eq!(h.request("c").1, Step::Pause);
+    assert_eq!(h.calls(), calls + 2);
+}
+
+// ---- failure modes on each kind of failure ----
+
+/// Every kind of failed call, as the answer that produces it.
+fn failures() -> Vec<(&'static str, Option<u32>, &'static str)> {
+    vec![
+        ("timeout", None, ""),
+        ("connection", Some(503), "upstream connect error"),
+        ("unavailable", Some(503), r#"{"error":"redis down"}"#),
+        ("bad_status", Some(418), r#"{"error":"teapot"}"#),
+        ("bad_body", Some(200), r#"{"nonsense":true}"#),
+    ]
+}
+
+#[test]
+fn every_failure_mode_on_every_kind_of_failure() {
+    for (mode, expect) in [
+        ("local", Some(Step::Continue)),
+        ("allow", Some(Step::Continue)),
+        ("deny", None),
+    ] {
+        for (kind, status, body) in failures() {
+            for grouped in [false, true] {
+                let extra = format!(
+                    r#""failure_mode": "{mode}", "breaker": {{"failures": 1000}}, {}"#,
+                    if grouped { "" } else { ONE_CALL }
+                );
+                let mut h = harness(&extra);
+                let (mut s, step) = h.request("a");
+                assert_eq!(step, Step::Pause);
+                if grouped {
+                    h.wake();
+                }
+                if kind == "timeout" {
+                    // Envoy reports no response; the elapsed time says why.
+                    h.advance(20);
+                }
+                let step = if grouped {
+                    h.answer_batch(1, status, body);
+                    match h.host.take_acted().pop().unwrap() {
+                        Acted::Resumed(_) => Step::Continue,
+                        Acted::Replied(_, r) => Step::Reply(r),
+                    }
+                } else {
+                    h.answer_own(&mut s, status, body)
+                };
+                let what = format!("{mode} / {kind} / grouped {grouped}");
+                match &expect {
+                    Some(e) => assert_eq!(&step, e, "{what}"),
+                    None => {
+                        let Step::Reply(r) = &step else {
+                            panic!("{what}: expected the configured deny")
+                        };
+                        assert_eq!(r.status, 429, "{what}");
+                        assert_eq!(header(&r.headers, "retry-after"), Some("1"), "{what}");
+                    }
+                }
+                assert_eq!(h.stat(&format!("service_errors.{kind}")), 1, "{what}");
+                assert_eq!(h.fallbacks(), 1, "{what}");
+                assert_eq!(
+                    h.stat("fallback_denied"),
+                    u64::from(mode == "deny"),
+                    "{what}"
+                );
+                assert_eq!(h.stat("requests_allowed"), 0, "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_local_fallback_enforces_this_envoys_share() {
+    // Two replicas: each enforces half of 20 while meshlimitd is away.
+    let mut h = harness(
+        r#""local": {"expected_replicas": 2}, "breaker": {"failures": 1000}, "group_commit": {"enabled": false},"#,
+    );
+    h.host.dispatch_fails.set(true);
+    let mut allowed = 0;
+    for _ in 0..15 {
+        let (_, step) = h.request("a");
+        if step == Step::Continue {
+            allowed += 1;
+        } else {
+            let Step::Reply(r) = step else { panic!() };
+            assert_eq!(r.status, 429);
+            // The policy stays the global one; what remains is this
+            // Envoy's share.
+            assert_eq!(
+                header(&r.headers, "ratelimit-policy"),
+                Some("\"api/per-minute\";q=20;w=60")
+            );
+            assert!(header(&r.headers, "ratelimit")
+                .unwrap()
+                .starts_with("\"api/per-minute\";r=0;"));
+        }
+    }
+    assert_eq!(allowed, 10);
+    assert_eq!(
+        (h.stat("fallback_allowed"), h.stat("fallback_denied")),
+        (10, 5)
+    );
+    assert_eq!(h.stat("service_errors.connection"), 15);
+}
+
+#[test]
+fn a_4xx_never_trips_the_breaker_but_5xx_do() {
+    let mut h = harness(ONE_CALL);
+    for _ in 0..10 {
+        let (mut s, _) = h.request("a");
+        h.answer_own(&mut s, Some(400), r#"{"error":"bad"}"#);
+    }
+    assert_eq!(h.stat("breaker_opened"), 0);
+    for _ in 0..5 {
+        let (mut s, _) = h.request("a");
+        h.answer_own(&mut s, Some(500), "oops");
+    }
+    assert_eq!(h.stat("breaker_opened"), 1);
+}
+
+#[test]
+fn failures_of_calls_in_flight_while_open_only_extend_it() {
+    let mut h = harness(
+        r#""breaker": {"failures": 2, "open": "1s", "max_open": "8s"}, "group_commit": {"max_calls_in_flight": 1},"#,
+    );
+    for id in ["a", "b", "c", "d"] {
+        h.request(id);
+    }
+    h.wake();
+    // All four checks travel in one batch: one failure, not four.
+    h.answer_batch(1, None, "");
+    assert_eq!(h.stat("breaker_opened"), 0);
+    h.request("e");
+    h.wake();
+    h.answer_batch(2, Some(503), "no");
+    assert_eq!(h.stat("breaker_opened"), 1);
+}
+
+// ---- group commit ----
+
+#[test]
+fn concurrent_checks_share_one_call_and_each_gets_its_answer() {
+    let mut h = harness(ONE_SLOT);
+    let (first, step) = h.request("a");
+    assert_eq!(step, Step::Pause);
+    assert_eq!(h.host.wakes.get(), 1, "an idle batcher wakes the root");
+    h.wake();
+    assert_eq!(h.calls(), 1);
+    assert_eq!(h.host.sent.borrow()[0].from, ROOT, "the root owns the call");
+    // While that call is out, three more queue behind it.
+    let streams: Vec<_> = ["b", "c", "d"].iter().map(|id| h.request(id)).collect();
+    assert!(streams.iter().all(|(_, s)| *s == Step::Pause));
+    h.wake();
+    assert_eq!(h.calls(), 1, "queued behind the call in flight");
+    h.answer_batch(1, Some(200), &answer(&[result(true, 19)]));
+    // The answer sent the queued three at once, then resumed the first.
+    assert_eq!(h.calls(), 2);
+    assert_eq!(h.last_call_body()["checks"].as_array().unwrap().len(), 3);
+    assert_eq!(h.host.take_acted(), vec![Acted::Resumed(first.context_id)]);
+    h.answer_batch(
+        2,
+        Some(200),
+        &answer(&[result(true, 18), result(false, 0), result(true, 17)]),
+    );
+    let acted = h.host.take_acted();
+    assert_eq!(acted[0], Acted::Resumed(streams[0].0.context_id));
+    assert!(
+        matches!(&acted[1], Acted::Replied(id, r) if *id == streams[1].0.context_id && r.status == 429)
+    );
+    assert_eq!(acted[2], Acted::Resumed(streams[2].0.context_id));
+    assert_eq!(
+        (h.stat("requests_allowed"), h.stat("requests_denied")),
+        (3, 1)
+    );
+    assert_eq!((h.stat("batches"), h.stat("batched_checks")), (2, 4));
+    // The admitted streams get their headers with the response.
+    let mut s = streams.into_iter().next().unwrap().0;
+    h.host.context.set(s.context_id);
+    h.worker.on_response_headers(&h.host, &mut s);
+    assert!(h
+        .host
+        .response_headers
+        .borrow()
+        .iter()
+        .any(|(id, k, v)| *id == s.context_id && k == "ratelimit" && v.contains("r=18")));
+}
+
+#[test]
+fn a_batch_answer_of_the_wrong_shape_falls_back_for_every_check() {
+    let too_few = answer(&[result(true, 1)]);
+    let too_many = answer(&[result(true, 1), result(true, 1), result(true, 1)]);
+    let wrong_limits = r#"{"results":[{"allowed":true,"limits":[]},{"allowed":true,"limits":[]}]}"#;
+    for body in [too_few.as_str(), too_many.as_str(), wrong_limits] {
+        let mut h = harness(ONE_SLOT);
+        h.request("first");
+        h.wake();
+        h.request("a");
+        h.request("b");
+        h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
+        h.host.take_acted();
+        h.answer_batch(2, Some(200), body);
+        assert_eq!(h.host.take_acted().len(), 2, "{body}");
+        // Error stats count the checks the failure decided.
+        assert_eq!(h.stat("service_errors.bad_body"), 2, "{body}");
+        assert_eq!(h.fallbacks(), 2, "{body}");
+        assert_eq!(h.stat("requests_allowed"), 1, "only the first: {body}");
+    }
+}
+
+#[test]
+fn mis_ordered_results_are_caught_when_their_shapes_differ() {
+    let mut h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"]}, "group_commit": {"max_calls_in_flight": 1}, "rules": [
+              {"name": "api", "match": {"path_prefix": "/api/"}, "limits": [{"name": "m", "requests": 20, "window": "60s"}]},
+              {"name": "two", "match": {"path_prefix": "/two/"}, "limits": [
+                 {"name": "m", "requests": 20, "window": "60s"}, {"name": "h", "requests": 90, "window": "1h"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    h.request("first");
+    h.wake();
+    h.request_to("/api/x", "a");
+    h.request_to("/two/x", "b");
+    h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
+    h.host.take_acted();
+    let two = r#"{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":1,"reset_after_ms":1,"retry_after_ms":0},{"allowed":true,"limit":90,"remaining":1,"reset_after_ms":1,"retry_after_ms":0}]}"#;
+    // The two-limit result first: it answers the wrong checks.
+    h.answer_batch(2, Some(200), &answer(&[two.to_string(), result(true, 1)]));
+    assert_eq!(h.stat("service_errors.bad_body"), 2);
+    assert_eq!(h.fallbacks(), 2);
+}
+
+#[test]
+fn a_stream_that_ends_while_queued_leaves_the_batch() {
+    let mut h = harness(ONE_SLOT);
+    h.request("first");
+    h.wake();
+    let (gone, _) = h.request("gone");
+    let (stays, _) = h.request("stays");
+    h.worker.on_stream_end(&gone);
+    h.host.gone.borrow_mut().push(gone.context_id);
+    h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
+    let body = h.last_call_body();
+    let checks = body["checks"].as_array().unwrap();
+    assert_eq!(checks.len(), 1);
+    assert_eq!(checks[0]["subject"], "hdr:x-api-key:stays");
+    h.host.take_acted();
+    h.answer_batch(2, Some(200), &answer(&[result(true, 1)]));
+    assert_eq!(h.host.take_acted(), vec![Acted::Resumed(stays.context_id)]);
+}
+
+#[test]
+fn a_stream_that_ends_while_its_batch_is_in_flight_is_skipped() {
+    let mut h = harness("");
+    let (gone, _) = h.request("gone");
+    h.wake();
+    h.worker.on_stream_end(&gone);
+    h.host.gone.borrow_mut().push(gone.context_id);
+    h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
+    assert!(h.host.take_acted().is_empty(), "nothing to act on");
+    assert_eq!(
+        h.stat("requests_allowed"),
+        1,
+        "still counted: it was charged"
+    );
+    // Its headers are not kept for a stream that will never ask for them.
+    assert!(h.worker.decided_headers.borrow().is_empty());
+}
+
+#[test]
+fn a_stream_that_ends_while_its_own_call_is_out_changes_nothing() {
+    let mut h = harness(ONE_CALL);
+    let (mut s, _) = h.request("a");
+    h.worker.on_stream_end(&s);
+    // Envoy does not call back for a gone stream; if it did, the in-flight
+    // check would be answered as usual.
+    assert_eq!(
+        h.answer_own(&mut s, Some(200), &answer(&[result(true, 3)])),
+        Step::Continue
+    );
+    // A second answer for the same stream finds nothing in flight.
+    assert_eq!(h.answer_own(&mut s, Some(200), "{}"), Step::Pause);
+}
+
+#[test]
+fn a_full_queue_refuses_and_decides_by_failure_mode() {
+    let mut h = harness(r#""group_commit": {"max_queued": 2, "max_calls_in_flight": 1},"#);
+    h.request("first");
+    h.wake();
+    assert_eq!(h.request("a").1, Step::Pause);
+    assert_eq!(h.request("b").1, Step::Pause);
+    assert_eq!(
+        h.request("c").1,
+        Step::Continue,
+        "refused: failure_mode local"
+    );
+    assert_eq!(h.stat("batch_overflow"), 1);
+    assert_eq!(h.stat("fallback_allowed"), 1);
+}
+
+#[test]
+fn a_root_that_cannot_be_woken_calls_for_the_stream_itself() {
+    let mut h = harness(ONE_SLOT);
+    h.host.queue_fails.set(false);
+    let (s, step) = h.request("a");
+    assert_eq!(step, Step::Pause);
+    h.host.queue_fails.set(true);
+    h.wake();
+    // The next wake-up fails: the stream calls for itself.
+    h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
+    h.host.take_acted();
+    let (mut own, step) = h.request("b");
+    assert_eq!(step, Step::Pause);
+    let sent = h.host.sent.borrow().last().unwrap().clone();
+    assert_eq!(
+        sent.from, own.context_id,
+        "sent by the stream, not the root"
+    );
+    assert_eq!(
+        h.answer_own(&mut own, Some(200), &answer(&[result(true, 2)])),
+        Step::Continue
+    );
+    drop(s);
+}
+
+#[test]
+fn without_a_wake_queue_every_request_calls_for_itself() {
+    let host = FakeHost::default();
+    host.queue_fails.set(true);
+    let worker = Worker::new(&host, config(""), ROOT);
+    *host.request.borrow_mut() = FakeRequest::default()
+        .with_header(":path", b"/api/x")
+        .with_header("x-api-key", b"a");
+    let mut s = worker.stream(9);
+    host.context.set(9);
+    assert_eq!(worker.on_request_headers(&host, &mut s), Step::Pause);
+    assert_eq!(host.sent.borrow()[0].from, 9);
+}
+
+#[test]
+fn a_failed_batch_dispatch_falls_back_for_every_check() {
+    let mut h = harness("");
+    h.request("a");
+    h.host.dispatch_fails.set(true);
+    h.wake();
+    let acted = h.host.take_acted();
+    assert_eq!(acted.len(), 1);
+    assert!(matches!(acted[0], Acted::Resumed(_)));
+    assert_eq!(h.stat("service_errors.connection"), 1);
+    assert_eq!(h.stat("fallback_allowed"), 1);
+}
+
+// ---- headers ----
+
+#[test]
+fn headers_on_allow_and_deny() {
+    let mut h = harness(ONE_CALL);
+    let (mut s, _) = h.request("a");
+    assert_eq!(
+        h.answer_own(&mut s, Some(200), &answer(&[result(true, 7)])),
+        Step::Continue
+    );
+    h.worker.on_response_headers(&h.host, &mut s);
+    let added: Vec<(String, String)> = h
+        .host
+        .response_headers
+        .borrow()
+        .iter()
+        .map(|(_, k, v)| (k.clone(), v.clone()))
+        .collect();
+    assert_eq!(
+        added,
+        vec![
+            (
+                "ratelimit-policy".to_string(),
+                "\"api/per-minute\";q=20;w=60".to_string()
+            ),
+            (
+                "ratelimit".to_string(),
+                "\"api/per-minute\";r=7;t=30".to_string()
+            ),
+        ]
+    );
+    let (mut s, _) = h.request("b");
+    let Step::Reply(deny) = h.answer_own(&mut s, Some(200), &answer(&[result(false, 0)])) else {
+        panic!("expected a deny")
+    };
+    assert_eq!(deny.status, 429);
+    assert_eq!(deny.body, "rate limit exceeded\n");
+    assert_eq!(header(&deny.headers, "retry-after"), Some("30"));
+    assert_eq!(
+        header(&deny.headers, "ratelimit"),
+        Some("\"api/per-minute\";r=0;t=30")
+    );
+}
+
+#[test]
+fn shadow_denials_are_counted_not_enforced() {
+    let mut h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"]}, "group_commit": {"enabled": false},
+                "rules": [{"name": "api", "shadow": true, "limits": [{"name": "m", "requests": 1, "window": "60s"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    let (mut s, _) = h.request("a");
+    let body = r#"{"results":[{"allowed":true,"limits":[{"allowed":false,"limit":1,"remaining":0,"reset_after_ms":5,"retry_after_ms":5,"shadow":true}]}]}"#;
+    assert_eq!(h.answer_own(&mut s, Some(200), body), Step::Continue);
+    assert_eq!(h.stat("shadow_denied"), 1);
+    assert_eq!(h.last_call_body()["checks"][0]["limits"][0]["shadow"], true);
+}
+
+// ---- what a request costs the host ----
+
+/// The hostcalls of one request decided by meshlimitd through a batch,
+/// after a warm-up (seed read, breaker state seen): the same as the glue
+/// made them before the flow was host-independent.
+#[test]
+fn hostcalls_per_request_with_group_commit() {
+    let mut h = harness("");
+    h.request("warm");
+    h.wake();
+    h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
+    h.advance(1);
+    h.host.take_hostcalls();
+    let (mut s, _) = h.request("a");
+    assert_eq!(
+        h.host.take_hostcalls(),
+        [
+            "get_header",           // :path
+            "get_header",           // x-api-key
+            "get_current_time",     //
+            "get_shared_data",      // deny cache
+            "get_shared_data",      // breaker (once per millisecond)
+            "enqueue_shared_queue", // wake the root
+        ]
+    );
+    h.wake();
+    assert_eq!(
+        h.host.take_hostcalls(),
+        [
+            "get_current_time",
+            "set_effective_context", // calls belong to the root
+            "dispatch_http_call",
+            "increment_metric", // batches
+            "increment_metric", // batched_checks
+        ]
+    );
+    h.answer_batch(2, Some(200), &answer(&[result(true, 1)]));
+    assert_eq!(
+        h.host.take_hostcalls(),
+        [
+            "get_call_response_header", // :status
+            "get_call_response_body",
+            "get_current_time",
+            "get_shared_data",       // breaker: still closed, nothing to write
+            "set_effective_context", // the stream's
+            "resume_http_request",
+            "increment_metric", // requests_allowed, once per batch
+        ]
+    );
+    h.host.context.set(s.context_id);
+    h.worker.on_response_headers(&h.host, &mut s);
+    assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
+}
+
+/// The same with one call per request.
+#[test]
+fn hostcalls_per_request_with_one_call_each() {
+    let mut h = harness(ONE_CALL);
+    let (mut warm, _) = h.request("warm");
+    h.answer_own(&mut warm, Some(200), &answer(&[result(true, 1)]));
+    h.advance(1);
+    h.host.take_hostcalls();
+    let (mut s, _) = h.request("a");
+    assert_eq!(
+        h.host.take_hostcalls(),
+        [
+            "get_header",
+            "get_header",
+            "get_current_time",
+            "get_shared_data",
+            "get_shared_data",
+            "dispatch_http_call",
+        ]
+    );
+    let step = h.answer_own(&mut s, Some(200), &answer(&[result(true, 1)]));
+    assert!(perform(&h.host, step, true));
+    assert_eq!(
+        h.host.take_hostcalls(),
+        [
+            "get_call_response_header",
+            "get_call_response_body",
+            "get_current_time",
+            "get_shared_data",
+            "increment_metric",
+            "resume_http_request",
+        ]
+    );
+    h.worker.on_response_headers(&h.host, &mut s);
+    assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
+}
+
+#[test]
+fn every_stat_is_defined_at_configure() {
+    let h = harness("");
+    for stat in crate::stats::Stat::ALL {
+        assert!(
+            h.host.stat(stat.def().name) == 0,
+            "{} defined and zero",
+            stat.def().name
+        );
+    }
+}

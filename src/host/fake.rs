@@ -1,0 +1,320 @@
+//! In-memory doubles of the host traits, for unit tests: a request, shared
+//! data, and [`FakeHost`], which runs the whole flow and records what it
+//! did (calls sent, streams resumed or answered, stats, headers).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+use super::*;
+
+#[derive(Default, Clone)]
+pub struct FakeRequest {
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub source: Option<String>,
+}
+
+impl FakeRequest {
+    pub fn with_header(mut self, name: &str, value: &[u8]) -> Self {
+        self.headers.push((name.to_string(), value.to_vec()));
+        self
+    }
+    pub fn from_source(mut self, addr: &str) -> Self {
+        self.source = Some(addr.to_string());
+        self
+    }
+}
+
+impl RequestView for FakeRequest {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    }
+    fn source_address(&self) -> Option<String> {
+        self.source.clone()
+    }
+}
+
+/// Shared data with CAS tokens, plus a switch to inject CAS conflicts.
+#[derive(Default)]
+pub struct FakeStore {
+    pub data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    pub conflicts_left: RefCell<u32>,
+    pub broken: bool,
+}
+
+impl SharedStore for FakeStore {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+        if self.broken {
+            return Err(StoreError::Failed);
+        }
+        Ok(match self.data.borrow().get(key) {
+            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+            None => (None, None),
+        })
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        if self.broken {
+            return Err(StoreError::Failed);
+        }
+        let mut left = self.conflicts_left.borrow_mut();
+        if *left > 0 {
+            *left -= 1;
+            return Err(StoreError::CasMismatch);
+        }
+        let mut data = self.data.borrow_mut();
+        let current = data.get(key).map(|(_, c)| *c);
+        // Envoy's rule: a non-zero token must match an existing entry's.
+        if let (Some(c), Some(cur)) = (cas, current) {
+            if c != 0 && c != cur {
+                return Err(StoreError::CasMismatch);
+            }
+        }
+        let next = current.unwrap_or(0) + 1;
+        data.insert(key.to_string(), (value.to_vec(), next));
+        Ok(())
+    }
+}
+
+/// A call the flow sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentCall {
+    pub token: u32,
+    /// The context it was sent from (the root for batches).
+    pub from: u32,
+    pub cluster: String,
+    pub path: String,
+    pub body: Vec<u8>,
+    pub timeout_ms: u64,
+}
+
+/// A call's response as the host holds it: `:status` and body.
+#[derive(Debug, Clone, Default)]
+pub struct CallResponse {
+    pub status: Option<Vec<u8>>,
+    pub body: Option<Vec<u8>>,
+}
+
+/// What the flow did to one stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acted {
+    Resumed(u32),
+    Replied(u32, DenyResponse),
+}
+
+/// The host, in memory. The current request is `request`; the response of
+/// the call being answered is `response`; `context` is the effective
+/// context. Every trait method is one hostcall, recorded by name in
+/// `hostcalls`.
+pub struct FakeHost {
+    pub request: RefCell<FakeRequest>,
+    pub store: FakeStore,
+    pub now: Cell<u64>,
+    pub context: Cell<u32>,
+    /// Streams that have ended: acting for them fails, as in Envoy.
+    pub gone: RefCell<Vec<u32>>,
+    pub sent: RefCell<Vec<SentCall>>,
+    /// When set, dispatching fails (no such cluster, no healthy host).
+    pub dispatch_fails: Cell<bool>,
+    /// When set, the wake-up queue cannot be registered or written.
+    pub queue_fails: Cell<bool>,
+    pub wakes: Cell<u32>,
+    /// The response of the call being answered.
+    pub response: RefCell<CallResponse>,
+    pub acted: RefCell<Vec<Acted>>,
+    pub response_headers: RefCell<Vec<(u32, String, String)>>,
+    metrics: RefCell<Vec<(String, MetricKind, u64)>>,
+    next_token: Cell<u32>,
+    /// Every hostcall made, by name, in order.
+    pub hostcalls: RefCell<Vec<&'static str>>,
+}
+
+impl Default for FakeHost {
+    fn default() -> Self {
+        FakeHost {
+            request: RefCell::default(),
+            store: FakeStore::default(),
+            now: Cell::new(1_000_000),
+            context: Cell::new(0),
+            gone: RefCell::default(),
+            sent: RefCell::default(),
+            dispatch_fails: Cell::new(false),
+            queue_fails: Cell::new(false),
+            wakes: Cell::new(0),
+            response: RefCell::default(),
+            acted: RefCell::default(),
+            response_headers: RefCell::default(),
+            metrics: RefCell::default(),
+            next_token: Cell::new(1),
+            hostcalls: RefCell::default(),
+        }
+    }
+}
+
+impl FakeHost {
+    fn hostcall(&self, name: &'static str) {
+        self.hostcalls.borrow_mut().push(name);
+    }
+
+    /// The hostcalls made since the last call of this method.
+    pub fn take_hostcalls(&self) -> Vec<&'static str> {
+        std::mem::take(&mut *self.hostcalls.borrow_mut())
+    }
+
+    /// A stat's value by name (0 when never touched or not defined).
+    pub fn stat(&self, name: &str) -> u64 {
+        self.metrics
+            .borrow()
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .map_or(0, |(_, _, v)| *v)
+    }
+
+    /// Sets the response the next answered call carries.
+    pub fn respond(&self, status: Option<u32>, body: &str) {
+        *self.response.borrow_mut() = CallResponse {
+            status: status.map(|s| s.to_string().into_bytes()),
+            body: Some(body.as_bytes().to_vec()),
+        };
+    }
+
+    /// What the flow did to streams, taken (so each test step sees its own).
+    pub fn take_acted(&self) -> Vec<Acted> {
+        std::mem::take(&mut *self.acted.borrow_mut())
+    }
+}
+
+impl RequestView for FakeHost {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.hostcall("get_header");
+        self.request.borrow().header(name)
+    }
+    fn source_address(&self) -> Option<String> {
+        self.hostcall("get_property");
+        self.request.borrow().source_address()
+    }
+}
+
+impl SharedStore for FakeHost {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+        self.hostcall("get_shared_data");
+        self.store.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.hostcall("set_shared_data");
+        self.store.set(key, value, cas)
+    }
+}
+
+impl Host for FakeHost {
+    fn now_ms(&self) -> u64 {
+        self.hostcall("get_current_time");
+        self.now.get()
+    }
+
+    fn random_seed(&self) -> (u64, u64) {
+        (0x5eed, 0xc0ffee)
+    }
+
+    fn define_metric(&self, kind: MetricKind, name: &str) -> Option<u32> {
+        self.hostcall("define_metric");
+        let mut metrics = self.metrics.borrow_mut();
+        metrics.push((name.to_string(), kind, 0));
+        u32::try_from(metrics.len() - 1).ok()
+    }
+
+    fn increment_metric(&self, id: u32, delta: u64) {
+        self.hostcall("increment_metric");
+        if let Some(m) = self.metrics.borrow_mut().get_mut(id as usize) {
+            assert_eq!(m.1, MetricKind::Counter, "{} is not a counter", m.0);
+            m.2 += delta;
+        }
+    }
+
+    fn record_metric(&self, id: u32, value: u64) {
+        self.hostcall("record_metric");
+        if let Some(m) = self.metrics.borrow_mut().get_mut(id as usize) {
+            assert_eq!(m.1, MetricKind::Gauge, "{} is not a gauge", m.0);
+            m.2 = value;
+        }
+    }
+
+    fn register_queue(&self, _name: &str) -> Option<u32> {
+        self.hostcall("register_shared_queue");
+        (!self.queue_fails.get()).then_some(7)
+    }
+
+    fn enqueue(&self, _queue: u32) -> bool {
+        self.hostcall("enqueue_shared_queue");
+        if self.queue_fails.get() {
+            return false;
+        }
+        self.wakes.set(self.wakes.get() + 1);
+        true
+    }
+
+    fn dispatch(&self, call: &Call<'_>) -> Result<u32, String> {
+        self.hostcall("dispatch_http_call");
+        if self.dispatch_fails.get() {
+            return Err("BadArgument".into());
+        }
+        let token = self.next_token.get();
+        self.next_token.set(token + 1);
+        self.sent.borrow_mut().push(SentCall {
+            token,
+            from: self.context.get(),
+            cluster: call.cluster.to_string(),
+            path: call.path.to_string(),
+            body: call.body.to_vec(),
+            timeout_ms: call.timeout_ms,
+        });
+        Ok(token)
+    }
+
+    fn call_response_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.hostcall("get_call_response_header");
+        assert_eq!(name, ":status");
+        self.response.borrow().status.clone()
+    }
+
+    fn call_response_body(&self, max: usize) -> Option<Vec<u8>> {
+        self.hostcall("get_call_response_body");
+        let body = self.response.borrow().body.clone()?;
+        Some(body.into_iter().take(max).collect())
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> bool {
+        self.hostcall("set_effective_context");
+        if self.gone.borrow().contains(&context_id) {
+            return false;
+        }
+        self.context.set(context_id);
+        true
+    }
+
+    fn resume_request(&self) -> bool {
+        self.hostcall("resume_http_request");
+        self.acted
+            .borrow_mut()
+            .push(Acted::Resumed(self.context.get()));
+        true
+    }
+
+    fn send_reply(&self, reply: &DenyResponse) -> bool {
+        self.hostcall("send_http_response");
+        self.acted
+            .borrow_mut()
+            .push(Acted::Replied(self.context.get(), reply.clone()));
+        true
+    }
+
+    fn add_response_header(&self, name: &str, value: &str) {
+        self.hostcall("add_header");
+        self.response_headers.borrow_mut().push((
+            self.context.get(),
+            name.to_string(),
+            value.to_string(),
+        ));
+    }
+}

@@ -1,0 +1,132 @@
+//! [`Host`] on proxy-wasm: each method is one hostcall, every status is a
+//! `Result` or an `Option`, never a panic.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{MapType, MetricType, Status};
+
+use super::abi;
+use crate::decision::DenyResponse;
+use crate::host::{Call, Host, RequestView, SharedStore, StoreError};
+use crate::stats::MetricKind;
+
+/// The Envoy this VM runs in, as the current context sees it.
+pub(super) struct WasmHost;
+
+impl RequestView for WasmHost {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn source_address(&self) -> Option<String> {
+        hostcalls::get_property(vec!["source", "address"])
+            .ok()
+            .flatten()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    }
+}
+
+/// proxy-wasm shared data (one per VM id, shared by all workers).
+impl SharedStore for WasmHost {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+        hostcalls::get_shared_data(key).map_err(|_| StoreError::Failed)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        hostcalls::set_shared_data(key, Some(value), cas).map_err(|e| match e {
+            Status::CasMismatch => StoreError::CasMismatch,
+            _ => StoreError::Failed,
+        })
+    }
+}
+
+impl Host for WasmHost {
+    fn now_ms(&self) -> u64 {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+
+    fn random_seed(&self) -> (u64, u64) {
+        use std::hash::BuildHasher;
+        // RandomState draws its keys from WASI random_get.
+        let state = std::collections::hash_map::RandomState::new();
+        (
+            state.hash_one(0x6d65_7368_u64),
+            state.hash_one(0x6c69_6d69_u64),
+        )
+    }
+
+    fn define_metric(&self, kind: MetricKind, name: &str) -> Option<u32> {
+        let kind = match kind {
+            MetricKind::Counter => MetricType::Counter,
+            MetricKind::Gauge => MetricType::Gauge,
+        };
+        hostcalls::define_metric(kind, name).ok()
+    }
+
+    fn increment_metric(&self, id: u32, delta: u64) {
+        let _ = hostcalls::increment_metric(id, i64::try_from(delta).unwrap_or(i64::MAX));
+    }
+
+    fn record_metric(&self, id: u32, value: u64) {
+        let _ = hostcalls::record_metric(id, value);
+    }
+
+    fn register_queue(&self, name: &str) -> Option<u32> {
+        hostcalls::register_shared_queue(name).ok()
+    }
+
+    fn enqueue(&self, queue: u32) -> bool {
+        hostcalls::enqueue_shared_queue(queue, Some(b"w")).is_ok()
+    }
+
+    fn dispatch(&self, call: &Call<'_>) -> Result<u32, String> {
+        hostcalls::dispatch_http_call(
+            call.cluster,
+            vec![
+                (":method", "POST"),
+                (":path", call.path),
+                (":authority", call.authority),
+                ("content-type", "application/json"),
+            ],
+            Some(call.body),
+            vec![],
+            Duration::from_millis(call.timeout_ms),
+        )
+        .map_err(|e| format!("{e:?}"))
+    }
+
+    fn call_response_header(&self, name: &str) -> Option<Vec<u8>> {
+        abi::call_response_header(name)
+    }
+
+    fn call_response_body(&self, max: usize) -> Option<Vec<u8>> {
+        abi::call_response_body(max)
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> bool {
+        hostcalls::set_effective_context(context_id).is_ok()
+    }
+
+    fn resume_request(&self) -> bool {
+        hostcalls::resume_http_request().is_ok()
+    }
+
+    fn send_reply(&self, reply: &DenyResponse) -> bool {
+        let headers: Vec<(&str, &str)> = reply
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())).is_ok()
+    }
+
+    fn add_response_header(&self, name: &str, value: &str) {
+        let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+    }
+}
