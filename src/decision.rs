@@ -13,6 +13,7 @@ use crate::client_id::{self, Identity};
 use crate::config::{Config, Cost, Rule, Scope};
 use crate::headers::{self, Headers};
 use crate::host::RequestView;
+pub use crate::reply::DenyResponse;
 use crate::rules;
 use crate::shared::deny_cache::DenyCache;
 use crate::shared::SharedStore;
@@ -37,14 +38,6 @@ pub enum RejectReason {
     InvalidCost,
     /// The request's cost exceeds a limit's capacity: it could never fit.
     CostAboveCapacity,
-}
-
-/// A response the filter sends instead of forwarding the request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DenyResponse {
-    pub status: u32,
-    pub headers: Headers,
-    pub body: String,
 }
 
 /// What the client sees.

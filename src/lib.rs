@@ -6,7 +6,7 @@
 //!   (whose quota), [`check`] (its limits, split into local and global
 //!   parts once), built by [`decision::plan`].
 //! - [`decision`]: meshlimitd's answer to a result, a result to a verdict;
-//!   [`headers`] renders the RateLimit headers.
+//!   [`headers`] renders the RateLimit headers, [`reply`] holds a local reply.
 //! - [`flow`]: the order of it all, per callback, over the [`host::Host`]
 //!   trait: local rules, deny cache, breaker, group commit or a call of its
 //!   own, answers, fallback.
@@ -41,6 +41,7 @@ pub mod decision;
 pub(crate) mod flow;
 pub(crate) mod headers;
 pub mod host;
+pub(crate) mod reply;
 pub(crate) mod rules;
 pub mod shared;
 pub(crate) mod stats;

@@ -6,7 +6,7 @@
 //! touches `proxy_wasm`, and [`fake::FakeHost`] records what the flow did,
 //! for tests. Each method is one hostcall, so a test can count them.
 
-use crate::decision::DenyResponse;
+use crate::reply::DenyResponse;
 pub use crate::shared::{SharedStore, StoreError};
 use crate::stats::MetricKind;
 

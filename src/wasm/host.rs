@@ -7,8 +7,8 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MapType, MetricType, Status};
 
 use super::abi;
-use crate::decision::DenyResponse;
 use crate::host::{Call, Host, RequestView, SharedStore, StoreError};
+use crate::reply::DenyResponse;
 use crate::stats::MetricKind;
 
 /// The Envoy this VM runs in, as the current context sees it.
