@@ -2,7 +2,7 @@
 //! small fixed-size state, so they fit the fixed shared-data slots.
 //!
 //! They follow the definitions of meshlimitd's Lua script (see
-//! `service/src/script.rs`), with one exception: the sliding window log
+//! `service/src/lua/decide.lua`), with one exception: the sliding window log
 //! needs memory proportional to its limit, which a fixed slot cannot hold,
 //! so during a fallback it is approximated by the sliding window counter.
 

@@ -13,7 +13,7 @@
 //! the caller decides it by `failure_mode`. Each check is still decided on
 //! its own and atomically by meshlimitd; only the round trip is shared.
 //!
-//! This is the policy alone; the proxy-wasm glue owns the calls.
+//! This is the policy alone; [`crate::flow`] owns the calls and the queue.
 
 use std::collections::{HashMap, VecDeque};
 
