@@ -39,6 +39,9 @@ pub struct TopologyOptions {
     /// Run meshlimitd on a 3-master, 3-replica Redis Cluster instead of one
     /// Redis.
     pub redis_cluster: bool,
+    /// Another build of the filter for these replicas (else
+    /// [`tools::wasm`]): the bench compares two builds side by side.
+    pub wasm: Option<std::path::PathBuf>,
 }
 
 impl Default for TopologyOptions {
@@ -52,6 +55,7 @@ impl Default for TopologyOptions {
             fake: None,
             meshlimitd_args: Vec::new(),
             redis_cluster: false,
+            wasm: None,
         }
     }
 }
@@ -180,7 +184,15 @@ impl Topology {
         let mut vars = self.base_vars(ADMIN_BASE + i as u16, FRONT_PORT + i as u16);
         vars.extend([
             ("REPLICA_NAME", format!("replica-{i}")),
-            ("WASM_PATH", tools::wasm().display().to_string()),
+            (
+                "WASM_PATH",
+                self.options
+                    .wasm
+                    .clone()
+                    .unwrap_or_else(tools::wasm)
+                    .display()
+                    .to_string(),
+            ),
             (
                 "PLUGIN_CONFIG",
                 indent_block(plugin_config, PLUGIN_CONFIG_INDENT),

@@ -10,8 +10,8 @@ use common::*;
 #[test]
 fn sliding_window_log_is_exact_globally_under_64_connections() {
     let t = topology(rule_config(
-        "",
-        r#"[{"name": "log", "requests": 20, "window": "60s", "algorithm": "sliding_window_log"}]"#,
+        json!({}),
+        json!([{"name": "log", "requests": 20, "window": "60s", "algorithm": "sliding_window_log"}]),
     ));
     assert_eq!(concurrent_allowed(&t, "swl-client", 64, 4), 20);
     assert_eq!(t.stat_total("meshlimit.fallback_allowed"), 0);
@@ -21,8 +21,8 @@ fn sliding_window_log_is_exact_globally_under_64_connections() {
 fn token_bucket_is_exact_globally_under_64_connections() {
     // 20 per hour with a burst of 20: the bucket empties and barely refills.
     let t = topology(rule_config(
-        "",
-        r#"[{"name": "bucket", "requests": 20, "window": "1h", "algorithm": "token_bucket", "burst": 20}]"#,
+        json!({}),
+        json!([{"name": "bucket", "requests": 20, "window": "1h", "algorithm": "token_bucket", "burst": 20}]),
     ));
     assert_eq!(concurrent_allowed(&t, "tb-client", 64, 4), 20);
     assert_eq!(t.stat_total("meshlimit.fallback_allowed"), 0);
@@ -31,9 +31,9 @@ fn token_bucket_is_exact_globally_under_64_connections() {
 #[test]
 fn two_limits_on_one_rule_report_the_least_remaining() {
     let t = topology(rule_config(
-        "",
-        r#"[{"name": "burst", "requests": 5, "window": "10s", "algorithm": "token_bucket"},
-            {"name": "hourly", "requests": 8, "window": "1h", "algorithm": "sliding_window_counter"}]"#,
+        json!({}),
+        json!([{"name": "burst", "requests": 5, "window": "10s", "algorithm": "token_bucket"},
+            {"name": "hourly", "requests": 8, "window": "1h", "algorithm": "sliding_window_counter"}]),
     ));
     let first = send(&t, &key("two"));
     assert_eq!(
@@ -67,8 +67,8 @@ fn two_limits_on_one_rule_report_the_least_remaining() {
 #[test]
 fn cost_from_a_header_is_charged_and_an_impossible_cost_is_explained() {
     let t = topology(rule_config(
-        r#""cost": {"header": "x-cost", "max": 50},"#,
-        r#"[{"name": "units", "requests": 10, "window": "1h"}]"#,
+        json!({"cost": {"header": "x-cost", "max": 50}}),
+        json!([{"name": "units", "requests": 10, "window": "1h"}]),
     ));
     let mut h = key("coster");
     h.push(("x-cost", b"5".to_vec()));
@@ -105,8 +105,8 @@ fn cost_from_a_header_is_charged_and_an_impossible_cost_is_explained() {
 #[test]
 fn shadow_mode_never_denies_and_counts_what_it_would_deny() {
     let t = topology(rule_config(
-        r#""shadow": true,"#,
-        r#"[{"name": "per-minute", "requests": 20, "window": "60s"}]"#,
+        json!({"shadow": true}),
+        json!([{"name": "per-minute", "requests": 20, "window": "60s"}]),
     ));
     wait_for_fresh_window(Duration::from_secs(15));
     assert_eq!(burst(&t, &key("shadowed"), 60), (60, 0));
@@ -128,10 +128,10 @@ fn shadow_mode_never_denies_and_counts_what_it_would_deny() {
 #[test]
 fn every_algorithm_falls_back_locally_when_redis_is_down() {
     let mut t = topology(rule_config(
-        "",
-        r#"[{"name": "log", "requests": 10, "window": "1h", "algorithm": "sliding_window_log"},
+        json!({}),
+        json!([{"name": "log", "requests": 10, "window": "1h", "algorithm": "sliding_window_log"},
             {"name": "counter", "requests": 10, "window": "1h", "algorithm": "sliding_window_counter"},
-            {"name": "bucket", "requests": 10, "window": "1h", "algorithm": "token_bucket"}]"#,
+            {"name": "bucket", "requests": 10, "window": "1h", "algorithm": "token_bucket"}]),
     ));
     t.stop_redis();
     // Each of the two replicas admits 10 on its own.

@@ -10,15 +10,17 @@ use std::time::{Duration, Instant};
 use common::*;
 use meshlimit_testbed::{Topology, TopologyOptions};
 
-fn cluster_topology(limits: &str) -> Topology {
+fn cluster_topology(limits: Value) -> Topology {
     Topology::start(TopologyOptions {
-        plugin_config: rule_config("", limits),
+        plugin_config: rule_config(json!({}), limits),
         redis_cluster: true,
         ..TopologyOptions::default()
     })
 }
 
-const PER_MINUTE: &str = r#"[{"name": "per-minute", "requests": 20, "window": "60s"}]"#;
+fn per_minute() -> Value {
+    json!([{"name": "per-minute", "requests": 20, "window": "60s"}])
+}
 
 /// The Redis key of client `id`'s per-minute counter.
 fn counter_key(id: &str) -> String {
@@ -49,7 +51,7 @@ fn clients_on_different_masters(t: &Topology, n: usize) -> Vec<(String, u16, u16
 
 #[test]
 fn counts_are_exact_for_clients_on_every_master() {
-    let t = cluster_topology(PER_MINUTE);
+    let t = cluster_topology(per_minute());
     wait_for_fresh_window(Duration::from_secs(20));
     for (id, slot, port) in clients_on_different_masters(&t, 3) {
         eprintln!("{id}: key slot {slot}, master on port {port}");
@@ -61,7 +63,7 @@ fn counts_are_exact_for_clients_on_every_master() {
 #[test]
 fn hostile_ids_keep_their_own_counters_and_one_slot_per_call() {
     let t = cluster_topology(
-        r#"[{"name": "per-minute", "requests": 5, "window": "60s"}, {"name": "per-hour", "requests": 50, "window": "1h"}]"#,
+        json!([{"name": "per-minute", "requests": 5, "window": "60s"}, {"name": "per-hour", "requests": 50, "window": "1h"}]),
     );
     wait_for_fresh_window(Duration::from_secs(20));
     let big = "k".repeat(16 * 1024);
@@ -125,7 +127,7 @@ fn fallbacks(t: &Topology) -> u64 {
 
 #[test]
 fn a_killed_master_is_replaced_and_limiting_turns_global_again() {
-    let t = cluster_topology(r#"[{"name": "per-minute", "requests": 1000000, "window": "60s"}]"#);
+    let t = cluster_topology(json!([{"name": "per-minute", "requests": 1000000, "window": "60s"}]));
     let (id, slot, port) = clients_on_different_masters(&t, 1).remove(0);
     let (stop, ok, bad) = (
         AtomicBool::new(false),
@@ -179,7 +181,7 @@ fn a_killed_master_is_replaced_and_limiting_turns_global_again() {
 
 #[test]
 fn moving_a_clients_slot_under_traffic_keeps_its_count() {
-    let t = cluster_topology(r#"[{"name": "per-hour", "requests": 100000, "window": "1h"}]"#);
+    let t = cluster_topology(json!([{"name": "per-hour", "requests": 100000, "window": "1h"}]));
     let id = "mover";
     let key_name = {
         let tag = meshlimitd::keys::subject_tag(&format!("hdr:x-api-key:{id}"));

@@ -112,11 +112,8 @@ fn headers_report_the_limit_and_retry_after() {
 
 #[test]
 fn x_ratelimit_headers_when_configured() {
-    let config = keyed_config("local").replace(
-        r#""failure_mode": "local""#,
-        r#""failure_mode": "local", "response": {"headers": "x-ratelimit"}"#,
-    );
-    let t = topology(config);
+    let config = keyed("local").set("response", json!({"headers": "x-ratelimit"}));
+    let t = topology(config.build());
     wait_for_fresh_window(Duration::from_secs(5));
     let r = send(&t, &key("x-client"));
     assert_eq!(r.header("x-ratelimit-limit"), Some("20"));
@@ -166,10 +163,11 @@ fn meshlimitd_down_is_a_fallback_not_an_error() {
 
 #[test]
 fn with_group_commit_off_every_check_is_its_own_call() {
-    let mut t = topology(keyed_config("local").replace(
-        r#""service""#,
-        r#""group_commit": {"enabled": false}, "service""#,
-    ));
+    let mut t = topology(
+        keyed("local")
+            .set("group_commit", json!({"enabled": false}))
+            .build(),
+    );
     wait_for_fresh_window(Duration::from_secs(15));
     assert_eq!(burst(&t, &key("solo"), 30), (LIMIT, 10));
     let calls: u64 = (1..=2)
@@ -203,12 +201,12 @@ fn with_group_commit_off_every_check_is_its_own_call() {
 
 #[test]
 fn failure_mode_deny_sends_the_configured_deny() {
-    let config = keyed_config("deny").replace(
-        r#""failure_mode": "deny""#,
-        r#""failure_mode": "deny", "response": {"status": 503, "body": "limiter unavailable\n"}"#,
+    let config = keyed("deny").set(
+        "response",
+        json!({"status": 503, "body": "limiter unavailable\n"}),
     );
     let mut t = Topology::start(TopologyOptions {
-        plugin_config: config,
+        plugin_config: config.build(),
         replicas: 1,
         front: false,
         ..TopologyOptions::default()
@@ -239,7 +237,7 @@ fn missing_client_id_follows_when_missing() {
     // reject: a clear 401, counted.
     let t = Topology::start(TopologyOptions {
         plugin_config: plugin_config(
-            r#"{"headers": ["x-api-key"], "when_missing": "reject"}"#,
+            json!({"headers": ["x-api-key"], "when_missing": "reject"}),
             "local",
         ),
         replicas: 1,
@@ -255,7 +253,7 @@ fn missing_client_id_follows_when_missing() {
     // anonymous: every request without an id shares one bucket.
     let t = Topology::start(TopologyOptions {
         plugin_config: plugin_config(
-            r#"{"headers": ["x-api-key"], "when_missing": "anonymous"}"#,
+            json!({"headers": ["x-api-key"], "when_missing": "anonymous"}),
             "local",
         ),
         replicas: 1,
@@ -271,7 +269,7 @@ fn missing_client_id_follows_when_missing() {
 fn a_query_parameter_identifies_the_client_however_it_is_encoded() {
     let t = Topology::start(TopologyOptions {
         plugin_config: plugin_config(
-            r#"{"query_params": ["api_key"], "when_missing": "reject"}"#,
+            json!({"query_params": ["api_key"], "when_missing": "reject"}),
             "local",
         ),
         replicas: 1,
@@ -363,14 +361,14 @@ fn a_config_with_an_unknown_field_is_rejected_naming_the_field() {
         ..TopologyOptions::default()
     });
     let dir = TempDir::new("bad-config");
-    let bad = keyed_config("local").replace(r#""window": "60s""#, r#""window": "60s", "burts": 5"#);
+    let bad = keyed("local").limit_field("burts", json!(5)).build();
     let (ok, out) = validate_envoy_config(&t.replica_config_with(1, &bad), dir.path(), "bad");
     assert!(!ok, "Envoy must refuse the config:\n{out}");
     assert!(
         out.contains("invalid meshlimit configuration: field `rules[0].limits[0].burts`: unknown field `burts`"),
         "Envoy's log must name the field:\n{out}"
     );
-    let zero = keyed_config("local").replace(r#""requests": 20"#, r#""requests": 0"#);
+    let zero = keyed("local").limit_field("requests", json!(0)).build();
     let (ok, out) = validate_envoy_config(&t.replica_config_with(1, &zero), dir.path(), "zero");
     assert!(!ok);
     assert!(

@@ -12,15 +12,19 @@ use common::*;
 use meshlimit_testbed::http::Conn;
 use meshlimit_testbed::Topology;
 
-fn grouped(limit: u64, extra: &str) -> String {
-    format!(
-        r#"{{
-  "service": {{"timeout": "1s"}},
-  "client_id": {{"headers": ["x-api-key"]}},
-  "rules": [{{"name": "api", "limits": [{{"name": "per-minute", "requests": {limit}, "window": "60s"}}]}}],
-  "group_commit": {{"enabled": true{extra}}}
-}}"#
-    )
+/// Group commit on, with `extra` settings, and a limit of `limit` a minute
+/// per `x-api-key`.
+fn grouped(limit: u64, extra: Value) -> PluginConfig {
+    let mut group_commit = json!({"enabled": true});
+    for (field, value) in extra.as_object().cloned().unwrap_or_default() {
+        group_commit[field] = value;
+    }
+    PluginConfig::new()
+        .set("service", json!({"timeout": "1s"}))
+        .client_id(json!({"headers": ["x-api-key"]}))
+        .rule_field("match", json!({}))
+        .limit_field("requests", json!(limit))
+        .set("group_commit", group_commit)
 }
 
 /// Sends `per_thread` requests from each of `threads` keep-alive
@@ -60,7 +64,7 @@ fn allowed_by_client(results: &[(String, u16)]) -> std::collections::BTreeMap<St
 
 #[test]
 fn one_hot_client_under_64_connections_is_exact_and_batched() {
-    let t = topology(grouped(20, ""));
+    let t = topology(grouped(20, json!({})).build());
     wait_for_fresh_window(Duration::from_secs(20));
     // The deny cache would hide batching once the client is over its limit:
     // count the calls while it still has quota.
@@ -75,7 +79,7 @@ fn one_hot_client_under_64_connections_is_exact_and_batched() {
 
 #[test]
 fn fifty_clients_at_once_each_get_exactly_their_limit() {
-    let t = topology(grouped(10, ""));
+    let t = topology(grouped(10, json!({})).build());
     wait_for_fresh_window(Duration::from_secs(25));
     // 64 connections, 50 clients, 20 requests per client.
     let results = hammer(&t, 64, 16, |th, i| format!("c{}", (th * 16 + i) % 50));
@@ -103,7 +107,7 @@ fn fifty_clients_at_once_each_get_exactly_their_limit() {
 fn a_mixed_batch_answers_each_request_correctly() {
     // Long queue age and a slow first call: checks of allowed and denied
     // clients end up in the same batches.
-    let t = topology(grouped(3, r#", "max_batch": 64"#));
+    let t = topology(grouped(3, json!({"max_batch": 64})).build());
     wait_for_fresh_window(Duration::from_secs(15));
     // Exhaust "full" first, then mix it with fresh clients concurrently.
     let _ = hammer(&t, 1, 4, |_, _| "full".to_string());
@@ -142,8 +146,11 @@ fn a_mixed_batch_answers_each_request_correctly() {
 
 #[test]
 fn meshlimitd_killed_with_batches_in_flight_decides_every_request_by_failure_mode() {
-    let mut t =
-        topology(grouped(1_000_000, "").replace(r#""timeout": "1s""#, r#""timeout": "200ms""#));
+    let mut t = topology(
+        grouped(1_000_000, json!({}))
+            .set("service", json!({"timeout": "200ms"}))
+            .build(),
+    );
     let done = AtomicUsize::new(0);
     let slowest = std::sync::Mutex::new(Duration::ZERO);
     let results = std::thread::scope(|s| {
@@ -203,7 +210,7 @@ fn meshlimitd_killed_with_batches_in_flight_decides_every_request_by_failure_mod
 
 #[test]
 fn clients_that_hang_up_while_queued_do_not_disturb_the_batch() {
-    let t = topology(grouped(1_000_000, ""));
+    let t = topology(grouped(1_000_000, json!({})).build());
     // Half of the clients send a request and close at once; the others wait
     // for their answers.
     let results = std::thread::scope(|s| {

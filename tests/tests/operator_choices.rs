@@ -23,8 +23,8 @@ fn cluster_stat(t: &Topology, i: usize, name: &str) -> u64 {
 fn a_local_only_rule_needs_no_meshlimitd_at_all() {
     let t = Topology::start(TopologyOptions {
         plugin_config: rule_config(
-            r#""scope": "local","#,
-            r#"[{"name": "per-minute", "requests": 5, "window": "60s"}]"#,
+            json!({"scope": "local"}),
+            json!([{"name": "per-minute", "requests": 5, "window": "60s"}]),
         ),
         start_service: false,
         ..TopologyOptions::default()
@@ -58,15 +58,14 @@ fn a_local_only_rule_needs_no_meshlimitd_at_all() {
 
 #[test]
 fn mixed_local_and_global_rules_send_only_the_global_part() {
-    let config = r#"{
-  "service": {"timeout": "1s"},
-  "client_id": {"headers": ["x-api-key"]},
-  "rules": [
-    {"name": "edge", "scope": "local", "limits": [{"name": "burst", "requests": 100, "window": "60s"}]},
-    {"name": "api", "limits": [{"name": "per-minute", "requests": 20, "window": "60s"}]}
-  ]
-}"#;
-    let t = topology(config.to_string());
+    let config = PluginConfig::new()
+        .set("service", json!({"timeout": "1s"}))
+        .client_id(json!({"headers": ["x-api-key"]}))
+        .rules(json!([
+            {"name": "edge", "scope": "local", "limits": [{"name": "burst", "requests": 100, "window": "60s"}]},
+            {"name": "api", "limits": [{"name": "per-minute", "requests": 20, "window": "60s"}]}
+        ]));
+    let t = topology(config.build());
     wait_for_fresh_window(Duration::from_secs(10));
     assert_eq!(burst(&t, &key("mixed"), 30), (20, 10));
     let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
@@ -78,12 +77,12 @@ fn mixed_local_and_global_rules_send_only_the_global_part() {
 
 #[test]
 fn the_fleet_keeps_near_the_global_limit_during_a_fallback() {
-    let config = r#"{
-  "service": {"timeout": "1s"},
-  "client_id": {"headers": ["x-api-key"]},
-  "rules": [{"name": "api", "fallback_share": 0.5, "limits": [{"name": "per-minute", "requests": 20, "window": "60s"}]}]
-}"#;
-    let mut t = topology(config.to_string());
+    let config = PluginConfig::new()
+        .set("service", json!({"timeout": "1s"}))
+        .client_id(json!({"headers": ["x-api-key"]}))
+        .rule_field("match", json!({}))
+        .rule_field("fallback_share", json!(0.5));
+    let mut t = topology(config.build());
     wait_for_fresh_window(Duration::from_secs(10));
     t.stop_redis();
     // Each of the two replicas enforces 20 x 0.5 = 10 on its own.

@@ -12,16 +12,13 @@ use meshlimit_testbed::fake::Behavior;
 use meshlimit_testbed::http::{self, Conn};
 use meshlimit_testbed::{Topology, TopologyOptions};
 
-fn config(timeout: &str, failure_mode: &str, breaker: &str) -> String {
-    format!(
-        r#"{{
-  "service": {{"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "{timeout}"}},
-  "client_id": {{"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1}},
-  "rules": [{{"name": "api", "limits": [{{"name": "per-minute", "requests": 20, "window": "60s"}}]}}],
-  "failure_mode": "{failure_mode}",
-  "breaker": {breaker}
-}}"#
-    )
+/// The usual config with a call `timeout` and `breaker` settings.
+fn config(timeout: &str, failure_mode: &str, breaker: Value) -> String {
+    keyed(failure_mode)
+        .set_in("service", "timeout", json!(timeout))
+        .rule_field("match", json!({}))
+        .set("breaker", breaker)
+        .build()
 }
 
 fn single_replica(plugin_config: String, fake: Option<Behavior>) -> Topology {
@@ -85,9 +82,12 @@ fn every_kind_of_bad_answer_is_a_service_error_not_a_client_error() {
         (Behavior::Huge(4 * 1024 * 1024), "bad_body"),
         (Behavior::SlowBody(Duration::from_millis(400)), "timeout"),
     ];
-    let no_breaker = r#"{"failures": 1000}"#;
+    let no_breaker = json!({"failures": 1000});
     for (behavior, kind) in cases {
-        let t = single_replica(config("100ms", "local", no_breaker), Some(behavior.clone()));
+        let t = single_replica(
+            config("100ms", "local", no_breaker.clone()),
+            Some(behavior.clone()),
+        );
         for _ in 0..5 {
             let r = send(&t, &key("anyone"));
             assert_eq!(r.status, 200, "{behavior:?}: {}", r.body);
@@ -116,7 +116,7 @@ fn every_kind_of_bad_answer_is_a_service_error_not_a_client_error() {
 
 #[test]
 fn meshlimitd_unreachable_three_ways_costs_no_more_than_the_timeout() {
-    let breaker = r#"{"failures": 3, "open": "5s", "max_open": "10s"}"#;
+    let breaker = json!({"failures": 3, "open": "5s", "max_open": "10s"});
     let timeout = Duration::from_millis(50);
     // Generous: a loaded two-core CI machine runs several Envoys at once.
     let margin = Duration::from_millis(250);
@@ -126,7 +126,7 @@ fn meshlimitd_unreachable_three_ways_costs_no_more_than_the_timeout() {
             "no healthy endpoint" => Some(Behavior::Unhealthy),
             _ => None,
         };
-        let mut t = single_replica(config("50ms", "local", breaker), fake);
+        let mut t = single_replica(config("50ms", "local", breaker.clone()), fake);
         if way == "stopped" {
             t.stop_meshlimitd();
         }
@@ -159,7 +159,7 @@ fn redis_black_holed_under_traffic_then_back() {
         plugin_config: config(
             "100ms",
             "local",
-            r#"{"failures": 3, "open": "250ms", "max_open": "2s"}"#,
+            json!({"failures": 3, "open": "250ms", "max_open": "2s"}),
         ),
         ..TopologyOptions::default()
     });
@@ -227,7 +227,7 @@ fn an_abusive_client_stops_reaching_meshlimitd_after_its_first_denial() {
 
 #[test]
 fn two_hundred_thousand_distinct_ids_leave_memory_flat() {
-    let mut t = single_replica(config("20ms", "local", r#"{}"#), None);
+    let mut t = single_replica(config("20ms", "local", json!({})), None);
     t.stop_redis();
     let entry = t.entry();
     let run = |from: usize, to: usize| {

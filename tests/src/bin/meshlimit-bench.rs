@@ -18,18 +18,25 @@
 //!
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The load generator is oha.
+//!
+//! `MESHLIMIT_COMPARE_WASM=<path to another build>` adds configurations 3
+//! and 7 run with that build, interleaved with the others in the same run
+//! (e.g. main before a change against the change), and writes the report to
+//! target/bench-compare.md instead of docs/.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::process::Command;
 
 use meshlimit_testbed::http;
+use meshlimit_testbed::plugin::PluginConfig;
 use meshlimit_testbed::procs::{rss_kib, Proc};
 use meshlimit_testbed::render::{render, template};
 use meshlimit_testbed::services::REDIS_PORT;
 use meshlimit_testbed::tools;
 use meshlimit_testbed::topology::{FRONT_PORT, UPSTREAM_PORT};
 use meshlimit_testbed::{Topology, TopologyOptions};
+use serde_json::json;
 
 const SECONDS: u64 = 5;
 /// Connections for fixed-rate (latency) runs.
@@ -221,19 +228,46 @@ struct CpuShare {
 }
 
 fn meshlimit_topology(config: &str) -> Topology {
+    meshlimit_topology_with(config, None)
+}
+
+fn meshlimit_topology_with(config: &str, wasm: Option<std::path::PathBuf>) -> Topology {
     Topology::start(TopologyOptions {
         plugin_config: config.into(),
         replicas: 1,
         front: false,
         replica_workers: 1,
+        wasm,
         ..TopologyOptions::default()
     })
 }
 
-const ALLOW_ALL: &str = r#"{"service": {"timeout": "20ms"}, "client_id": {"headers": ["x-api-key"]},
-  "rules": [{"name": "api", "limits": [{"name": "hour", "requests": 1000000000, "window": "1h"}]}]}"#;
-const ONE_PER_HOUR: &str = r#"{"service": {"timeout": "20ms"}, "client_id": {"headers": ["x-api-key"]},
-  "rules": [{"name": "api", "limits": [{"name": "hour", "requests": 1, "window": "1h"}]}]}"#;
+/// The other build `MESHLIMIT_COMPARE_WASM` names, if any.
+fn compare_wasm() -> Option<std::path::PathBuf> {
+    std::env::var_os("MESHLIMIT_COMPARE_WASM").map(std::path::PathBuf::from)
+}
+
+/// The benched configuration: the filter's default timeout, clients by
+/// `x-api-key`, `requests` an hour.
+fn per_hour(requests: u64) -> PluginConfig {
+    PluginConfig::new()
+        .set("service", json!({"timeout": "20ms"}))
+        .client_id(json!({"headers": ["x-api-key"]}))
+        .rule_field("match", json!({}))
+        .limits(json!([{"name": "hour", "requests": requests, "window": "1h"}]))
+}
+
+/// Every request allowed.
+fn allow_all() -> PluginConfig {
+    per_hour(1_000_000_000)
+}
+
+/// Without group commit: one call per request.
+fn one_call_each() -> String {
+    allow_all()
+        .set("group_commit", json!({"enabled": false}))
+        .build()
+}
 
 struct Target {
     name: &'static str,
@@ -287,19 +321,26 @@ fn main() {
     // 3, 4, 5: meshlimit in envoy/replica.yaml.
     // Group commit is the default; 3 turns it off to show the cost of one
     // call per request.
-    let global = meshlimit_topology(&ALLOW_ALL.replace(
-        r#""service""#,
-        r#""group_commit": {"enabled": false}, "service""#,
-    ));
-    let deny = meshlimit_topology(ONE_PER_HOUR);
-    let mut down = meshlimit_topology(ALLOW_ALL);
+    let global = meshlimit_topology(&one_call_each());
+    let deny = meshlimit_topology(&per_hour(1).build());
+    let mut down = meshlimit_topology(&allow_all().build());
     down.stop_redis();
-    let grouped_hot = meshlimit_topology(ALLOW_ALL);
-    let grouped_many = meshlimit_topology(&ALLOW_ALL.replace(
-        r#""headers": ["x-api-key"]"#,
-        r#""headers": ["x-api-key"], "query_params": ["key"]"#,
-    ));
-    let targets = vec![
+    let grouped_hot = meshlimit_topology(&allow_all().build());
+    let grouped_many = meshlimit_topology(
+        &allow_all()
+            .client_id(json!({"headers": ["x-api-key"], "query_params": ["key"]}))
+            .build(),
+    );
+    // The compare build, for 3 and 7.
+    let compared: Vec<Topology> = compare_wasm()
+        .map(|wasm| {
+            vec![
+                meshlimit_topology_with(&one_call_each(), Some(wasm.clone())),
+                meshlimit_topology_with(&allow_all().build(), Some(wasm)),
+            ]
+        })
+        .unwrap_or_default();
+    let mut targets = vec![
         Target {
             name: "1. Envoy alone",
             url: format!("http://{bare_addr}/"),
@@ -350,12 +391,25 @@ fn main() {
             many_clients: true,
         },
     ];
+    for (topology, name) in compared.iter().zip([
+        "3'. as 3, with the compare build",
+        "7'. as 7, with the compare build",
+    ]) {
+        targets.push(Target {
+            name,
+            url: format!("http://{}/", topology.replica_addr(1)),
+            admin: topology.replica_admin(1),
+            pid: topology.replica_pids()[0],
+            many_clients: false,
+        });
+    }
     // The Envoy under test gets a core of its own, as a proxy's worker does
     // in production; its upstream, meshlimitd, Redis and the load generator
     // share the others (in production meshlimitd and Redis are on other
     // machines altogether). Unpinned runs of a few configurations follow.
     let support: Vec<Option<u32>> = [&base, &global, &deny, &down, &grouped_hot, &grouped_many]
-        .iter()
+        .into_iter()
+        .chain(&compared)
         .flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()])
         .collect();
     let set_pinning = |pinned: bool| {
@@ -784,15 +838,25 @@ fn report(
         &std::fs::read_to_string(tools::root().join("docs/benchmarks-notes.md"))
             .unwrap_or_default(),
     );
-    let path = tools::root().join("docs/benchmarks.md");
+    // A comparison of two builds is a measurement for a change, not the
+    // project's report.
+    let (path, svg) = if compare_wasm().is_some() {
+        (
+            tools::root().join("target/bench-compare.md"),
+            tools::root().join("target/bench-compare.svg"),
+        )
+    } else {
+        (
+            tools::root().join("docs/benchmarks.md"),
+            tools::root().join("docs/benchmarks.svg"),
+        )
+    };
     let _ = std::fs::write(&path, &md);
-    let _ = std::fs::write(
-        tools::root().join("docs/benchmarks.svg"),
-        chart(targets, &sat, &|i| lat(i, |s| s.p99_ms)),
-    );
+    let _ = std::fs::write(&svg, chart(targets, &sat, &|i| lat(i, |s| s.p99_ms)));
     println!(
-        "\n{md}\nwritten to {} and docs/benchmarks.svg",
-        path.display()
+        "\n{md}\nwritten to {} and {}",
+        path.display(),
+        svg.display()
     );
 }
 

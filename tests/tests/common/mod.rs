@@ -4,33 +4,29 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use meshlimit_testbed::http::Response;
+pub use meshlimit_testbed::plugin::PluginConfig;
 use meshlimit_testbed::{Topology, TopologyOptions};
+pub use serde_json::{json, Value};
 
-/// The limit every test config uses: 20 requests per minute.
-pub const LIMIT: usize = 20;
+/// The limit every test config uses, per minute.
+pub const LIMIT: usize = meshlimit_testbed::plugin::USUAL_LIMIT as usize;
 
-/// A plugin config for tests. The timeout is generous so that a loaded CI
-/// machine does not turn global decisions into (correct, but different)
-/// fallback decisions; tests about failures stop the service instead.
-pub fn plugin_config(client_id: &str, failure_mode: &str) -> String {
-    format!(
-        r#"{{
-  "service": {{"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "1s"}},
-  "client_id": {client_id},
-  "rules": [
-    {{"name": "api", "match": {{"path_prefix": "/"}},
-     "limits": [{{"name": "per-minute", "requests": {LIMIT}, "window": "60s"}}]}}
-  ],
-  "failure_mode": "{failure_mode}"
-}}"#
-    )
+/// The tests' usual config (see [`PluginConfig::new`]) with `client_id`
+/// and `failure_mode`.
+pub fn plugin_config(client_id: Value, failure_mode: &str) -> String {
+    PluginConfig::new()
+        .client_id(client_id)
+        .failure_mode(failure_mode)
+        .build()
+}
+
+/// The usual config, by `failure_mode`.
+pub fn keyed(failure_mode: &str) -> PluginConfig {
+    PluginConfig::new().failure_mode(failure_mode)
 }
 
 pub fn keyed_config(failure_mode: &str) -> String {
-    plugin_config(
-        r#"{"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1}"#,
-        failure_mode,
-    )
+    keyed(failure_mode).build()
 }
 
 pub fn topology(plugin_config: String) -> Topology {
@@ -101,16 +97,14 @@ pub fn wait_for_global_decisions(t: &Topology, within: Duration) {
     }
 }
 
-/// A config with one rule holding `limits` (JSON array text) and extra rule
-/// fields (e.g. `"shadow": true,`).
-pub fn rule_config(rule_extra: &str, limits: &str) -> String {
-    format!(
-        r#"{{
-  "service": {{"cluster": "meshlimit", "authority": "meshlimitd", "timeout": "1s"}},
-  "client_id": {{"headers": ["x-api-key"], "when_missing": "client_address", "trusted_hops": 1}},
-  "rules": [{{"name": "api", {rule_extra} "match": {{"path_prefix": "/"}}, "limits": {limits}}}]
-}}"#
-    )
+/// The usual config with the `api` rule's `limits`, and its other fields
+/// from `rule` (an object, e.g. `{"shadow": true}`).
+pub fn rule_config(rule: Value, limits: Value) -> String {
+    let mut config = PluginConfig::new().limits(limits);
+    for (field, value) in rule.as_object().cloned().unwrap_or_default() {
+        config = config.rule_field(&field, value);
+    }
+    config.build()
 }
 
 /// Requests admitted out of `per_thread * threads`, sent concurrently; any
