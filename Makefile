@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz images bench
+.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench
 
 all: build
 
@@ -61,6 +61,13 @@ fuzz: setup
 	for target in plugin_config check_api; do \
 	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --fuzz-dir fuzz $$target -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
 	done
+
+## coverage: line and branch coverage of the filter's native tests (the request flow included); installs cargo-llvm-cov.
+coverage: setup
+	@rustup component list --installed | grep -q '^llvm-tools' || rustup component add llvm-tools-preview
+	@command -v cargo-llvm-cov >/dev/null || $(CARGO) install cargo-llvm-cov --version 0.9.1 --locked
+	# Branch coverage is a nightly option; RUSTC_BOOTSTRAP lets the stable toolchain accept it.
+	RUSTC_BOOTSTRAP=1 $(CARGO) llvm-cov -p meshlimit --lib --branch --summary-only
 
 ## images: meshlimitd and the wasm OCI image for Istio (needs a Docker engine).
 IMAGE_REGISTRY ?= ghcr.io/meshlimit

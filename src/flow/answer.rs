@@ -52,9 +52,9 @@ impl Worker {
     /// or answered.
     pub fn on_batch_answer(&self, host: &impl Host, token: u32, headers: usize, body_size: usize) {
         let batch = self
-            .batcher
+            .group
             .as_ref()
-            .and_then(|b| b.borrow_mut().answered(token));
+            .and_then(|g| g.batcher.borrow_mut().answered(token));
         let Some(batch) = batch else {
             return;
         };

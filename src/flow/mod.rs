@@ -110,6 +110,14 @@ struct Queued {
     local: Option<CheckResult>,
 }
 
+/// Group commit's state on one worker.
+struct Group {
+    /// The checks waiting for a call, and the calls in flight.
+    batcher: RefCell<Batcher<Queued>>,
+    /// The root's shared queue: enqueueing to it wakes the root.
+    wake_queue: u32,
+}
+
 /// What every context of one worker shares.
 pub struct Worker {
     config: Config,
@@ -123,10 +131,8 @@ pub struct Worker {
     /// then so that workers that raced to create it converge.
     seed: Cell<Option<(u64, u64)>>,
     seed_read_ms: Cell<u64>,
-    /// Group commit: the queue and the calls in flight.
-    batcher: Option<RefCell<Batcher<Queued>>>,
-    /// The root's shared queue: enqueueing to it wakes the root.
-    wake_queue: Option<u32>,
+    /// Group commit, when on and its wake-up queue could be registered.
+    group: Option<Group>,
     /// When each batch call went out, by token.
     batch_started: RefCell<HashMap<u32, u64>>,
     /// RateLimit headers for streams the root admitted, by context id.
@@ -155,17 +161,17 @@ impl Worker {
             }
         );
         // One queue per worker: each worker's streams wake their own root.
-        let wake_queue = config.group_commit.and_then(|_| {
-            let queue = host.register_queue(&keys::wake_queue(host.random_seed().0));
-            if queue.is_none() {
+        let group = config.group_commit.and_then(|c| {
+            let Some(wake_queue) = host.register_queue(&keys::wake_queue(host.random_seed().0))
+            else {
                 warn!("cannot register the group-commit queue; calling per request");
-            }
-            queue
+                return None;
+            };
+            Some(Group {
+                batcher: RefCell::new(Batcher::new(c)),
+                wake_queue,
+            })
         });
-        let batcher = match (config.group_commit, wake_queue) {
-            (Some(c), Some(_)) => Some(RefCell::new(Batcher::new(c))),
-            _ => None,
-        };
         let rules_match_methods = config.rules.iter().any(|r| !r.methods.is_empty());
         Worker {
             metrics: Metrics::define(host),
@@ -176,8 +182,7 @@ impl Worker {
             shadow_log: LogThrottle::new(LOG_EVERY_MS),
             seed: Cell::new(None),
             seed_read_ms: Cell::new(0),
-            batcher,
-            wake_queue,
+            group,
             batch_started: RefCell::new(HashMap::new()),
             decided_headers: RefCell::new(HashMap::new()),
             rules_match_methods,
@@ -261,10 +266,10 @@ impl Worker {
                 };
                 stream.apply(verdict)
             }
-            Gate::Call | Gate::Probe if self.batcher.is_some() => {
-                self.enqueue(host, stream, now, check, local)
-            }
-            Gate::Call | Gate::Probe => self.ask_service(host, stream, now, check, local),
+            Gate::Call | Gate::Probe => match &self.group {
+                Some(group) => self.enqueue(host, group, stream, now, check, local),
+                None => self.ask_service(host, stream, now, check, local),
+            },
         }
     }
 
@@ -284,8 +289,8 @@ impl Worker {
     pub fn on_stream_end(&self, stream: &Stream) {
         let id = stream.context_id;
         self.decided_headers.borrow_mut().remove(&id);
-        if let Some(batcher) = &self.batcher {
-            if let Ok(mut b) = batcher.try_borrow_mut() {
+        if let Some(group) = &self.group {
+            if let Ok(mut b) = group.batcher.try_borrow_mut() {
                 let _ = b.withdraw(|q| q.context_id == id);
             }
         }
@@ -336,14 +341,13 @@ impl Worker {
     fn enqueue(
         &self,
         host: &impl Host,
+        group: &Group,
         stream: &mut Stream,
         now: u64,
         check: Check,
         local: Option<CheckResult>,
     ) -> Step {
-        let (Some(batcher), Some(queue)) = (self.batcher.as_ref(), self.wake_queue) else {
-            return self.ask_service(host, stream, now, check, local);
-        };
+        let batcher = &group.batcher;
         let queued = Queued {
             context_id: stream.context_id,
             check,
@@ -353,7 +357,7 @@ impl Worker {
         match outcome {
             Enqueued::Wait => Step::Pause,
             Enqueued::Wake => {
-                if host.enqueue(queue) {
+                if host.enqueue(group.wake_queue) {
                     return Step::Pause;
                 }
                 // The root cannot be woken: call for this check ourselves.
@@ -386,9 +390,10 @@ impl Worker {
     /// Sends every batch that is due, as the root (the calls outlive any
     /// one stream).
     fn flush(&self, host: &impl Host, now: u64) {
-        let Some(batcher) = self.batcher.as_ref() else {
+        let Some(group) = &self.group else {
             return;
         };
+        let batcher = &group.batcher;
         loop {
             let Some(batch) = batcher.borrow_mut().take_batch(now) else {
                 return;

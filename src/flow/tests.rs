@@ -6,6 +6,41 @@ use crate::host::fake::{Acted, FakeHost, FakeRequest};
 
 const ROOT: u32 = 1;
 
+/// Every log line of every test (tests run in parallel: look for lines
+/// naming your own subject or configuration).
+static LOGGED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+struct CaptureLog;
+
+impl log::Log for CaptureLog {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        if let Ok(mut lines) = LOGGED.lock() {
+            lines.push(format!("{} {}", record.level(), record.args()));
+        }
+    }
+    fn flush(&self) {}
+}
+
+fn capture_logs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = log::set_logger(&CaptureLog);
+        log::set_max_level(log::LevelFilter::Trace);
+    });
+}
+
+/// Whether a line containing every one of `parts` was logged.
+fn logged(parts: &[&str]) -> bool {
+    LOGGED
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|l| parts.iter().all(|p| l.contains(p)))
+}
+
 /// A worker on a fake host, with helpers to drive requests through it.
 struct Harness {
     host: FakeHost,
@@ -29,6 +64,7 @@ fn config(extra: &str) -> Config {
 }
 
 fn harness_with(config: Config) -> Harness {
+    capture_logs();
     let host = FakeHost::default();
     host.context.set(ROOT);
     let worker = Worker::new(&host, config, ROOT);
@@ -804,4 +840,178 @@ fn every_stat_is_defined_at_configure() {
             stat.def().name
         );
     }
+}
+
+// ---- the rest of the branches ----
+
+#[test]
+fn an_answer_for_a_call_never_sent_is_ignored() {
+    let h = harness("");
+    h.answer_batch(42, Some(200), &answer(&[result(true, 1)]));
+    assert!(h.host.take_acted().is_empty());
+    assert_eq!(h.stat("requests_allowed"), 0);
+}
+
+#[test]
+fn without_a_deny_cache_every_request_calls() {
+    let mut h = harness(&format!(r#""deny_cache": {{"slots": 0}}, {ONE_CALL}"#));
+    for _ in 0..2 {
+        let (mut s, step) = h.request("a");
+        assert_eq!(step, Step::Pause);
+        let step = h.answer_own(&mut s, Some(200), &answer(&[result(false, 0)]));
+        assert_eq!(reply_status(&step), Some(429));
+    }
+    assert_eq!(h.calls(), 2);
+    assert_eq!(h.stat("deny_cache_hits"), 0);
+}
+
+#[test]
+fn broken_shared_data_admits_uncounted_and_says_so() {
+    let mut h = harness(ONE_CALL);
+    h.host.store.broken.set(true);
+    h.host.dispatch_fails.set(true);
+    for _ in 0..30 {
+        assert_eq!(h.request("a").1, Step::Continue);
+    }
+    assert_eq!(h.stat("fallback_uncounted"), 30);
+    assert_eq!(h.stat("fallback_allowed"), 30);
+    assert!(logged(&[
+        "could not connect to meshlimitd",
+        "deciding by failure_mode Local"
+    ]));
+}
+
+#[test]
+fn stats_the_host_refuses_are_skipped() {
+    let host = FakeHost::default();
+    host.metrics_refused.set(true);
+    let worker = Worker::new(&host, config(ONE_CALL), ROOT);
+    *host.request.borrow_mut() = FakeRequest::default()
+        .with_header(":path", b"/api/x")
+        .with_header("x-api-key", b"a");
+    let mut s = worker.stream(3);
+    assert_eq!(worker.on_request_headers(&host, &mut s), Step::Pause);
+    host.respond(Some(200), &answer(&[result(true, 1)]));
+    assert_eq!(worker.on_call_answer(&host, &mut s, 1, 10), Step::Continue);
+    assert!(!host.take_hostcalls().contains(&"increment_metric"));
+    assert!(logged(&["cannot define stat meshlimit.requests_allowed"]));
+}
+
+#[test]
+fn a_reply_that_cannot_be_sent_is_logged() {
+    let mut h = harness("");
+    h.host.reply_fails.set(true);
+    let (_, step) = h.request("");
+    assert!(!perform(&h.host, step, false));
+    assert!(logged(&["cannot send the 401 response"]));
+    assert!(perform(&h.host, Step::Continue, false));
+    assert!(
+        h.host.take_acted().is_empty(),
+        "not paused: nothing to resume"
+    );
+}
+
+#[test]
+fn methods_are_read_only_when_a_rule_matches_on_them() {
+    let h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"]}, "group_commit": {"enabled": false},
+                "rules": [{"name": "writes", "match": {"methods": ["POST"]},
+                           "limits": [{"name": "m", "requests": 5, "window": "60s"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    h.host
+        .request
+        .borrow_mut()
+        .headers
+        .push((":method".into(), b"GET".to_vec()));
+    h.host.take_hostcalls();
+    let mut s = h.worker.stream(5);
+    assert_eq!(
+        h.worker.on_request_headers(&h.host, &mut s),
+        Step::Continue,
+        "a GET matches no rule"
+    );
+    assert_eq!(h.host.take_hostcalls(), ["get_header", "get_header"]);
+    *h.host.request.borrow_mut() = FakeRequest::default()
+        .with_header(":method", b"POST")
+        .with_header(":path", b"/")
+        .with_header("x-api-key", b"a");
+    assert_eq!(h.worker.on_request_headers(&h.host, &mut s), Step::Pause);
+}
+
+#[test]
+fn an_open_breaker_with_failure_mode_deny_denies_without_a_call() {
+    let mut h = harness(&format!(
+        r#""failure_mode": "deny", "breaker": {{"failures": 1}}, {ONE_CALL}"#
+    ));
+    let (mut s, _) = h.request("a");
+    h.answer_own(&mut s, None, "");
+    assert_eq!(h.stat("breaker_opened"), 1);
+    let (_, step) = h.request("a");
+    let Step::Reply(r) = step else {
+        panic!("expected the configured deny")
+    };
+    assert_eq!(header(&r.headers, "retry-after"), Some("1"));
+    assert_eq!(h.calls(), 1);
+    assert!(logged(&["breaker open", "deciding by failure_mode Deny"]));
+    // The fallback's line is written once per interval: the first failure's.
+    assert!(logged(&[
+        "could not connect to meshlimitd; deciding by failure_mode Deny",
+        "this one: denied"
+    ]));
+}
+
+#[test]
+fn without_group_commit_waking_and_ending_do_nothing() {
+    let mut h = harness(ONE_CALL);
+    let (s, _) = h.request("a");
+    h.wake();
+    h.worker.on_stream_end(&s);
+    assert_eq!(h.calls(), 1);
+    assert!(logged(&["group commit off"]));
+    harness("");
+    assert!(logged(&["configured 1 rule(s)", "group commit on"]));
+}
+
+/// Local and global rules: the global answer is combined with the local
+/// decision in the headers; with `failure_mode: allow` only the local
+/// statuses remain.
+#[test]
+fn local_and_global_results_are_reported_together() {
+    let both = |extra: &str| {
+        crate::config::parse(
+            format!(
+                r#"{{{extra} "client_id": {{"headers": ["x-api-key"]}}, "group_commit": {{"enabled": false}}, "rules": [
+                  {{"name": "edge", "scope": "local", "limits": [{{"name": "s", "requests": 5, "window": "1s"}}]}},
+                  {{"name": "api", "limits": [{{"name": "per-minute", "requests": 20, "window": "60s"}}]}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    };
+    let mut h = harness_with(both(""));
+    let (mut s, _) = h.request("a");
+    let body = h.last_call_body();
+    assert_eq!(body["checks"][0]["limits"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        h.answer_own(&mut s, Some(200), &answer(&[result(true, 1)])),
+        Step::Continue
+    );
+    h.worker.on_response_headers(&h.host, &mut s);
+    let added = h.host.response_headers.borrow().clone();
+    assert!(added.iter().any(|(_, k, v)| k == "ratelimit-policy"
+        && v == "\"edge/s\";q=5;w=1, \"api/per-minute\";q=20;w=60"));
+    assert!(added
+        .iter()
+        .any(|(_, k, v)| k == "ratelimit" && v == "\"api/per-minute\";r=1;t=30"));
+    let mut h = harness_with(both(r#""failure_mode": "allow","#));
+    let (mut s, _) = h.request("a");
+    assert_eq!(h.answer_own(&mut s, None, ""), Step::Continue);
+    h.worker.on_response_headers(&h.host, &mut s);
+    let added = h.host.response_headers.borrow().clone();
+    assert!(added
+        .iter()
+        .any(|(_, k, v)| k == "ratelimit" && v == "\"edge/s\";r=4;t=1"));
 }

@@ -41,12 +41,12 @@ impl RequestView for FakeRequest {
 pub struct FakeStore {
     pub data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
     pub conflicts_left: RefCell<u32>,
-    pub broken: bool,
+    pub broken: Cell<bool>,
 }
 
 impl SharedStore for FakeStore {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
-        if self.broken {
+        if self.broken.get() {
             return Err(StoreError::Failed);
         }
         Ok(match self.data.borrow().get(key) {
@@ -55,7 +55,7 @@ impl SharedStore for FakeStore {
         })
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        if self.broken {
+        if self.broken.get() {
             return Err(StoreError::Failed);
         }
         let mut left = self.conflicts_left.borrow_mut();
@@ -119,6 +119,10 @@ pub struct FakeHost {
     pub dispatch_fails: Cell<bool>,
     /// When set, the wake-up queue cannot be registered or written.
     pub queue_fails: Cell<bool>,
+    /// When set, the host refuses to define stats.
+    pub metrics_refused: Cell<bool>,
+    /// When set, local replies cannot be sent.
+    pub reply_fails: Cell<bool>,
     pub wakes: Cell<u32>,
     /// The response of the call being answered.
     pub response: RefCell<CallResponse>,
@@ -141,6 +145,8 @@ impl Default for FakeHost {
             sent: RefCell::default(),
             dispatch_fails: Cell::new(false),
             queue_fails: Cell::new(false),
+            metrics_refused: Cell::new(false),
+            reply_fails: Cell::new(false),
             wakes: Cell::new(0),
             response: RefCell::default(),
             acted: RefCell::default(),
@@ -219,6 +225,9 @@ impl Host for FakeHost {
 
     fn define_metric(&self, kind: MetricKind, name: &str) -> Option<u32> {
         self.hostcall("define_metric");
+        if self.metrics_refused.get() {
+            return None;
+        }
         let mut metrics = self.metrics.borrow_mut();
         metrics.push((name.to_string(), kind, 0));
         u32::try_from(metrics.len() - 1).ok()
@@ -303,6 +312,9 @@ impl Host for FakeHost {
 
     fn send_reply(&self, reply: &DenyResponse) -> bool {
         self.hostcall("send_http_response");
+        if self.reply_fails.get() {
+            return false;
+        }
         self.acted
             .borrow_mut()
             .push(Acted::Replied(self.context.get(), reply.clone()));

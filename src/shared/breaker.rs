@@ -243,7 +243,7 @@ mod tests {
     #[test]
     fn broken_shared_data_keeps_calling() {
         let s = FakeStore {
-            broken: true,
+            broken: std::cell::Cell::new(true),
             ..FakeStore::default()
         };
         let b = breaker(&s);

@@ -372,7 +372,7 @@ mod tests {
         let d = l.check(&s, "a", &applied(&[&m]), 0);
         assert!(d.result.allowed && d.degraded);
         let broken = FakeStore {
-            broken: true,
+            broken: std::cell::Cell::new(true),
             ..FakeStore::default()
         };
         assert!(l.check(&broken, "a", &applied(&[&m]), 0).degraded);
