@@ -99,15 +99,17 @@ impl LocalLimiter {
         limits: &[Applied],
         now_ms: u64,
     ) -> Result<CheckResult, StoreError> {
-        struct Pending {
+        /// One shared-data key this check reads and may write. Limits whose
+        /// entries share a key update the same copy and write it once: two
+        /// writes with one CAS token would make the second fail, and the
+        /// retry would charge the first limit again.
+        struct Slot {
             key: String,
             cas: Option<u32>,
             entries: [Entry; WAYS],
-            way: usize,
-            updated: Entry,
-            fits: bool,
+            charged: bool,
         }
-        let mut pending = Vec::with_capacity(limits.len());
+        let mut slots: Vec<Slot> = Vec::with_capacity(limits.len());
         let mut statuses = Vec::with_capacity(limits.len());
         let mut allowed = true;
         for applied in limits {
@@ -120,9 +122,23 @@ impl LocalLimiter {
                 subject,
             );
             let key = keys::fallback_slot(store::slot(fingerprint, self.slots));
-            let (bytes, cas) = store.get(&key)?;
-            let entries = decode(bytes.as_deref());
-            let (way, current) = find_or_evict(&entries, fingerprint);
+            let index = match slots.iter().position(|s| s.key == key) {
+                Some(index) => index,
+                None => {
+                    let (bytes, cas) = store.get(&key)?;
+                    slots.push(Slot {
+                        key,
+                        cas,
+                        entries: decode(bytes.as_deref()),
+                        charged: false,
+                    });
+                    slots.len() - 1
+                }
+            };
+            let Some(slot) = slots.get_mut(index) else {
+                return Err(StoreError::Failed);
+            };
+            let (way, current) = find_or_evict(&slot.entries, fingerprint);
             let state = if current.fingerprint == fingerprint {
                 current.state
             } else {
@@ -147,28 +163,21 @@ impl LocalLimiter {
                 shadow: applied.shadow,
                 reason: None,
             });
-            pending.push(Pending {
-                key,
-                cas,
-                entries,
-                way,
-                updated: Entry {
-                    fingerprint,
-                    state: outcome.charged,
-                    touched: now_ms.max(1),
-                },
-                fits: outcome.fits,
-            });
+            if outcome.fits {
+                // Written only if the whole check is admitted.
+                if let Some(e) = slot.entries.get_mut(way) {
+                    *e = Entry {
+                        fingerprint,
+                        state: outcome.charged,
+                        touched: now_ms.max(1),
+                    };
+                }
+                slot.charged = true;
+            }
         }
         if allowed {
-            // Two limits may share a slot; the second write then sees a CAS
-            // mismatch and the whole check is retried from fresh reads.
-            for p in pending.into_iter().filter(|p| p.fits) {
-                let mut entries = p.entries;
-                if let Some(e) = entries.get_mut(p.way) {
-                    *e = p.updated;
-                }
-                store.set(&p.key, &encode(&entries), p.cas)?;
+            for slot in slots.iter().filter(|s| s.charged) {
+                store.set(&slot.key, &encode(&slot.entries), slot.cas)?;
             }
         } else {
             // A denied request is charged nowhere: report the limits that
@@ -394,6 +403,21 @@ mod tests {
         }
         // The most recent client is still remembered.
         assert!(!l.check(&s, "c9", &a, 200).result.allowed);
+    }
+
+    /// Two limits whose entries share a slot are charged once each: the
+    /// second write must not fail on the first one's CAS token and retry
+    /// the whole check (which charged the first limit again, up to
+    /// MAX_CAS_RETRIES times).
+    #[test]
+    fn limits_sharing_a_slot_are_charged_once() {
+        let (l, s) = (LocalLimiter::new(1, (1, 2)), FakeStore::default());
+        let minute = limit("m", 100, 60_000);
+        let big = limit("b", 1000, 60_000);
+        assert_eq!(admitted(&l, &s, "a", &[&minute, &big], 300, 0), 100);
+        let d = l.check(&s, "a", &applied(&[&big]), 0);
+        assert_eq!(d.result.limits[0].remaining, 899, "big was charged 100 times");
+        assert!(!d.degraded);
     }
 
     #[test]
