@@ -99,6 +99,11 @@ impl<S: SharedStore> Breaker<'_, S> {
                         Transition::None
                     },
                 )
+            } else if state.open_until_ms != 0 && now_ms < state.open_until_ms {
+                // A call that was in flight when the breaker opened: it says
+                // nothing new. Only a failed probe (after the interval)
+                // reopens it, for twice as long.
+                return Ok(Transition::None);
             } else {
                 let failures = state.consecutive_failures.saturating_add(1);
                 let open_now = state.open_until_ms != 0 || failures >= self.config.failures;
@@ -114,13 +119,7 @@ impl<S: SharedStore> Breaker<'_, S> {
                             next_open_ms: (for_ms * 2).min(self.config.max_open_ms),
                             probe_until_ms: 0,
                         },
-                        // A failure that lands while already open (a call
-                        // that was in flight) only extends it.
-                        if state.open_until_ms == 0 || now_ms >= state.open_until_ms {
-                            Transition::Opened { for_ms }
-                        } else {
-                            Transition::None
-                        },
+                        Transition::Opened { for_ms },
                     )
                 } else {
                     (
@@ -224,6 +223,33 @@ mod tests {
             }
         }
         assert_eq!(intervals, [500, 1_000, 1_000, 1_000, 1_000]);
+    }
+
+    /// Calls that were in flight when the breaker opened fail one after
+    /// the other: they say nothing new, so the breaker stays open for
+    /// `open`, not twice as long per late failure (up to `max_open`).
+    #[test]
+    fn late_failures_while_open_neither_extend_nor_double_it() {
+        let s = FakeStore::default();
+        let b = Breaker {
+            config: BreakerConfig {
+                failures: 5,
+                open_ms: 250,
+                max_open_ms: 2_000,
+            },
+            store: &s,
+        };
+        let mut opened = Vec::new();
+        for i in 0..8 {
+            if let Transition::Opened { for_ms } = b.record(false, 100 + i) {
+                opened.push(for_ms);
+            }
+        }
+        assert_eq!(opened, [250]);
+        assert_eq!(b.gate(349, 20), Gate::Skip);
+        assert_eq!(b.gate(354, 20), Gate::Probe, "open for 250 ms from the 5th failure");
+        // The probe fails: now it doubles.
+        assert_eq!(b.record(false, 360), Transition::Opened { for_ms: 500 });
     }
 
     #[test]
