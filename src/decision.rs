@@ -307,7 +307,7 @@ pub fn cached_deny<S: SharedStore>(
         .iter()
         .filter(|a| !a.shadow && a.cost == 1)
         .find_map(|a| {
-            let until = cache.denied_until(&check.subject, &a.limit.qualified_name, now_ms)?;
+            let until = cache.denied_until(&check.subject, &a.limit, now_ms)?;
             let wait = until - now_ms;
             let result = CheckResult {
                 allowed: false,
@@ -346,7 +346,7 @@ pub fn remember_denials<S: SharedStore>(
         {
             evicted += usize::from(cache.remember(
                 &check.subject,
-                &a.limit.qualified_name,
+                &a.limit,
                 now_ms + status.retry_after_ms,
                 now_ms,
             ));

@@ -135,7 +135,7 @@ pub enum Cost {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LimitConfig {
     pub name: String,
     /// `rule/limit`: the limit's identity in keys, headers and logs.

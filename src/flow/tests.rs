@@ -1015,3 +1015,34 @@ fn local_and_global_results_are_reported_together() {
         .iter()
         .any(|(_, k, v)| k == "ratelimit" && v == "\"edge/s\";r=4;t=1"));
 }
+
+/// Shared data outlives a configuration push (same `vm_id`): a deny cached
+/// under the old limit must not deny under the new one.
+#[test]
+fn a_cached_deny_does_not_outlive_a_changed_limit() {
+    let one_per_hour = |requests: u64| {
+        crate::config::parse(
+            format!(
+                r#"{{"client_id": {{"headers": ["x-api-key"]}}, "group_commit": {{"enabled": false}},
+                    "rules": [{{"name": "api", "limits": [{{"name": "hourly", "requests": {requests}, "window": "1h"}}]}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    };
+    let mut h = harness_with(one_per_hour(1));
+    let (mut s, _) = h.request_to("/", "a");
+    let denied = r#"{"results":[{"allowed":false,"limits":[{"allowed":false,"limit":1,"remaining":0,"reset_after_ms":3000000,"retry_after_ms":3000000}]}]}"#;
+    h.answer_own(&mut s, Some(200), denied);
+    assert!(matches!(h.request_to("/", "a").1, Step::Reply(_)), "cached");
+    // The operator raises the limit; the new worker shares the old data.
+    let raised = Worker::new(&h.host, one_per_hour(100), ROOT);
+    h.worker = raised;
+    let calls = h.calls();
+    assert_eq!(
+        h.request_to("/", "a").1,
+        Step::Pause,
+        "decided by meshlimitd"
+    );
+    assert_eq!(h.calls(), calls + 1);
+}

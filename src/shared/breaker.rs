@@ -247,7 +247,11 @@ mod tests {
         }
         assert_eq!(opened, [250]);
         assert_eq!(b.gate(349, 20), Gate::Skip);
-        assert_eq!(b.gate(354, 20), Gate::Probe, "open for 250 ms from the 5th failure");
+        assert_eq!(
+            b.gate(354, 20),
+            Gate::Probe,
+            "open for 250 ms from the 5th failure"
+        );
         // The probe fails: now it doubles.
         assert_eq!(b.record(false, 360), Transition::Opened { for_ms: 500 });
     }

@@ -9,6 +9,7 @@
 
 use super::keys;
 use super::store::{self, le_word, le_words, Purpose, SharedStore};
+use crate::config::LimitConfig;
 
 #[derive(Debug, Clone, Copy)]
 pub struct DenyCache<'a, S: SharedStore> {
@@ -19,7 +20,7 @@ pub struct DenyCache<'a, S: SharedStore> {
 
 impl<S: SharedStore> DenyCache<'_, S> {
     /// Until when `subject` is known to be denied on `limit`, if it is.
-    pub fn denied_until(&self, subject: &str, limit: &str, now_ms: u64) -> Option<u64> {
+    pub fn denied_until(&self, subject: &str, limit: &LimitConfig, now_ms: u64) -> Option<u64> {
         let fp = self.fingerprint(subject, limit);
         let (bytes, _) = self.store.get(&self.key(fp)).ok()?;
         let bytes = bytes?;
@@ -30,7 +31,7 @@ impl<S: SharedStore> DenyCache<'_, S> {
     /// Remembers that `subject` is denied on `limit` until `until_ms`.
     /// Returns true when that evicted another subject's live entry: many
     /// evictions mean the cache is too small for the abusers at hand.
-    pub fn remember(&self, subject: &str, limit: &str, until_ms: u64, now_ms: u64) -> bool {
+    pub fn remember(&self, subject: &str, limit: &LimitConfig, until_ms: u64, now_ms: u64) -> bool {
         let fp = self.fingerprint(subject, limit);
         let key = self.key(fp);
         let evicted = match self.store.get(&key) {
@@ -48,8 +49,10 @@ impl<S: SharedStore> DenyCache<'_, S> {
         keys::deny_slot(store::slot(fp, self.slots))
     }
 
-    fn fingerprint(&self, subject: &str, limit: &str) -> u64 {
-        store::fingerprint(self.seed, Purpose::DenyCache, limit, 0, subject)
+    /// Covers the limit's definition: a deny cached under one limit never
+    /// denies under a changed one (shared data outlives a config push).
+    fn fingerprint(&self, subject: &str, limit: &LimitConfig) -> u64 {
+        store::fingerprint(self.seed, Purpose::DenyCache, limit, subject)
     }
 }
 
@@ -57,6 +60,15 @@ impl<S: SharedStore> DenyCache<'_, S> {
 mod tests {
     use super::*;
     use crate::host::fake::FakeStore;
+    use crate::testing;
+
+    fn m() -> LimitConfig {
+        testing::limit("api/m", 10, 60_000)
+    }
+
+    fn h() -> LimitConfig {
+        testing::limit("api/h", 10, 3_600_000)
+    }
 
     #[test]
     fn remembers_until_the_deadline() {
@@ -66,12 +78,12 @@ mod tests {
             seed: (1, 2),
             store: &s,
         };
-        assert_eq!(c.denied_until("a", "api/m", 0), None);
-        assert!(!c.remember("a", "api/m", 5_000, 0));
-        assert_eq!(c.denied_until("a", "api/m", 4_999), Some(5_000));
-        assert_eq!(c.denied_until("a", "api/m", 5_000), None);
-        assert_eq!(c.denied_until("a", "api/h", 10), None, "per limit");
-        assert_eq!(c.denied_until("b", "api/m", 10), None, "per subject");
+        assert_eq!(c.denied_until("a", &m(), 0), None);
+        assert!(!c.remember("a", &m(), 5_000, 0));
+        assert_eq!(c.denied_until("a", &m(), 4_999), Some(5_000));
+        assert_eq!(c.denied_until("a", &m(), 5_000), None);
+        assert_eq!(c.denied_until("a", &h(), 10), None, "per limit");
+        assert_eq!(c.denied_until("b", &m(), 10), None, "per subject");
     }
 
     #[test]
@@ -83,21 +95,35 @@ mod tests {
             seed: (1, 2),
             store: &s,
         };
-        c.remember("abuser", "api/m", 9_000, 0);
-        assert_eq!(c.denied_until("innocent", "api/m", 10), None);
+        c.remember("abuser", &m(), 9_000, 0);
+        assert_eq!(c.denied_until("innocent", &m(), 10), None);
         assert!(
-            c.remember("other", "api/m", 9_000, 10),
+            c.remember("other", &m(), 9_000, 10),
             "a live entry was evicted"
         );
         assert!(
-            !c.remember("late", "api/m", 20_000, 9_500),
+            !c.remember("late", &m(), 20_000, 9_500),
             "an expired one is not"
         );
         assert_eq!(
-            c.denied_until("abuser", "api/m", 10),
+            c.denied_until("abuser", &m(), 10),
             None,
             "evicted: a call, not a deny"
         );
+    }
+
+    #[test]
+    fn a_changed_limit_is_not_denied_by_the_old_entry() {
+        let s = FakeStore::default();
+        let c = DenyCache {
+            slots: 64,
+            seed: (1, 2),
+            store: &s,
+        };
+        c.remember("a", &m(), 5_000, 0);
+        let raised = testing::limit("api/m", 100, 60_000);
+        assert_eq!(c.denied_until("a", &raised, 10), None);
+        assert_eq!(c.denied_until("a", &m(), 10), Some(5_000));
     }
 
     #[test]
@@ -109,7 +135,7 @@ mod tests {
             store: &s,
         };
         for i in 0..10_000 {
-            c.remember(&format!("c{i}"), "api/m", 1_000, 0);
+            c.remember(&format!("c{i}"), &m(), 1_000, 0);
         }
         assert!(s.data.borrow().len() <= 32);
     }

@@ -114,13 +114,7 @@ impl LocalLimiter {
         let mut allowed = true;
         for applied in limits {
             let limit = &applied.limit;
-            let fingerprint = store::fingerprint(
-                self.seed,
-                Purpose::Fallback,
-                &limit.qualified_name,
-                limit.window_ms,
-                subject,
-            );
+            let fingerprint = store::fingerprint(self.seed, Purpose::Fallback, &**limit, subject);
             let key = keys::fallback_slot(store::slot(fingerprint, self.slots));
             let index = match slots.iter().position(|s| s.key == key) {
                 Some(index) => index,
@@ -416,7 +410,10 @@ mod tests {
         let big = limit("b", 1000, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&minute, &big], 300, 0), 100);
         let d = l.check(&s, "a", &applied(&[&big]), 0);
-        assert_eq!(d.result.limits[0].remaining, 899, "big was charged 100 times");
+        assert_eq!(
+            d.result.limits[0].remaining, 899,
+            "big was charged 100 times"
+        );
         assert!(!d.degraded);
     }
 

@@ -70,19 +70,20 @@ pub(crate) enum Purpose {
 /// A keyed 64-bit fingerprint of a subject on a limit. Keyed with the
 /// per-Envoy random seed so that a client cannot craft ids that collide
 /// with a victim's; users store the full fingerprint and compare it, so a
-/// slot collision is seen, never mistaken for the other subject.
+/// slot collision is seen, never mistaken for the other subject. `limit` is
+/// the limit's whole definition (name, quota, window, algorithm): shared
+/// data outlives a configuration push, and state kept under an old
+/// definition must not be read under a new one.
 pub(crate) fn fingerprint(
     seed: (u64, u64),
     purpose: Purpose,
-    limit: &str,
-    window_ms: u64,
+    limit: &impl Hash,
     subject: &str,
 ) -> u64 {
     #[allow(deprecated)] // SipHasher is the keyed hash std offers.
     let mut h = std::hash::SipHasher::new_with_keys(seed.0, seed.1);
     purpose.hash(&mut h);
     limit.hash(&mut h);
-    window_ms.hash(&mut h);
     subject.hash(&mut h);
     h.finish()
 }
@@ -128,26 +129,26 @@ mod tests {
 
     #[test]
     fn fingerprints_depend_on_everything_they_cover() {
-        let base = fingerprint((1, 2), Purpose::Fallback, "api/m", 60_000, "a");
+        let base = fingerprint((1, 2), Purpose::Fallback, &("api/m", 60_000), "a");
         assert_ne!(
             base,
-            fingerprint((1, 3), Purpose::Fallback, "api/m", 60_000, "a")
+            fingerprint((1, 3), Purpose::Fallback, &("api/m", 60_000), "a")
         );
         assert_ne!(
             base,
-            fingerprint((1, 2), Purpose::DenyCache, "api/m", 60_000, "a")
+            fingerprint((1, 2), Purpose::DenyCache, &("api/m", 60_000), "a")
         );
         assert_ne!(
             base,
-            fingerprint((1, 2), Purpose::Fallback, "api/h", 60_000, "a")
+            fingerprint((1, 2), Purpose::Fallback, &("api/h", 60_000), "a")
         );
         assert_ne!(
             base,
-            fingerprint((1, 2), Purpose::Fallback, "api/m", 1_000, "a")
+            fingerprint((1, 2), Purpose::Fallback, &("api/m", 1_000), "a")
         );
         assert_ne!(
             base,
-            fingerprint((1, 2), Purpose::Fallback, "api/m", 60_000, "b")
+            fingerprint((1, 2), Purpose::Fallback, &("api/m", 60_000), "b")
         );
         assert!(slot(base, 16) < 16);
     }
