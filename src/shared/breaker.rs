@@ -67,12 +67,17 @@ impl<S: SharedStore> Breaker<'_, S> {
             if state.open_until_ms == 0 {
                 return Ok(Gate::Call);
             }
-            if now_ms < state.open_until_ms || now_ms < state.probe_until_ms {
+            // A deadline further off than the longest it can be was set
+            // before the clock stepped back: it is over.
+            let stepped_back = state.open_until_ms > now_ms.saturating_add(self.config.max_open_ms)
+                || state.probe_until_ms > now_ms.saturating_add(2 * call_timeout_ms.max(1));
+            if !stepped_back && (now_ms < state.open_until_ms || now_ms < state.probe_until_ms) {
                 return Ok(Gate::Skip);
             }
             // Half-open: try to be the one probe.
             let next = State {
                 probe_until_ms: now_ms + 2 * call_timeout_ms.max(1),
+                open_until_ms: state.open_until_ms.min(now_ms).max(1),
                 ..state
             };
             self.save(&next, cas).map(|()| Gate::Probe)
@@ -254,6 +259,29 @@ mod tests {
         );
         // The probe fails: now it doubles.
         assert_eq!(b.record(false, 360), Transition::Opened { for_ms: 500 });
+    }
+
+    /// The breaker runs on the wall clock, shared by every worker. When the
+    /// clock steps back, a deadline further away than `max_open` can only
+    /// be from before the step: it must not keep the breaker open that
+    /// long.
+    #[test]
+    fn a_clock_stepping_back_does_not_keep_it_open() {
+        let s = FakeStore::default();
+        let b = breaker(&s);
+        for _ in 0..3 {
+            b.record(false, 10_000_000);
+        }
+        assert_eq!(b.gate(10_000_100, 20), Gate::Skip);
+        // The clock steps back an hour: one probe, as after any interval.
+        let back = 10_000_100 - 3_600_000;
+        assert_eq!(b.gate(back, 20), Gate::Probe);
+        assert_eq!(b.gate(back + 1, 20), Gate::Skip, "only one probe");
+        assert_eq!(
+            b.record(false, back + 5),
+            Transition::Opened { for_ms: 500 }
+        );
+        assert_eq!(b.gate(back + 6, 20), Gate::Skip);
     }
 
     #[test]

@@ -25,7 +25,10 @@ impl<S: SharedStore> DenyCache<'_, S> {
         let (bytes, _) = self.store.get(&self.key(fp)).ok()?;
         let bytes = bytes?;
         let (stored, until) = (le_word(&bytes, 0)?, le_word(&bytes, 1)?);
-        (stored == fp && until > now_ms).then_some(until)
+        // No deny lasts longer than the limit's window: a deadline further
+        // off was set before the wall clock stepped back.
+        let plausible = until <= now_ms.saturating_add(limit.window_ms);
+        (stored == fp && until > now_ms && plausible).then_some(until)
     }
 
     /// Remembers that `subject` is denied on `limit` until `until_ms`.
@@ -124,6 +127,19 @@ mod tests {
         let raised = testing::limit("api/m", 100, 60_000);
         assert_eq!(c.denied_until("a", &raised, 10), None);
         assert_eq!(c.denied_until("a", &m(), 10), Some(5_000));
+    }
+
+    #[test]
+    fn a_clock_stepping_back_does_not_extend_a_deny() {
+        let s = FakeStore::default();
+        let c = DenyCache {
+            slots: 64,
+            seed: (1, 2),
+            store: &s,
+        };
+        c.remember("a", &m(), 10_050_000, 10_000_000);
+        assert_eq!(c.denied_until("a", &m(), 10_000_000), Some(10_050_000));
+        assert_eq!(c.denied_until("a", &m(), 10_000_000 - 3_600_000), None);
     }
 
     #[test]
