@@ -7,6 +7,9 @@
   CRD): a misspelt, unknown or mistyped field fails.
 - Every pluginConfig is accepted by the filter's own parser, and points at
   the meshlimitd Service that deploy/kubernetes defines.
+- The AuthorizationPolicy is checked against security.istio.io/v1
+  (AUTHZ_SPEC below) and must select meshlimitd's pods; the NetworkPolicies
+  must select the pods they protect.
 - The Dockerfiles pass hadolint.
 """
 
@@ -34,7 +37,9 @@ def docs(pattern):
 
 
 K8S = docs("deploy/kubernetes/*.yaml")
-WASMPLUGINS = docs("deploy/istio/*.yaml")
+ISTIO = docs("deploy/istio/*.yaml")
+WASMPLUGINS = [(p, d) for p, d in ISTIO if d["kind"] == "WasmPlugin"]
+AUTHZ = [(p, d) for p, d in ISTIO if d["kind"] == "AuthorizationPolicy"]
 
 
 @pytest.mark.parametrize("path,doc", K8S, ids=[f"{p}:{d['kind']}/{d['metadata']['name']}" for p, d in K8S])
@@ -192,3 +197,49 @@ def test_alert_rules_pass_promtool():
     out = subprocess.run(["promtool", "check", "rules", rules], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
+
+
+# security.istio.io/v1 AuthorizationPolicy spec (Istio 1.27 CRD), the part
+# meshlimit uses; unknown fields are errors.
+OPERATION = {"hosts": [str], "notHosts": [str], "ports": [str], "notPorts": [str],
+             "methods": [str], "notMethods": [str], "paths": [str], "notPaths": [str]}
+SOURCE = {"principals": [str], "notPrincipals": [str], "requestPrincipals": [str],
+          "notRequestPrincipals": [str], "namespaces": [str], "notNamespaces": [str],
+          "ipBlocks": [str], "notIpBlocks": [str], "remoteIpBlocks": [str], "notRemoteIpBlocks": [str]}
+AUTHZ_SPEC = {
+    "selector": {"matchLabels": {str: str}},
+    "targetRefs": [{"group": str, "kind": str, "name": str, "namespace": str}],
+    "action": {"ALLOW", "DENY", "AUDIT", "CUSTOM"},
+    "provider": {"name": str},
+    "rules": [{
+        "from": [{"source": SOURCE}],
+        "to": [{"operation": OPERATION}],
+        "when": [{"key": str, "values": [str], "notValues": [str]}],
+    }],
+}
+
+
+@pytest.mark.parametrize("path,doc", AUTHZ, ids=[p for p, _ in AUTHZ])
+def test_authorization_policy_matches_the_istio_api_and_guards_meshlimitd(path, doc):
+    assert doc["apiVersion"] == "security.istio.io/v1"
+    problems = check(doc["spec"], AUTHZ_SPEC, "spec")
+    assert not problems, "\n".join(problems)
+    pods = find("Deployment", "meshlimitd")["spec"]["template"]["metadata"]["labels"]
+    assert doc["metadata"]["namespace"] == find("Deployment", "meshlimitd")["metadata"]["namespace"]
+    assert doc["spec"]["selector"]["matchLabels"].items() <= pods.items()
+    (check_rule,) = [r for r in doc["spec"]["rules"] if "/v1/check" in r["to"][0]["operation"]["paths"]]
+    assert check_rule["from"][0]["source"]["principals"], "the check API needs an identity"
+    open_rules = [r for r in doc["spec"]["rules"] if "from" not in r]
+    assert all("/v1/check" not in r["to"][0]["operation"]["paths"] for r in open_rules)
+
+
+def test_network_policies_select_the_pods_they_protect():
+    for name, deployment in [("meshlimitd-ingress", "meshlimitd"), ("redis-ingress", "redis")]:
+        policy = find("NetworkPolicy", name)
+        target = next(d for _, d in K8S if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == deployment)
+        labels = target["spec"]["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items(), name
+    # Redis admits meshlimitd's pods.
+    meshlimitd = find("Deployment", "meshlimitd")["spec"]["template"]["metadata"]["labels"]
+    (rule,) = find("NetworkPolicy", "redis-ingress")["spec"]["ingress"]
+    assert rule["from"][0]["podSelector"]["matchLabels"].items() <= meshlimitd.items()
