@@ -4,8 +4,11 @@
 //! `qry:<parameter>:`, `ip:`, `anon`) so that an API key that happens to
 //! look like an IP address, or the same value sent in two different headers,
 //! can never share a counter with something else. The value itself is
-//! untrusted and passed on verbatim (or hex-encoded when it is not UTF-8);
-//! `meshlimitd` makes it safe for keys.
+//! untrusted: passed on verbatim (or hex-encoded when it is not UTF-8) while
+//! the subject stays within [`MAX_PLAIN_SUBJECT`] bytes, else replaced by
+//! its SHA-256 under a prefix of its own, so an id of any length or bytes is
+//! just an id and what leaves the filter stays small; `meshlimitd` makes
+//! it safe for keys.
 
 use crate::config::{ClientIdConfig, WhenMissing};
 use crate::host::RequestView;
@@ -20,6 +23,9 @@ pub enum Identity {
 
 /// Subject shared by every anonymous request.
 pub const ANONYMOUS: &str = "anon";
+
+/// Longest subject passed on as it is; a longer one is a digest.
+pub const MAX_PLAIN_SUBJECT: usize = 256;
 
 /// Identifies the request; `path` is its `:path` (for query parameters).
 pub fn identify(cfg: &ClientIdConfig, req: &impl RequestView, path: &str) -> Identity {
@@ -39,7 +45,7 @@ pub fn identify(cfg: &ClientIdConfig, req: &impl RequestView, path: &str) -> Ide
         WhenMissing::Reject => Identity::Reject,
         WhenMissing::Anonymous => Identity::Subject(ANONYMOUS.to_string()),
         WhenMissing::ClientAddress => Identity::Subject(match client_address(cfg, req) {
-            Some(addr) => format!("ip:{addr}"),
+            Some(addr) => address_subject(&addr, cfg.ipv6_prefix),
             // No address at all (a host that hides it): one shared bucket is
             // the only bounded answer.
             None => ANONYMOUS.to_string(),
@@ -47,25 +53,64 @@ pub fn identify(cfg: &ClientIdConfig, req: &impl RequestView, path: &str) -> Ide
     }
 }
 
+/// `ip:<address>`: IPv4 (IPv4-mapped IPv6 too) per address, IPv6 per
+/// network of `ipv6_prefix` bits (`ip:2001:db8:1:2::/64`), since one IPv6
+/// client holds a whole /64 or more. Text that is no address is kept as it
+/// is (a digest when long).
+fn address_subject(addr: &str, ipv6_prefix: u8) -> String {
+    use std::net::IpAddr;
+    match addr.parse::<IpAddr>() {
+        Ok(IpAddr::V4(v4)) => format!("ip:{v4}"),
+        Ok(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+            Some(v4) => format!("ip:{v4}"),
+            None if ipv6_prefix >= 128 => format!("ip:{v6}"),
+            None => {
+                let bits = u128::from(v6);
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(ipv6_prefix))
+                    .unwrap_or(0);
+                let network = std::net::Ipv6Addr::from(bits & mask);
+                format!("ip:{network}/{ipv6_prefix}")
+            }
+        },
+        Err(_) if addr.len() <= MAX_ADDRESS_TEXT => format!("ip:{addr}"),
+        Err(_) => format!("ip#:{}", hex(&sha256(addr.as_bytes()))),
+    }
+}
+
+/// Longest address text kept as it is (an IPv6 address with a zone fits).
+const MAX_ADDRESS_TEXT: usize = 64;
+
 /// `<source>:<name>:<value>`, or `<source>x:<name>:<hex>` for a value that
-/// is not UTF-8.
+/// is not UTF-8, or, when that would be longer than [`MAX_PLAIN_SUBJECT`],
+/// `<source>#:<name>:<SHA-256 of the value, hex>`. The three prefixes never
+/// meet (names hold no ':'), so two distinct values never share a subject.
 fn subject(source: &str, name: &str, value: &[u8]) -> String {
-    match std::str::from_utf8(value) {
-        Ok(text) => format!("{source}:{name}:{text}"),
+    let text = std::str::from_utf8(value).ok();
+    let encoded_len = text.map_or(value.len() * 2 + 1, str::len);
+    if source.len() + name.len() + 2 + encoded_len > MAX_PLAIN_SUBJECT {
+        return format!("{source}#:{name}:{}", hex(&sha256(value)));
+    }
+    match text {
+        Some(text) => format!("{source}:{name}:{text}"),
         // Distinct prefix keeps the mapping one-to-one: a UTF-8 value can
         // never render as the hex of another value.
-        Err(_) => {
-            let mut out = String::with_capacity(source.len() + name.len() + 3 + value.len() * 2);
-            out.push_str(source);
-            out.push_str("x:");
-            out.push_str(name);
-            out.push(':');
-            for b in value {
-                out.push_str(&format!("{b:02x}"));
-            }
-            out
-        }
+        None => format!("{source}x:{name}:{}", hex(value)),
     }
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes).into()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(out, "{b:02x}");
+    }
+    out
 }
 
 /// The decoded value of query parameter `name`, when it appears exactly
@@ -97,9 +142,11 @@ fn percent_decode(text: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while let Some(&b) = bytes.get(i) {
+        // Exactly two hex digits: `from_str_radix` alone would read "+1".
         let escaped = (b == b'%')
             .then(|| bytes.get(i + 1..i + 3))
             .flatten()
+            .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
             .and_then(|hex| std::str::from_utf8(hex).ok())
             .and_then(|hex| u8::from_str_radix(hex, 16).ok());
         match escaped {
@@ -128,7 +175,9 @@ fn client_address(cfg: &ClientIdConfig, req: &impl RequestView) -> Option<String
             if hops.len() >= n {
                 if let Some(hop) = hops.get(hops.len() - n) {
                     if !hop.is_empty() {
-                        return Some((*hop).to_string());
+                        // Some proxies write `address:port`: one client,
+                        // whatever its source port.
+                        return Some(strip_port(hop).to_string());
                     }
                 }
             }
@@ -161,6 +210,7 @@ mod tests {
             when_missing,
             trusted_hops,
             reject_status: 401,
+            ipv6_prefix: 128,
         }
     }
 
@@ -227,6 +277,53 @@ mod tests {
     }
 
     #[test]
+    fn forwarded_for_entries_lose_their_ports() {
+        let req = |xff: &[u8]| {
+            FakeRequest::default()
+                .from_source("127.0.0.9:1000")
+                .with_header("x-forwarded-for", xff)
+        };
+        let id = |r| identify(&cfg(&[], WhenMissing::ClientAddress, 1), &r, "/");
+        // One client, whatever source port its proxy wrote down.
+        assert_eq!(id(req(b"1.1.1.1, 2.2.2.2:5555")), subject("ip:2.2.2.2"));
+        assert_eq!(id(req(b"[2001:db8::7]:443")), subject("ip:2001:db8::7"));
+        assert_eq!(id(req(b"2001:db8::7")), subject("ip:2001:db8::7"));
+    }
+
+    /// An IPv6 client holds a /64 (or more): per /128 it could rotate
+    /// through 2^64 addresses, a fresh quota each.
+    #[test]
+    fn ipv6_clients_are_limited_per_prefix() {
+        let mut c = cfg(&[], WhenMissing::ClientAddress, 0);
+        c.ipv6_prefix = 64;
+        let from = |a: &str| identify(&c, &FakeRequest::default().from_source(a), "/");
+        assert_eq!(
+            from("[2001:db8:1:2:aaaa::1]:80"),
+            subject("ip:2001:db8:1:2::/64")
+        );
+        assert_eq!(
+            from("[2001:db8:1:2:bbbb::9]:80"),
+            from("[2001:db8:1:2::5]:1")
+        );
+        assert_ne!(from("[2001:db8:1:3::1]:80"), from("[2001:db8:1:2::1]:80"));
+        // IPv4, and IPv4-mapped IPv6, stay per address.
+        assert_eq!(from("10.0.0.1:80"), subject("ip:10.0.0.1"));
+        assert_eq!(from("[::ffff:10.0.0.1]:80"), subject("ip:10.0.0.1"));
+        c.ipv6_prefix = 48;
+        let from = |a: &str| identify(&c, &FakeRequest::default().from_source(a), "/");
+        assert_eq!(from("[2001:db8:1:2::1]:80"), subject("ip:2001:db8:1::/48"));
+        // Not an address (a broken header): used as it is, still bounded.
+        c.ipv6_prefix = 64;
+        let req = FakeRequest::default()
+            .from_source("127.0.0.9:1000")
+            .with_header("x-forwarded-for", b"not-an-ip");
+        assert_eq!(
+            identify(&cfg(&[], WhenMissing::ClientAddress, 1), &req, "/"),
+            subject("ip:not-an-ip")
+        );
+    }
+
+    #[test]
     fn ports_are_stripped_from_addresses() {
         assert_eq!(strip_port("10.0.0.1:80"), "10.0.0.1");
         assert_eq!(strip_port("[::1]:80"), "::1");
@@ -243,11 +340,26 @@ mod tests {
         // Not UTF-8: hex under its own prefix, never equal to a UTF-8 value.
         assert_eq!(id(&[0xff, 0x01]), subject("hdrx:x-api-key:ff01"));
         assert_ne!(id(&[0xff, 0x01]), id(b"ff01"));
+        // A long id is still an id, reduced to a digest of fixed length
+        // (it used to be passed on whole: 16 KiB then, 66 KB of hex for
+        // 33,000 non-UTF-8 bytes, which meshlimitd refused with the batch).
         let big = vec![b'z'; 16 * 1024];
-        match id(&big) {
-            Identity::Subject(s) => assert_eq!(s.len(), 16 * 1024 + "hdr:x-api-key:".len()),
-            Identity::Reject => panic!("a long id is still an id"),
-        }
+        let Identity::Subject(s) = id(&big) else {
+            panic!("a long id is still an id")
+        };
+        assert_eq!(s.len(), "hdr#:x-api-key:".len() + 64);
+        assert!(s.starts_with("hdr#:x-api-key:"));
+        let Identity::Subject(hostile) = id(&vec![0xff; 33_000]) else {
+            panic!("a long id is still an id")
+        };
+        assert!(hostile.starts_with("hdr#:x-api-key:") && hostile.len() <= MAX_PLAIN_SUBJECT);
+        assert_ne!(id(&big), id(&[b'z'; 16 * 1024 - 1]));
+        // Right at the bound, still plain.
+        let fits = vec![b'k'; MAX_PLAIN_SUBJECT - "hdr:x-api-key:".len()];
+        assert_eq!(
+            id(&fits),
+            subject(&format!("hdr:x-api-key:{}", "k".repeat(fits.len())))
+        );
     }
 
     #[test]
@@ -305,6 +417,15 @@ mod tests {
     }
 
     #[test]
+    fn only_two_hex_digits_make_an_escape() {
+        // `from_str_radix` reads "+1" as 1: "%+1" is not an escape.
+        assert_eq!(percent_decode("%+1"), b"% 1");
+        assert_eq!(percent_decode("%-1"), b"%-1");
+        assert_eq!(percent_decode("%41%4a%4A"), b"AJJ");
+        assert_eq!(percent_decode("%4"), b"%4");
+    }
+
+    #[test]
     fn query_parameters_are_decoded_so_one_key_is_one_client() {
         let c = by_param(&["key"], WhenMissing::Reject);
         let id = |path: &str| identify(&c, &FakeRequest::default(), path);
@@ -339,6 +460,7 @@ mod proptests {
             when_missing: WhenMissing::Reject,
             trusted_hops: 0,
             reject_status: 401,
+            ipv6_prefix: 64,
         }
     }
 

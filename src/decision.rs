@@ -6,7 +6,7 @@
 //! and [`verdict`] turns a result into what the client sees. The order in
 //! which these run is [`crate::flow`]'s business.
 
-use meshlimit_protocol::{CheckResponse, CheckResult, ErrorBody};
+use meshlimit_protocol::{CheckOutcome, CheckResponse, CheckResult, ErrorBody, FailureKind};
 
 use crate::check::{Applied, Check};
 use crate::client_id::{self, Identity};
@@ -159,6 +159,9 @@ pub enum ServiceError {
     BadStatus(u32),
     /// 200 with a body that is not a valid answer to our check.
     BadBody(String),
+    /// meshlimitd decided the batch but refused this one check (it broke
+    /// a rule of the API); the batch's other checks were decided.
+    Refused(String),
 }
 
 impl ServiceError {
@@ -170,6 +173,7 @@ impl ServiceError {
             ServiceError::Unavailable => "unavailable",
             ServiceError::BadStatus(_) => "bad_status",
             ServiceError::BadBody(_) => "bad_body",
+            ServiceError::Refused(_) => "invalid_check",
         }
     }
 }
@@ -182,6 +186,7 @@ impl std::fmt::Display for ServiceError {
             ServiceError::Unavailable => f.write_str("meshlimitd cannot reach Redis (503)"),
             ServiceError::BadStatus(s) => write!(f, "meshlimitd answered status {s}"),
             ServiceError::BadBody(why) => write!(f, "meshlimitd sent an unusable body: {why}"),
+            ServiceError::Refused(why) => write!(f, "meshlimitd refused the check: {why}"),
         }
     }
 }
@@ -202,18 +207,23 @@ pub fn read_answer(
     let mut results = read_batch_answer(status, body, &[expected_limits], timed_out)?;
     results
         .pop()
-        .ok_or_else(|| ServiceError::BadBody("expected exactly one result".into()))
+        .ok_or_else(|| ServiceError::BadBody("expected exactly one result".into()))?
 }
 
-/// Reads the answer to a batch call: one result per check, in order, the
-/// i-th with `expected_limits[i]` limit statuses. Any inconsistency makes
-/// the whole answer unusable.
+/// The answer to each check of a batch call.
+pub type BatchAnswer = Vec<Result<CheckResult, ServiceError>>;
+
+/// Reads the answer to a batch call: one outcome per check, in order, the
+/// i-th decided with `expected_limits[i]` limit statuses, or refused on its
+/// own. A failed call, or an answer that does not fit the batch (too few or
+/// too many results, a result of the wrong shape), fails every check: its
+/// results cannot be matched to checks.
 pub fn read_batch_answer(
     status: Option<u32>,
     body: Option<&[u8]>,
     expected_limits: &[usize],
     timed_out: bool,
-) -> Result<Vec<CheckResult>, ServiceError> {
+) -> Result<BatchAnswer, ServiceError> {
     let body = body.unwrap_or_default();
     match status {
         None if timed_out => return Err(ServiceError::Timeout),
@@ -247,7 +257,18 @@ pub fn read_batch_answer(
             answer.results.len()
         )));
     }
-    for (result, expected) in answer.results.iter().zip(expected_limits) {
+    let mut results = Vec::with_capacity(answer.results.len());
+    for (outcome, expected) in answer.results.into_iter().zip(expected_limits) {
+        let result = match outcome {
+            CheckOutcome::Decided(result) => result,
+            CheckOutcome::Failed(failure) => {
+                results.push(Err(match failure.kind {
+                    FailureKind::Invalid => ServiceError::Refused(failure.error),
+                    FailureKind::Unavailable => ServiceError::Unavailable,
+                }));
+                continue;
+            }
+        };
         if result.limits.len() != *expected {
             return Err(ServiceError::BadBody(format!(
                 "expected {expected} limit statuses, got {}",
@@ -264,8 +285,9 @@ pub fn read_batch_answer(
                 "overall decision contradicts the limits".into(),
             ));
         }
+        results.push(Ok(result));
     }
-    Ok(answer.results)
+    Ok(results)
 }
 
 /// What the client sees for a decided check.
@@ -555,13 +577,24 @@ mod tests {
         ));
     }
 
+    /// Rolling upgrades: a newer meshlimitd may add optional fields; an
+    /// older filter reads the answer as before (it used to refuse it, and
+    /// every check fell back until the filter was upgraded too).
+    #[test]
+    fn answers_from_a_newer_meshlimitd_are_read() {
+        let newer = r#"{"results":[{"allowed":true,"lease":{"units":5},"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":500,"retry_after_ms":0,"tokens_left":3}]}],"served_by":"meshlimitd-2"}"#;
+        let r = read_answer(Some(200), Some(newer.as_bytes()), 1, false).unwrap();
+        assert!(r.allowed);
+        assert_eq!(r.limits[0].remaining, 19);
+    }
+
     #[test]
     fn batch_answers_are_read_in_order_and_checked_whole() {
         let one = r#"{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":500,"retry_after_ms":0}]}"#;
         let denied = r#"{"allowed":false,"limits":[{"allowed":false,"limit":20,"remaining":0,"reset_after_ms":500,"retry_after_ms":500}]}"#;
         let b = body(&format!("{one},{denied}"));
         let results = read_batch_answer(Some(200), Some(&b), &[1, 1], false).unwrap();
-        assert!(results[0].allowed && !results[1].allowed);
+        assert!(results[0].as_ref().unwrap().allowed && !results[1].as_ref().unwrap().allowed);
         assert!(matches!(
             read_batch_answer(Some(200), Some(&b), &[1, 1, 1], false),
             Err(ServiceError::BadBody(_))

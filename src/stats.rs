@@ -48,11 +48,12 @@ pub enum Stat {
     ServiceErrorUnavailable,
     ServiceErrorBadStatus,
     ServiceErrorBadBody,
+    ServiceErrorInvalidCheck,
 }
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 23] = [
+    pub const ALL: [Stat; 24] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -76,6 +77,7 @@ impl Stat {
         Stat::ServiceErrorUnavailable,
         Stat::ServiceErrorBadStatus,
         Stat::ServiceErrorBadBody,
+        Stat::ServiceErrorInvalidCheck,
     ];
 
     /// The stat counting failed calls of this kind.
@@ -86,6 +88,7 @@ impl Stat {
             ServiceError::Unavailable => Stat::ServiceErrorUnavailable,
             ServiceError::BadStatus(_) => Stat::ServiceErrorBadStatus,
             ServiceError::BadBody(_) => Stat::ServiceErrorBadBody,
+            ServiceError::Refused(_) => Stat::ServiceErrorInvalidCheck,
         }
     }
 
@@ -208,6 +211,11 @@ impl Stat {
                 Counter,
                 "failed calls: a 200 whose body is not a valid answer",
             ),
+            Stat::ServiceErrorInvalidCheck => (
+                "meshlimit.service_errors.invalid_check",
+                Counter,
+                "checks meshlimitd refused on their own (the rest of their batch was decided)",
+            ),
         };
         StatDef { name, kind, help }
     }
@@ -237,6 +245,7 @@ mod tests {
             ServiceError::Unavailable,
             ServiceError::BadStatus(418),
             ServiceError::BadBody(String::new()),
+            ServiceError::Refused(String::new()),
         ] {
             let name = Stat::service_error(&e).def().name;
             assert_eq!(name, format!("meshlimit.service_errors.{}", e.kind()));

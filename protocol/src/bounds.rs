@@ -16,6 +16,14 @@ pub const MAX_WINDOW_MS: u64 = 31 * 86_400_000;
 pub const MAX_NAME_LEN: usize = 64;
 /// Longest qualified limit name (`rule/limit`) in a check call.
 pub const MAX_LIMIT_NAME_LEN: usize = 160;
+/// Most requests per window of a sliding-log limit: the log keeps one
+/// member per admitted unit, and one check's work in Redis (trimming and
+/// adding members) must stay short, or every other check waits behind it.
+/// Above this, the sliding window counter is as exact as clients can tell,
+/// in constant memory.
+pub const MAX_SLIDING_LOG_REQUESTS: u64 = 10_000;
+/// Most units one request may take from a limit (its cost).
+pub const MAX_COST: u64 = 1_000_000;
 
 /// The field of a limit that breaks a rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +57,14 @@ pub fn check_limit(
 ) -> Result<(), LimitProblem> {
     if requests == 0 {
         return Err(problem(LimitField::Requests, "must be at least 1"));
+    }
+    if algorithm == Algorithm::SlidingWindowLog && requests > MAX_SLIDING_LOG_REQUESTS {
+        return Err(problem(
+            LimitField::Requests,
+            format!(
+                "a sliding_window_log keeps one entry per request: at most {MAX_SLIDING_LOG_REQUESTS} (use sliding_window_counter for more)"
+            ),
+        ));
     }
     if window_ms == 0 || window_ms > MAX_WINDOW_MS {
         return Err(problem(LimitField::Window, "must be between 1ms and 31d"));
@@ -108,6 +124,13 @@ mod tests {
             LimitField::Window
         );
         assert_eq!(field(check_limit(1, 1, fw, Some(2))), LimitField::Burst);
+        let log = Algorithm::SlidingWindowLog;
+        assert!(check_limit(MAX_SLIDING_LOG_REQUESTS, 1, log, None).is_ok());
+        assert_eq!(
+            field(check_limit(MAX_SLIDING_LOG_REQUESTS + 1, 1, log, None)),
+            LimitField::Requests
+        );
+        assert!(check_limit(MAX_SLIDING_LOG_REQUESTS + 1, 1, fw, None).is_ok());
         assert_eq!(
             field(check_limit(1, 1, Algorithm::TokenBucket, Some(0))),
             LimitField::Burst

@@ -8,8 +8,13 @@
 //! calls per request, many when group commit coalesces the checks of
 //! concurrent requests into one call. Each check is decided on its own and
 //! atomically: all of its limits admit the request, or none of them
-//! consumes quota. [`bounds`] holds what makes a limit valid, for both
-//! sides.
+//! consumes quota. One check's bad input never costs another check its
+//! decision: meshlimitd answers a check it cannot decide with a
+//! [`CheckFailure`] in its place in the batch. [`bounds`] holds what makes
+//! a limit valid, for both sides.
+//!
+//! Rolling upgrades: both sides ignore fields they do not know, so a newer
+//! peer may add optional fields without breaking an older one.
 //!
 //! This crate does no I/O and knows nothing of proxy-wasm or tokio.
 
@@ -31,16 +36,18 @@ pub mod bounds;
 /// Path of the check endpoint on `meshlimitd`.
 pub const CHECK_PATH: &str = "/v1/check";
 
+/// Request header with the caller's timeout for the call, in milliseconds:
+/// meshlimitd starts no work the caller will not wait for.
+pub const TIMEOUT_HEADER: &str = "x-meshlimit-timeout-ms";
+
 /// A batch of checks, decided independently of each other.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct CheckRequest {
     pub checks: Vec<Check>,
 }
 
 /// One HTTP request's worth of limits for one subject.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Check {
     /// Who is being limited (the client id as the filter derived it, e.g.
     /// `hdr:x-api-key:abc` or `ip:10.0.0.1`). Untrusted client input: the
@@ -60,7 +67,6 @@ fn is_false(b: &bool) -> bool {
 
 /// One limit to apply to a subject.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Limit {
     /// Stable name of the limit, `rule/limit`; part of the counter's key, so
     /// two rules never share a counter by accident.
@@ -128,14 +134,38 @@ impl Algorithm {
 
 /// Answers to a [`CheckRequest`], in the same order as its checks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct CheckResponse {
-    pub results: Vec<CheckResult>,
+    pub results: Vec<CheckOutcome>,
+}
+
+/// The answer for one check: its decision, or why it has none.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum CheckOutcome {
+    Decided(CheckResult),
+    Failed(CheckFailure),
+}
+
+/// Why meshlimitd did not decide one check of a batch (the others were
+/// decided as usual). Nothing was charged for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckFailure {
+    pub error: String,
+    pub kind: FailureKind,
+}
+
+/// What kept a check from being decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    /// The check breaks a rule of the API ([`bounds`], subject length).
+    Invalid,
+    /// The Redis node holding its counters did not answer.
+    Unavailable,
 }
 
 /// The decision for one [`Check`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct CheckResult {
     /// True when every enforced (non-shadow) limit admitted the request and
     /// all were charged.
@@ -146,7 +176,6 @@ pub struct CheckResult {
 
 /// State of one limit after the decision.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct LimitStatus {
     /// Whether this limit alone would admit the request.
     pub allowed: bool,
@@ -218,11 +247,32 @@ mod tests {
         assert_eq!(req, again);
     }
 
+    /// Rolling upgrades: a newer peer's extra fields are ignored; what the
+    /// fields mean (an algorithm's name) is still checked.
     #[test]
-    fn unknown_fields_and_algorithms_are_rejected() {
-        assert!(serde_json::from_str::<CheckRequest>(r#"{"checks":[],"x":1}"#).is_err());
+    fn unknown_fields_are_ignored_and_unknown_algorithms_rejected() {
+        let req: CheckRequest = serde_json::from_str(r#"{"checks":[],"x":1}"#).unwrap();
+        assert!(req.checks.is_empty());
         let bad_algo = r#"{"checks":[{"subject":"s","limits":[{"name":"a","requests":1,"window_ms":1,"algorithm":"leaky"}]}]}"#;
         assert!(serde_json::from_str::<CheckRequest>(bad_algo).is_err());
+        let newer = r#"{"results":[{"allowed":true,"limits":[{"allowed":true,"limit":1,"remaining":0,"reset_after_ms":1,"retry_after_ms":0,"tokens":7}],"lease":{"units":3}}],"server":"v9"}"#;
+        let answer: CheckResponse = serde_json::from_str(newer).unwrap();
+        assert!(matches!(&answer.results[0], CheckOutcome::Decided(r) if r.allowed));
+    }
+
+    #[test]
+    fn a_check_that_was_not_decided_says_why() {
+        let json = r#"{"results":[{"allowed":false,"limits":[]},{"error":"checks[1].subject: too long","kind":"invalid"},{"error":"node down","kind":"unavailable"}]}"#;
+        let answer: CheckResponse = serde_json::from_str(json).unwrap();
+        assert!(matches!(answer.results[0], CheckOutcome::Decided(_)));
+        assert!(
+            matches!(&answer.results[1], CheckOutcome::Failed(f) if f.kind == FailureKind::Invalid)
+        );
+        assert!(
+            matches!(&answer.results[2], CheckOutcome::Failed(f) if f.kind == FailureKind::Unavailable)
+        );
+        assert_eq!(serde_json::to_string(&answer).unwrap(), json);
+        assert!(serde_json::from_str::<CheckResponse>(r#"{"results":[{"error":"x"}]}"#).is_err());
     }
 
     #[test]

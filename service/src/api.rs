@@ -6,15 +6,19 @@
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use meshlimit_protocol::bounds::{self, LimitField};
-use meshlimit_protocol::{CheckRequest, CheckResponse, ErrorBody, CHECK_PATH};
+use meshlimit_protocol::{
+    Check, CheckFailure, CheckOutcome, CheckRequest, CheckResponse, CheckResult, ErrorBody,
+    FailureKind, CHECK_PATH, TIMEOUT_HEADER,
+};
+use std::time::Duration;
 use tracing::{debug, warn};
 
-use crate::limiter::Limiter;
+use crate::limiter::{Limiter, LimiterError};
 use crate::metrics::Metrics;
 
 /// Bounds on one call, so one caller cannot make a script or a reply huge.
@@ -30,6 +34,8 @@ pub struct AppState {
     /// Checks being decided now; waiting for a permit is the queue.
     pub in_flight: std::sync::Arc<tokio::sync::Semaphore>,
     pub error_log: std::sync::Arc<LogEvery>,
+    /// `Bearer <secret>` every check must carry, when configured.
+    pub authorization: Option<std::sync::Arc<[u8]>>,
 }
 
 /// Bounds on work in progress.
@@ -52,8 +58,37 @@ impl AppState {
                 limits.max_in_flight.max(1),
             )),
             error_log: std::sync::Arc::new(LogEvery::default()),
+            authorization: None,
         }
     }
+
+    /// Requires checks to carry `authorization: Bearer <token>`.
+    pub fn with_auth_token(mut self, token: Option<String>) -> Self {
+        self.authorization = token.map(|t| format!("Bearer {t}").into_bytes().into());
+        self
+    }
+}
+
+/// The shared secret from the file's bytes: one line of 16 to 256 visible
+/// ASCII characters (surrounding white space ignored).
+pub fn auth_token(bytes: &[u8]) -> Result<String, String> {
+    let text = std::str::from_utf8(bytes).map_err(|_| "the token is not text".to_string())?;
+    let token = text.trim();
+    if !(16..=256).contains(&token.len()) || !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("the token must be 16 to 256 visible ASCII characters".into());
+    }
+    Ok(token.to_string())
+}
+
+/// Whether `presented` equals `expected`, in time that does not depend on
+/// where they differ.
+fn same_secret(presented: &[u8], expected: &[u8]) -> bool {
+    presented.len() == expected.len()
+        && presented
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 /// Lets one log line through per second: an outage must not flood the log
@@ -105,20 +140,49 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
         .into_response()
 }
 
-async fn check(State(state): State<AppState>, body: Bytes) -> Response {
+async fn check(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     // The body is read in full before anything is answered: Envoy only
     // reuses the upstream connection of a call whose request was consumed.
-    let limits = state.limits;
-    let response = match tokio::time::timeout(limits.request_timeout, guarded(&state, &body)).await
-    {
+    if let Some(expected) = &state.authorization {
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .map_or(&b""[..], |v| v.as_bytes());
+        if !same_secret(presented, expected) {
+            state.metrics.unauthorized();
+            state.metrics.response(401);
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong authorization: checks must carry the shared token",
+            );
+        }
+    }
+    let budget = caller_budget(&headers, state.limits.request_timeout);
+    let response = match tokio::time::timeout(budget, guarded(&state, &body)).await {
         Ok(response) => response,
         Err(_) => error(
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not decided within {:?}", limits.request_timeout),
+            format!("not decided within {budget:?}"),
         ),
     };
     state.metrics.response(response.status().as_u16());
     response
+}
+
+/// How long this call may take: the caller's own timeout when it sent one
+/// ([`TIMEOUT_HEADER`]), never more than `request_timeout`. Work the
+/// caller will not wait for is not started: it would be charged in Redis
+/// while the caller decides (and charges) the request locally. A script
+/// that already reached Redis when the budget ends still runs to the end:
+/// that much is the window in which one request can be counted twice.
+fn caller_budget(headers: &HeaderMap, request_timeout: Duration) -> Duration {
+    headers
+        .get(TIMEOUT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map_or(request_timeout, |ms| {
+            Duration::from_millis(ms).min(request_timeout)
+        })
 }
 
 /// Decides with a permit: at most `max_in_flight` at once, and a caller
@@ -152,79 +216,153 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
             )
         }
     };
-    if let Err(reason) = validate(&request) {
+    if let Err(reason) = validate_batch(&request) {
         return error(StatusCode::BAD_REQUEST, reason);
+    }
+    // One check's bad input must not cost the others their decision: an
+    // invalid check gets its own error in the answer. Only a call with no
+    // valid check at all is the caller's mistake as a whole.
+    let checked: Vec<Result<&Check, String>> = request
+        .checks
+        .iter()
+        .enumerate()
+        .map(|(i, check)| validate_check(i, check).map(|()| check))
+        .collect();
+    let valid: Vec<Check> = checked
+        .iter()
+        .filter_map(|c| c.as_ref().ok().map(|c| (*c).clone()))
+        .collect();
+    if valid.is_empty() {
+        let first = checked
+            .into_iter()
+            .find_map(Result::err)
+            .unwrap_or_default();
+        return error(StatusCode::BAD_REQUEST, first);
     }
     // Each check is decided on its own and atomically; a batch's checks
     // share script runs (one per Redis node), pipelined.
-    let decided = if let [one] = request.checks.as_slice() {
-        state.limiter.check(one).await.map(|r| vec![r])
+    let decided: Vec<Result<CheckResult, LimiterError>> = if let [one] = valid.as_slice() {
+        vec![state.limiter.check(one).await]
     } else {
         state.limiter.prepare_batch().await;
-        state.limiter.check_batch(&request.checks).await
+        state.limiter.check_batch(&valid).await
     };
-    let results = match decided {
-        Ok(results) => results,
-        Err(e) => {
-            if let Some(suppressed) = state.error_log.allow() {
-                warn!(error = %e, suppressed, "cannot decide: answering 503 so the caller falls back");
-            }
-            return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+    if decided.iter().all(Result::is_err) {
+        // Redis cannot decide anything now: the caller falls back (and its
+        // breaker learns that meshlimitd is of no use for the moment).
+        let e = decided
+            .into_iter()
+            .find_map(Result::err)
+            .map_or_else(|| "not decided".to_string(), |e| e.to_string());
+        if let Some(suppressed) = state.error_log.allow() {
+            warn!(error = %e, suppressed, "cannot decide: answering 503 so the caller falls back");
         }
-    };
-    for result in &results {
-        state.metrics.decision(result.allowed);
+        return error(StatusCode::SERVICE_UNAVAILABLE, e);
+    }
+    let mut decided = decided.into_iter();
+    let mut results = Vec::with_capacity(checked.len());
+    for check in checked {
+        let outcome = match check {
+            Err(reason) => {
+                state.metrics.check_failure("invalid");
+                if let Some(suppressed) = state.error_log.allow() {
+                    warn!(%reason, suppressed, "refused one check of a batch; the others are decided");
+                }
+                CheckOutcome::Failed(CheckFailure {
+                    error: reason,
+                    kind: FailureKind::Invalid,
+                })
+            }
+            Ok(_) => match decided.next() {
+                Some(Ok(result)) => {
+                    state.metrics.decision(result.allowed);
+                    CheckOutcome::Decided(result)
+                }
+                Some(Err(e)) => {
+                    // Its Redis node failed; the others were decided.
+                    state.metrics.check_failure("unavailable");
+                    if let Some(suppressed) = state.error_log.allow() {
+                        warn!(error = %e, suppressed, "cannot decide some checks of a batch: answering an error for them alone");
+                    }
+                    CheckOutcome::Failed(CheckFailure {
+                        error: e.to_string(),
+                        kind: FailureKind::Unavailable,
+                    })
+                }
+                None => CheckOutcome::Failed(CheckFailure {
+                    error: "not decided".into(),
+                    kind: FailureKind::Unavailable,
+                }),
+            },
+        };
+        results.push(outcome);
     }
     debug!(checks = results.len(), "decided");
     Json(CheckResponse { results }).into_response()
 }
 
-/// Checks what serde cannot: bounds and values.
+/// Checks what serde cannot, for a whole call and each of its checks: the
+/// first problem, or none.
 pub fn validate(request: &CheckRequest) -> Result<(), String> {
+    validate_batch(request)?;
+    for (i, check) in request.checks.iter().enumerate() {
+        validate_check(i, check)?;
+    }
+    Ok(())
+}
+
+/// The bounds of a call as a whole.
+fn validate_batch(request: &CheckRequest) -> Result<(), String> {
     if request.checks.is_empty() {
         return Err("checks: must contain at least one check".into());
     }
     if request.checks.len() > MAX_CHECKS {
         return Err(format!("checks: at most {MAX_CHECKS} per call"));
     }
-    for (i, check) in request.checks.iter().enumerate() {
-        if check.subject.is_empty() {
-            return Err(format!("checks[{i}].subject: must not be empty"));
-        }
-        if check.subject.len() > MAX_SUBJECT_BYTES {
+    Ok(())
+}
+
+/// What makes one check decidable; `i` is its place in the call.
+fn validate_check(i: usize, check: &Check) -> Result<(), String> {
+    if check.subject.is_empty() {
+        return Err(format!("checks[{i}].subject: must not be empty"));
+    }
+    if check.subject.len() > MAX_SUBJECT_BYTES {
+        return Err(format!(
+            "checks[{i}].subject: at most {MAX_SUBJECT_BYTES} bytes"
+        ));
+    }
+    if check.limits.is_empty() || check.limits.len() > MAX_LIMITS_PER_CHECK {
+        return Err(format!(
+            "checks[{i}].limits: must hold 1 to {MAX_LIMITS_PER_CHECK} limits"
+        ));
+    }
+    for (j, limit) in check.limits.iter().enumerate() {
+        let at = format!("checks[{i}].limits[{j}]");
+        if !bounds::is_limit_name(&limit.name) {
             return Err(format!(
-                "checks[{i}].subject: at most {MAX_SUBJECT_BYTES} bytes"
+                "{at}.name: 1 to {} of letters, digits, '-', '_', '.', '/'",
+                bounds::MAX_LIMIT_NAME_LEN
             ));
         }
-        if check.limits.is_empty() || check.limits.len() > MAX_LIMITS_PER_CHECK {
-            return Err(format!(
-                "checks[{i}].limits: must hold 1 to {MAX_LIMITS_PER_CHECK} limits"
-            ));
+        if let Err(e) = bounds::check_limit(
+            limit.requests,
+            limit.window_ms,
+            limit.algorithm,
+            limit.burst,
+        ) {
+            let field = match e.field {
+                LimitField::Requests => "requests",
+                LimitField::Window => "window_ms",
+                LimitField::Burst => "burst",
+            };
+            return Err(format!("{at}.{field}: {}", e.problem));
         }
-        for (j, limit) in check.limits.iter().enumerate() {
-            let at = format!("checks[{i}].limits[{j}]");
-            if !bounds::is_limit_name(&limit.name) {
-                return Err(format!(
-                    "{at}.name: 1 to {} of letters, digits, '-', '_', '.', '/'",
-                    bounds::MAX_LIMIT_NAME_LEN
-                ));
-            }
-            if let Err(e) = bounds::check_limit(
-                limit.requests,
-                limit.window_ms,
-                limit.algorithm,
-                limit.burst,
-            ) {
-                let field = match e.field {
-                    LimitField::Requests => "requests",
-                    LimitField::Window => "window_ms",
-                    LimitField::Burst => "burst",
-                };
-                return Err(format!("{at}.{field}: {}", e.problem));
-            }
-            if limit.cost == 0 {
-                return Err(format!("{at}.cost: must be at least 1"));
-            }
+        if limit.cost == 0 || limit.cost > bounds::MAX_COST {
+            return Err(format!(
+                "{at}.cost: must be between 1 and {}",
+                bounds::MAX_COST
+            ));
         }
     }
     Ok(())
@@ -251,7 +389,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshlimit_protocol::{Algorithm, Check, Limit};
+    use meshlimit_protocol::{Algorithm, Limit};
 
     fn request(algorithm: Algorithm, subject: &str, requests: u64) -> CheckRequest {
         CheckRequest {

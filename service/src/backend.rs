@@ -233,6 +233,16 @@ impl Backend {
         }
     }
 
+    /// A call got no answer in time. A Sentinel master that went silent
+    /// (stopped, partitioned, powered off) never fails a call, it only lets
+    /// it time out: the cached connection is dropped here, so the next call
+    /// asks the sentinels which master to use.
+    pub async fn timed_out(&self) {
+        if let Backend::Sentinel(master) = self {
+            *master.connection.lock().await = None;
+        }
+    }
+
     /// Whether keys with different hash tags may live on different nodes.
     pub fn is_cluster(&self) -> bool {
         matches!(self, Backend::Cluster(_))

@@ -27,6 +27,9 @@ pub enum LimiterError {
     Reply(String),
     #[error("redis is unhealthy (recent calls failed); retrying shortly")]
     Unhealthy,
+    /// One failure reported for each check of a script run that failed.
+    #[error("{message}")]
+    Shared { kind: &'static str, message: String },
 }
 
 impl LimiterError {
@@ -40,6 +43,20 @@ impl LimiterError {
             LimiterError::Reply(_) => "reply",
             LimiterError::Unhealthy => "unhealthy",
             LimiterError::Config(_) => "config",
+            LimiterError::Shared { kind, .. } => kind,
+        }
+    }
+
+    /// The same failure, for another check of the same failed run.
+    fn share(&self) -> LimiterError {
+        match self {
+            LimiterError::Timeout(d) => LimiterError::Timeout(*d),
+            LimiterError::Unhealthy => LimiterError::Unhealthy,
+            LimiterError::Reply(why) => LimiterError::Reply(why.clone()),
+            other => LimiterError::Shared {
+                kind: other.kind(),
+                message: other.to_string(),
+            },
         }
     }
 }
@@ -59,6 +76,9 @@ pub struct Limiter {
     health: Arc<Health>,
     /// Set once the script is known to be in Redis' cache.
     script_loaded: Arc<std::sync::atomic::AtomicBool>,
+    /// When a background script load was last started (ms of `health`'s
+    /// clock; 0: never).
+    script_load_tried_ms: Arc<AtomicU64>,
 }
 
 /// Consecutive Redis failures after which calls fail fast.
@@ -117,6 +137,7 @@ impl Limiter {
             metrics,
             health: Arc::new(Health::default()),
             script_loaded: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            script_load_tried_ms: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -136,8 +157,10 @@ impl Limiter {
     /// the runs for different nodes go out together, pipelined. A run costs
     /// Redis (and this process) a command to parse and a script call to set
     /// up whatever it decides, so a batch of 64 checks costs far less than
-    /// 64 runs.
-    pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<CheckResult>, LimiterError> {
+    /// 64 runs. A run that fails fails only its own checks: on a Cluster
+    /// with a node down, the checks of the other nodes keep their decisions
+    /// (already charged in Redis, never to be charged again elsewhere).
+    pub async fn check_batch(&self, checks: &[Check]) -> Vec<Result<CheckResult, LimiterError>> {
         // Groups of indices into `checks`, each group in request order.
         let groups: Vec<Vec<usize>> = if self.backend.is_cluster() {
             let mut group_of: std::collections::HashMap<&str, usize> = Default::default();
@@ -160,17 +183,31 @@ impl Limiter {
             async move { self.check_many(&members).await }
         }))
         .await;
-        let mut results: Vec<Option<CheckResult>> = (0..checks.len()).map(|_| None).collect();
+        let mut results: Vec<Option<Result<CheckResult, LimiterError>>> =
+            (0..checks.len()).map(|_| None).collect();
         for (group, decided) in groups.iter().zip(decided) {
-            for (&i, result) in group.iter().zip(decided?) {
-                if let Some(slot) = results.get_mut(i) {
-                    *slot = Some(result);
+            match decided {
+                Ok(decided) => {
+                    for (&i, result) in group.iter().zip(decided) {
+                        if let Some(slot) = results.get_mut(i) {
+                            *slot = Some(Ok(result));
+                        }
+                    }
+                }
+                Err(e) => {
+                    for &i in group {
+                        if let Some(slot) = results.get_mut(i) {
+                            *slot = Some(Err(e.share()));
+                        }
+                    }
                 }
             }
         }
         results
             .into_iter()
-            .map(|r| r.ok_or_else(|| LimiterError::Reply("a check was not answered".into())))
+            .map(|r| {
+                r.unwrap_or_else(|| Err(LimiterError::Reply("a check was not answered".into())))
+            })
             .collect()
     }
 
@@ -239,7 +276,10 @@ impl Limiter {
             tokio::time::timeout(self.timeout, self.backend.invoke::<Vec<i64>>(invocation)).await;
         self.metrics.observe_redis(started.elapsed());
         let values = match reply {
-            Err(_) => Err(LimiterError::Timeout(self.timeout)),
+            Err(_) => {
+                self.backend.timed_out().await;
+                Err(LimiterError::Timeout(self.timeout))
+            }
             Ok(Err(e)) => Err(LimiterError::Redis(e)),
             Ok(Ok(values)) => Ok(values),
         }
@@ -248,21 +288,40 @@ impl Limiter {
         values
     }
 
-    /// Loads the script once before a batch, so its runs go out in request
-    /// order instead of each retrying after its own NOSCRIPT. (A Redis that
-    /// lost its script cache is handled by `check`'s reload; only the order
-    /// of that one batch is then arbitrary.)
+    /// Loads the scripts before batches, so that their runs go out in
+    /// request order instead of each retrying after its own NOSCRIPT. (A
+    /// Redis that lost its script cache is handled by each run's reload;
+    /// only the order of that one batch is then arbitrary.) It never makes
+    /// a batch wait: while it has not succeeded, a load is started in the
+    /// background at most once a second, so a dead Cluster node (which
+    /// fails every `SCRIPT LOAD`, sent to every master) costs the batches
+    /// of the live nodes nothing.
     pub async fn prepare_batch(&self) {
         if self.script_loaded.load(Ordering::Relaxed) || self.health.fail_fast() {
             return;
         }
-        let load = async {
-            self.backend.load(&self.script).await?;
-            self.backend.load(&self.many).await
-        };
-        if let Ok(Ok(())) = tokio::time::timeout(self.timeout, load).await {
-            self.script_loaded.store(true, Ordering::Relaxed);
+        let now = self.health.now_ms();
+        let last = self.script_load_tried_ms.load(Ordering::Relaxed);
+        if last != 0 && now < last + 1_000 {
+            return;
         }
+        if self
+            .script_load_tried_ms
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            let load = async {
+                this.backend.load(&this.script).await?;
+                this.backend.load(&this.many).await
+            };
+            if let Ok(Ok(())) = tokio::time::timeout(this.timeout, load).await {
+                this.script_loaded.store(true, Ordering::Relaxed);
+            }
+        });
     }
 
     /// Round trip to Redis, for readiness.

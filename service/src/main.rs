@@ -54,6 +54,12 @@ struct Args {
     )]
     redis_client_key: Option<std::path::PathBuf>,
     /// Prefix of every key meshlimitd writes (must not contain '{' or '}').
+    /// A file holding a shared secret: checks must then carry
+    /// `authorization: Bearer <secret>` (the filter's `service.auth_token`),
+    /// or get 401. For deployments where more than the proxies can reach
+    /// meshlimitd (see docs/security.md).
+    #[arg(long, env = "MESHLIMITD_AUTH_TOKEN_FILE")]
+    auth_token_file: Option<std::path::PathBuf>,
     #[arg(long, env = "MESHLIMITD_KEY_PREFIX", default_value = "ml:")]
     key_prefix: String,
     /// Largest accepted request body; larger ones get 413.
@@ -150,7 +156,16 @@ async fn run(args: Args) -> Result<(), String> {
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
     };
-    let app = api::router(AppState::new(limiter, metrics, limits), args.max_body_bytes);
+    let auth_token = match read("--auth-token-file", &args.auth_token_file)? {
+        None => None,
+        Some(bytes) => {
+            Some(api::auth_token(&bytes).map_err(|e| format!("--auth-token-file: {e}"))?)
+        }
+    };
+    let app = api::router(
+        AppState::new(limiter, metrics, limits).with_auth_token(auth_token),
+        args.max_body_bytes,
+    );
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;

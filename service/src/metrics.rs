@@ -32,7 +32,9 @@ pub struct Metrics {
     redis_errors: Family<KindLabel, Counter>,
     redis_latency: Histogram,
     responses: Family<StatusLabel, Counter>,
+    check_failures: Family<KindLabel, Counter>,
     overloaded: Counter,
+    unauthorized: Counter,
 }
 
 impl Default for Metrics {
@@ -80,20 +82,42 @@ impl Metrics {
         for kind in ["timeout", "connection", "command", "reply", "unhealthy"] {
             let _ = redis_errors.get_or_create(&KindLabel { kind });
         }
+        let check_failures = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "check_failures",
+            "Checks of a batch answered with an error of their own, by kind (invalid, unavailable); the batch's other checks were decided",
+            check_failures.clone(),
+        );
+        for kind in ["invalid", "unavailable"] {
+            let _ = check_failures.get_or_create(&KindLabel { kind });
+        }
         let overloaded = Counter::default();
         registry.register(
             "overloaded",
             "Checks refused with 503 because too many were in flight",
             overloaded.clone(),
         );
+        let unauthorized = Counter::default();
+        registry.register(
+            "unauthorized",
+            "Checks refused with 401: missing or wrong shared token (--auth-token-file)",
+            unauthorized.clone(),
+        );
         Metrics {
             overloaded,
+            unauthorized,
             registry: Arc::new(registry),
             decisions,
             redis_errors,
             redis_latency,
             responses,
+            check_failures,
         }
+    }
+
+    /// A check answered with an error of its own (`invalid`, `unavailable`).
+    pub fn check_failure(&self, kind: &'static str) {
+        self.check_failures.get_or_create(&KindLabel { kind }).inc();
     }
 
     pub fn decision(&self, allowed: bool) {
@@ -111,6 +135,10 @@ impl Metrics {
 
     pub fn overloaded(&self) {
         self.overloaded.inc();
+    }
+
+    pub fn unauthorized(&self) {
+        self.unauthorized.inc();
     }
 
     pub fn response(&self, status: u16) {

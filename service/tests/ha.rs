@@ -314,6 +314,22 @@ fn sentinel(host: &str, dir: &Path, port: u16, master_port: u16) -> Proc {
 
 #[test]
 fn sentinel_failover_is_followed_without_a_restart() {
+    sentinel_failover("-KILL", 16381);
+}
+
+/// A master that goes silent (stopped, partitioned, powered off) rather
+/// than refusing connections: every call times out instead of failing, so
+/// the cached connection to it must be dropped on timeouts too, or
+/// meshlimitd keeps answering 503 until TCP gives up.
+#[test]
+fn a_silent_sentinel_master_is_replaced_too() {
+    sentinel_failover("-STOP", 16391);
+}
+
+/// Starts a master (on `port`), a replica and three sentinels, ends the
+/// master with `signal`, and waits for checks to be decided again.
+fn sentinel_failover(signal: &str, port: u16) {
+    let (replica_port, sentinel_port) = (port + 1, port + 10_000);
     let dir = TempDir::new("sentinel");
     let host = unique_host();
     let d = dir.path();
@@ -322,27 +338,27 @@ fn sentinel_failover_is_followed_without_a_restart() {
     std::fs::create_dir_all(&master_dir).unwrap();
     std::fs::create_dir_all(&replica_dir).unwrap();
     let mut master =
-        RedisServer::start_with(&host, &master_dir, 16381, &["--replica-announce-ip", &host]);
+        RedisServer::start_with(&host, &master_dir, port, &["--replica-announce-ip", &host]);
     // On loopback a node's outgoing address is 127.0.0.1, not its own:
     // each announces the address it listens on.
     let _replica = RedisServer::start_with(
         &host,
         &replica_dir,
-        16382,
+        replica_port,
         &[
             "--replicaof",
             &host,
-            "16381",
+            &port.to_string(),
             "--replica-announce-ip",
             &host,
         ],
     );
     let _sentinels: Vec<Proc> = (0..3)
-        .map(|i| sentinel(&host, d, 26381 + i, 16381))
+        .map(|i| sentinel(&host, d, sentinel_port + i, port))
         .collect();
     std::thread::sleep(Duration::from_millis(1_500));
     let urls: Vec<String> = (0..3)
-        .map(|i| format!("redis://{host}:{}", 26381 + i))
+        .map(|i| format!("redis://{host}:{}", sentinel_port + i))
         .collect();
     let service = Meshlimitd::start_binary(
         binary(),
@@ -360,10 +376,9 @@ fn sentinel_failover_is_followed_without_a_restart() {
     let killed = Instant::now();
     if let Some(pid) = master.pid() {
         let _ = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
+            .args([signal, &pid.to_string()])
             .status();
     }
-    master.stop();
     let mut statuses = Vec::new();
     loop {
         let s = check_status(&service.addr);
@@ -379,9 +394,15 @@ fn sentinel_failover_is_followed_without_a_restart() {
         std::thread::sleep(Duration::from_millis(100));
     }
     eprintln!(
-        "sentinel failover: checks global again {} ms after the master died",
+        "sentinel failover ({signal}): checks global again {} ms after the master died",
         killed.elapsed().as_millis()
     );
+    if let Some(pid) = master.pid() {
+        let _ = Command::new("kill")
+            .args(["-CONT", &pid.to_string()])
+            .status();
+    }
+    master.stop();
 }
 
 #[test]

@@ -128,3 +128,38 @@ fn sigterm_answers_in_flight_checks_refuses_new_ones_and_exits_zero() {
     assert_eq!(f.service.proc.wait(Duration::from_secs(5)), Some(0));
     assert!(f.service.proc.output().contains("shutting down"));
 }
+
+/// The caller's deadline travels with the call: with Redis black-holed, a
+/// call whose caller waits 5 ms is answered 503 after about 5 ms instead of
+/// the Redis timeout, so no script starts after the caller gave up (it
+/// would be charged in Redis while the caller charges the request
+/// locally).
+#[test]
+fn no_work_past_the_callers_deadline() {
+    let f = start(&["--redis-timeout-ms", "400", "--request-timeout-ms", "1000"]);
+    assert_eq!(post(&f.service.addr).0.status, 200, "loads the script");
+    signal(f.redis.pid(), "-STOP");
+    let timed = |headers: &[(&str, &[u8])]| {
+        let started = Instant::now();
+        let r = http::request(
+            &f.service.addr,
+            "POST",
+            "/v1/check",
+            headers,
+            br#"{"checks":[{"subject":"s","limits":[{"name":"api/m","requests":5,"window_ms":60000,"algorithm":"fixed_window"}]}]}"#,
+        )
+        .unwrap();
+        (r, started.elapsed())
+    };
+    let (short, short_took) = timed(&[(meshlimit_protocol::TIMEOUT_HEADER, b"5")]);
+    let (long, long_took) = timed(&[]);
+    signal(f.redis.pid(), "-CONT");
+    assert_eq!((short.status, long.status), (503, 503));
+    assert!(
+        short.body.contains("not decided within 5ms"),
+        "{}",
+        short.body
+    );
+    assert!(short_took < Duration::from_millis(100), "{short_took:?}");
+    assert!(long_took >= Duration::from_millis(350), "{long_took:?}");
+}

@@ -71,6 +71,9 @@ pub struct ServiceConfig {
     /// `:authority` of the check call.
     pub authority: String,
     pub timeout_ms: u64,
+    /// `Bearer <service.auth_token>`, sent with every call when configured
+    /// (meshlimitd's `--auth-token-file`).
+    pub authorization: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,6 +87,9 @@ pub struct ClientIdConfig {
     pub trusted_hops: u32,
     /// Status sent with `when_missing: reject`.
     pub reject_status: u32,
+    /// IPv6 clients are counted per network of this many bits (64: one
+    /// site), since one client holds many addresses.
+    pub ipv6_prefix: u8,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

@@ -95,6 +95,7 @@ pub(super) struct RawService {
     pub(super) cluster: String,
     pub(super) authority: String,
     pub(super) timeout: String,
+    pub(super) auth_token: Option<String>,
 }
 
 impl Default for RawService {
@@ -103,6 +104,7 @@ impl Default for RawService {
             cluster: "meshlimit".into(),
             authority: "meshlimitd".into(),
             timeout: "20ms".into(),
+            auth_token: None,
         }
     }
 }
@@ -115,6 +117,7 @@ pub(super) struct RawClientId {
     pub(super) when_missing: WhenMissing,
     pub(super) trusted_hops: u32,
     pub(super) reject_status: u32,
+    pub(super) ipv6_prefix: u8,
 }
 
 impl Default for RawClientId {
@@ -125,6 +128,7 @@ impl Default for RawClientId {
             when_missing: WhenMissing::ClientAddress,
             trusted_hops: 0,
             reject_status: 401,
+            ipv6_prefix: 64,
         }
     }
 }

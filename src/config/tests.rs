@@ -420,6 +420,11 @@ mod proptests {
             secs in 1u64..86_400,
             algorithm in prop::sample::select(vec!["fixed_window", "sliding_window_log", "sliding_window_counter", "token_bucket"]),
         ) {
+            // Valid: a sliding log holds at most MAX_SLIDING_LOG_REQUESTS.
+            prop_assume!(
+                algorithm != "sliding_window_log"
+                    || requests <= meshlimit_protocol::bounds::MAX_SLIDING_LOG_REQUESTS
+            );
             let json = format!(r#"{{"rules":[{{"name":"{name}","limits":[{{"name":"l","requests":{requests},"window":"{secs}s","algorithm":"{algorithm}"}}]}}]}}"#);
             let c = parse(json.as_bytes()).unwrap();
             let l = &c.rules[0].limits[0];
@@ -429,4 +434,26 @@ mod proptests {
             prop_assert_eq!(&l.qualified_name, &format!("{name}/l"));
         }
     }
+}
+
+#[test]
+fn the_shared_token_is_checked_at_load() {
+    let with = |token: &str| {
+        parse_str(&format!(
+            r#"{{"service":{{"auth_token":"{token}"}},"rules":[{{"name":"api","limits":[{{"name":"m","requests":1,"window":"1s"}}]}}]}}"#
+        ))
+    };
+    assert_eq!(
+        with("0123456789abcdef")
+            .unwrap()
+            .service
+            .authorization
+            .as_deref(),
+        Some("Bearer 0123456789abcdef")
+    );
+    for bad in ["short", "has a space in it!!", &"x".repeat(257)] {
+        let e = with(bad).unwrap_err();
+        assert_eq!(e.field, "service.auth_token", "{bad}");
+    }
+    assert_eq!(parse_str(MINIMAL).unwrap().service.authorization, None);
 }

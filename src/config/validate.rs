@@ -21,7 +21,7 @@ const MAX_TIMEOUT_MS: u64 = 60_000;
 const MIN_SLOTS: u32 = 16;
 const MAX_SLOTS: u32 = 1 << 20;
 const MAX_NAME_LEN: usize = bounds::MAX_NAME_LEN;
-const MAX_COST: u64 = 1_000_000;
+const MAX_COST: u64 = bounds::MAX_COST;
 
 pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
     let service = validate_service(raw.service)?;
@@ -150,10 +150,25 @@ fn validate_service(raw: RawService) -> Result<ServiceConfig, ConfigError> {
             format!("must be between 1ms and {}s", MAX_TIMEOUT_MS / 1000),
         ));
     }
+    let authorization = match raw.auth_token {
+        None => None,
+        Some(token)
+            if (16..=256).contains(&token.len()) && token.bytes().all(|b| b.is_ascii_graphic()) =>
+        {
+            Some(format!("Bearer {token}"))
+        }
+        Some(_) => {
+            return Err(err(
+                "service.auth_token",
+                "must be 16 to 256 visible ASCII characters (the secret in meshlimitd's --auth-token-file)",
+            ));
+        }
+    };
     Ok(ServiceConfig {
         cluster: raw.cluster,
         authority: raw.authority,
         timeout_ms,
+        authorization,
     })
 }
 
@@ -191,11 +206,18 @@ fn validate_client_id(raw: RawClientId) -> Result<ClientIdConfig, ConfigError> {
     if raw.trusted_hops > 16 {
         return Err(err("client_id.trusted_hops", "must be at most 16"));
     }
+    if !(1..=128).contains(&raw.ipv6_prefix) {
+        return Err(err(
+            "client_id.ipv6_prefix",
+            "must be between 1 and 128 (bits of an IPv6 address that name one client; 64 is one site)",
+        ));
+    }
     Ok(ClientIdConfig {
         headers,
         query_params: raw.query_params,
         when_missing: raw.when_missing,
         trusted_hops: raw.trusted_hops,
+        ipv6_prefix: raw.ipv6_prefix,
         reject_status: raw.reject_status,
     })
 }

@@ -72,11 +72,13 @@ impl Worker {
         self.flush(host, now);
         let mut tally = Tally::new(&self.metrics, host);
         for (i, queued) in batch.into_iter().enumerate() {
+            // Each check has its own outcome: one refused check (or one
+            // on a Redis node that failed) changes no other's decision.
             let outcome = match &answers {
                 Ok(results) => results
                     .get(i)
                     .cloned()
-                    .ok_or_else(|| ServiceError::BadBody("missing result".into())),
+                    .unwrap_or_else(|| Err(ServiceError::BadBody("missing result".into()))),
                 Err(e) => Err(e.clone()),
             };
             let verdict = self.verdict_after_call(

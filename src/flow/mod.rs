@@ -310,9 +310,17 @@ impl Worker {
         check: Check,
         local: Option<CheckResult>,
     ) -> Step {
+        // The call belongs to the root, as batches do. Envoy cancels the
+        // calls a stream owns when the stream ends (a client reset), and
+        // then never answers them: the SDK would keep each one's entry in
+        // its call table for good, and trap on a reused token once Envoy's
+        // counter wraps. A root's call always completes; its answer still
+        // reaches this stream (the SDK routes it by token) if it is there.
+        host.set_effective_context(self.root_context_id);
         let dispatched = serde_json::to_vec(&check.to_request())
             .map_err(|e| ServiceError::BadBody(e.to_string()))
             .and_then(|body| self.dispatch(host, &body, now));
+        host.set_effective_context(stream.context_id);
         match dispatched {
             Ok(_token) => {
                 stream.in_flight = Some(InFlight {
@@ -441,6 +449,7 @@ impl Worker {
             path: meshlimit_protocol::CHECK_PATH,
             body,
             timeout_ms: service.timeout_ms,
+            authorization: service.authorization.as_deref(),
         })
         .map_err(|e| {
             // Typically an unknown cluster, or no healthy meshlimitd.

@@ -635,16 +635,20 @@ fn a_root_that_cannot_be_woken_calls_for_the_stream_itself() {
     assert_eq!(step, Step::Pause);
     h.host.queue_fails.set(true);
     h.wake();
-    // The next wake-up fails: the stream calls for itself.
+    // The next wake-up fails: the stream calls for itself (still as the
+    // root, which owns every call).
     h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
     h.host.take_acted();
     let (mut own, step) = h.request("b");
     assert_eq!(step, Step::Pause);
     let sent = h.host.sent.borrow().last().unwrap().clone();
+    assert_eq!(sent.from, ROOT, "owned by the root, for the stream");
     assert_eq!(
-        sent.from, own.context_id,
-        "sent by the stream, not the root"
+        h.host.context.get(),
+        own.context_id,
+        "back in the stream's context"
     );
+    assert!(own.in_flight.is_some(), "the stream waits for its own call");
     assert_eq!(
         h.answer_own(&mut own, Some(200), &answer(&[result(true, 2)])),
         Step::Continue
@@ -663,7 +667,7 @@ fn without_a_wake_queue_every_request_calls_for_itself() {
     let mut s = worker.stream(9);
     host.context.set(9);
     assert_eq!(worker.on_request_headers(&host, &mut s), Step::Pause);
-    assert_eq!(host.sent.borrow()[0].from, 9);
+    assert_eq!(host.sent.borrow()[0].from, ROOT, "calls belong to the root");
 }
 
 #[test]
@@ -793,7 +797,8 @@ fn hostcalls_per_request_with_group_commit() {
     assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
 }
 
-/// The same with one call per request.
+/// The same with one call per request: the call is sent as the root (so
+/// a client's reset cannot cancel it and leak the SDK's entry for it).
 #[test]
 fn hostcalls_per_request_with_one_call_each() {
     let mut h = harness(ONE_CALL);
@@ -810,7 +815,9 @@ fn hostcalls_per_request_with_one_call_each() {
             "get_current_time",
             "get_shared_data",
             "get_shared_data",
+            "set_effective_context", // the call belongs to the root
             "dispatch_http_call",
+            "set_effective_context", // back to the stream
         ]
     );
     let step = h.answer_own(&mut s, Some(200), &answer(&[result(true, 1)]));
@@ -1045,4 +1052,69 @@ fn a_cached_deny_does_not_outlive_a_changed_limit() {
         "decided by meshlimitd"
     );
     assert_eq!(h.calls(), calls + 1);
+}
+
+/// One check's bad input never changes another check's decision: meshlimitd
+/// refuses that check alone, or cannot reach its Redis node, and the rest
+/// of the batch keeps meshlimitd's decisions.
+#[test]
+fn a_check_refused_or_undecided_alone_leaves_the_batch_decided() {
+    let mut h = harness(ONE_SLOT);
+    h.request("first");
+    h.wake();
+    let (a, _) = h.request("a");
+    let (bad, _) = h.request("bad");
+    let (gone, _) = h.request("on-a-dead-node");
+    let (b, _) = h.request("b");
+    h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
+    h.host.take_acted();
+    let refused = r#"{"error":"checks[1].subject: at most 65536 bytes","kind":"invalid"}"#;
+    let unavailable = r#"{"error":"redis error: connection refused","kind":"unavailable"}"#;
+    h.answer_batch(
+        2,
+        Some(200),
+        &answer(&[
+            result(true, 5),
+            refused.to_string(),
+            unavailable.to_string(),
+            result(false, 0),
+        ]),
+    );
+    let acted = h.host.take_acted();
+    assert_eq!(acted[0], Acted::Resumed(a.context_id));
+    assert_eq!(
+        acted[1],
+        Acted::Resumed(bad.context_id),
+        "failure_mode local"
+    );
+    assert_eq!(
+        acted[2],
+        Acted::Resumed(gone.context_id),
+        "failure_mode local"
+    );
+    assert!(matches!(&acted[3], Acted::Replied(id, r) if *id == b.context_id && r.status == 429));
+    assert_eq!(h.stat("requests_allowed"), 2, "first and a");
+    assert_eq!(h.stat("requests_denied"), 1, "b");
+    assert_eq!(h.stat("service_errors.invalid_check"), 1);
+    assert_eq!(h.stat("service_errors.unavailable"), 1);
+    assert_eq!(h.fallbacks(), 2);
+    assert_eq!(h.stat("breaker_opened"), 0, "the call itself succeeded");
+    assert!(logged(&["meshlimitd refused the check: checks[1].subject"]));
+}
+
+#[test]
+fn calls_carry_the_shared_token_and_the_callers_timeout() {
+    let mut h = harness(r#""service": {"timeout": "25ms", "auth_token": "s3cret-s3cret-s3cret"},"#);
+    h.request("a");
+    h.wake();
+    let sent = h.host.sent.borrow()[0].clone();
+    assert_eq!(
+        sent.authorization.as_deref(),
+        Some("Bearer s3cret-s3cret-s3cret")
+    );
+    assert_eq!(sent.timeout_ms, 25);
+    let mut h = harness("");
+    h.request("a");
+    h.wake();
+    assert_eq!(h.host.sent.borrow()[0].authorization, None);
 }

@@ -87,6 +87,7 @@ pub struct SentCall {
     pub path: String,
     pub body: Vec<u8>,
     pub timeout_ms: u64,
+    pub authorization: Option<String>,
 }
 
 /// A call's response as the host holds it: `:status` and body.
@@ -277,6 +278,7 @@ impl Host for FakeHost {
             path: call.path.to_string(),
             body: call.body.to_vec(),
             timeout_ms: call.timeout_ms,
+            authorization: call.authorization.map(String::from),
         });
         Ok(token)
     }

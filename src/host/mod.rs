@@ -32,6 +32,8 @@ pub struct Call<'a> {
     pub path: &'a str,
     pub body: &'a [u8],
     pub timeout_ms: u64,
+    /// The `authorization` header meshlimitd asks for, if any.
+    pub authorization: Option<&'a str>,
 }
 
 /// Everything the request flow does to its host. The request, the call

@@ -86,14 +86,21 @@ impl Host for WasmHost {
     }
 
     fn dispatch(&self, call: &Call<'_>) -> Result<u32, String> {
+        let timeout = call.timeout_ms.to_string();
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", call.path),
+            (":authority", call.authority),
+            ("content-type", "application/json"),
+            // meshlimitd starts no work this call will not wait for.
+            (meshlimit_protocol::TIMEOUT_HEADER, timeout.as_str()),
+        ];
+        if let Some(authorization) = call.authorization {
+            headers.push(("authorization", authorization));
+        }
         hostcalls::dispatch_http_call(
             call.cluster,
-            vec![
-                (":method", "POST"),
-                (":path", call.path),
-                (":authority", call.authority),
-                ("content-type", "application/json"),
-            ],
+            headers,
             Some(call.body),
             vec![],
             Duration::from_millis(call.timeout_ms),

@@ -10,6 +10,8 @@
 -- reset_after_ms, retry_after_ms) after the overall decision.
 local ARGS_PER_LIMIT = 6
 local REPLY_PER_LIMIT = 4
+-- Members per ZADD (well under Lua's limit on unpack()).
+local ZADD_CHUNK = 1000
 
 -- Large numbers go to Redis through '%.0f': Lua's default conversion keeps
 -- 14 digits, which would silently round a microsecond timestamp.
@@ -93,15 +95,29 @@ for i = 1, n do
     if charge then
       used = redis.call('INCRBY', key, s.cost)
       if used == s.cost or redis.call('PTTL', key) < 0 then
-        redis.call('PEXPIREAT', key, num(now + s.reset))
+        -- The last millisecond of the window: Redis keeps a key alive
+        -- while the clock equals its deadline, so a deadline at the
+        -- window's end would hand the new window's first millisecond to
+        -- the old count (a deny with a full window's retry, or an
+        -- increment lost with the dying key).
+        redis.call('PEXPIREAT', key, num(now + s.reset - 1))
       end
     end
     remaining, reset = s.limit - used, s.reset
   elseif s.alg == 'swl' then
     local used = s.used
     if charge then
+      -- One ZADD per ZADD_CHUNK members, not one per member: the work of
+      -- a check stays bounded (cost <= requests <= the sliding log's
+      -- maximum, see protocol::bounds).
+      local args, score = {}, num(now_us)
       for j = 1, s.cost do
-        redis.call('ZADD', key, num(now_us), num(now_us) .. ':' .. nonce .. ':' .. i .. ':' .. j)
+        args[#args + 1] = score
+        args[#args + 1] = score .. ':' .. nonce .. ':' .. i .. ':' .. j
+        if #args >= 2 * ZADD_CHUNK or j == s.cost then
+          redis.call('ZADD', key, unpack(args))
+          args = {}
+        end
       end
       redis.call('PEXPIRE', key, s.window)
       used = used + s.cost

@@ -1,0 +1,218 @@
+//! meshlimitd against hostile or careless callers (docs/security.md): one
+//! check's input changes only its own answer, and no check can stall Redis
+//! for the others.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use meshlimit_protocol::bounds::MAX_SLIDING_LOG_REQUESTS;
+use meshlimit_testbed::http::{self, Response};
+use meshlimit_testbed::services::{Standalone, REDIS_PORT};
+use serde_json::{json, Value};
+
+fn start() -> Standalone {
+    Standalone::start(Path::new(env!("CARGO_BIN_EXE_meshlimitd")), &[])
+}
+
+fn post(addr: &str, body: &Value) -> Response {
+    http::request(
+        addr,
+        "POST",
+        "/v1/check",
+        &[("content-type", b"application/json")],
+        &serde_json::to_vec(body).unwrap(),
+    )
+    .unwrap()
+}
+
+fn fixed(requests: u64, window_ms: u64) -> Value {
+    json!({"name": "api/m", "requests": requests, "window_ms": window_ms, "algorithm": "fixed_window"})
+}
+
+/// A batch with one check meshlimitd must refuse (a subject over the bound)
+/// between two good ones: the good ones are decided and charged, the bad
+/// one gets its own error, the call is a 200. It used to be a 400 for the
+/// whole batch, and every check in it fell back.
+#[test]
+fn one_bad_check_gets_its_own_error_and_the_batch_is_decided() {
+    let f = start();
+    let addr = f.service.addr.clone();
+    let batch = json!({"checks": [
+        {"subject": "good-1", "limits": [fixed(5, 60_000)]},
+        {"subject": "x".repeat(70_000), "limits": [fixed(5, 60_000)]},
+        {"subject": "good-2", "limits": [fixed(5, 60_000), {"name": "api/h", "requests": 0, "window_ms": 1000, "algorithm": "fixed_window"}]},
+        {"subject": "good-3", "limits": [fixed(5, 60_000)]}
+    ]});
+    let r = post(&addr, &batch);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 4);
+    assert_eq!(results[0]["allowed"], true);
+    assert_eq!(results[0]["limits"][0]["remaining"], 4);
+    assert_eq!(results[1]["kind"], "invalid");
+    assert_eq!(
+        results[1]["error"],
+        "checks[1].subject: at most 65536 bytes"
+    );
+    assert_eq!(results[2]["kind"], "invalid");
+    assert_eq!(
+        results[2]["error"],
+        "checks[2].limits[1].requests: must be at least 1"
+    );
+    assert_eq!(results[3]["allowed"], true);
+    // Nothing was charged for the refused ones.
+    let keys = f.redis.cli(&["--scan", "--pattern", "*"]);
+    assert_eq!(keys.lines().count(), 2, "{keys}");
+    let metrics = http::get(&addr, "/metrics", &[]).unwrap().body;
+    assert!(
+        metrics.contains("meshlimitd_check_failures_total{kind=\"invalid\"} 2"),
+        "{metrics}"
+    );
+    // A call with no valid check at all is still the caller's mistake.
+    let all_bad = json!({"checks": [{"subject": "", "limits": [fixed(5, 60_000)]}]});
+    assert_eq!(post(&addr, &all_bad).status, 400);
+}
+
+/// One PING round trip on a connection of its own.
+fn ping(conn: &mut TcpStream) -> Duration {
+    let started = Instant::now();
+    conn.write_all(b"PING\r\n").unwrap();
+    let mut buf = [0u8; 7];
+    conn.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"+PONG\r\n");
+    started.elapsed()
+}
+
+/// The largest check the API accepts must not stall Redis: a sliding log
+/// with `requests = cost = 10^8` used to add its members one `ZADD` at a
+/// time, blocking Redis for minutes (and `SCRIPT KILL` refuses once a
+/// script has written). Now the sliding log is bounded and members go in
+/// one `ZADD` per thousand.
+#[test]
+fn the_largest_allowed_check_leaves_redis_responsive() {
+    let f = start();
+    let addr = f.service.addr.clone();
+    let log = |requests: u64, cost: u64| {
+        json!({"checks": [{"subject": "heavy", "limits": [{
+            "name": "api/log", "requests": requests, "window_ms": 60_000,
+            "algorithm": "sliding_window_log", "cost": cost}]}]})
+    };
+    let too_big = post(&addr, &log(100_000_000, 100_000_000));
+    assert_eq!(too_big.status, 400, "{}", too_big.body);
+    assert!(too_big.body.contains("at most 10000"), "{}", too_big.body);
+    let mut conn = TcpStream::connect((f.redis.host.as_str(), REDIS_PORT)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    ping(&mut conn);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let slowest = std::thread::scope(|s| {
+        let pinger = s.spawn(|| {
+            let mut slowest = Duration::ZERO;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                slowest = slowest.max(ping(&mut conn));
+            }
+            slowest
+        });
+        for _ in 0..3 {
+            let r = post(
+                &addr,
+                &log(MAX_SLIDING_LOG_REQUESTS, MAX_SLIDING_LOG_REQUESTS),
+            );
+            assert_eq!(r.status, 200, "{}", r.body);
+            let _ = f.redis.cli(&["FLUSHALL"]);
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        pinger.join().unwrap()
+    });
+    eprintln!("slowest PING during the largest checks: {slowest:?}");
+    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+}
+
+/// Fixed windows across many window edges: the first millisecond of a
+/// window belongs to that window. The counter's key used to expire at the
+/// window's end, and Redis keeps a key alive while the clock equals its
+/// deadline, so a request in that millisecond was judged against the old
+/// count: denied with a full window's retry (which the deny cache then
+/// kept for the whole fresh window), or its increment lost with the key.
+#[test]
+fn the_first_millisecond_of_a_window_is_the_new_window() {
+    let f = start();
+    let addr = f.service.addr.clone();
+    let window = 20;
+    let deadline = Instant::now() + Duration::from_secs(4);
+    let (mut allowed, mut denied, mut full_window_denials) = (0, 0, 0);
+    while Instant::now() < deadline {
+        let r = post(
+            &addr,
+            &json!({"checks": [{"subject": "edge", "limits": [fixed(1, window)]}]}),
+        );
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        let result = &v["results"][0];
+        if result["allowed"] == true {
+            allowed += 1;
+        } else {
+            denied += 1;
+            if result["limits"][0]["retry_after_ms"] == window {
+                full_window_denials += 1;
+            }
+        }
+    }
+    eprintln!("{allowed} allowed, {denied} denied, {full_window_denials} denied at a window's first millisecond");
+    assert!(allowed > 50 && denied > 50, "{allowed} {denied}");
+    assert_eq!(full_window_denials, 0);
+}
+
+/// With `--auth-token-file`, a check without the shared token, or with a
+/// wrong one, gets 401, is counted, and changes nothing.
+#[test]
+fn checks_without_the_shared_token_are_refused_and_counted() {
+    let dir = meshlimit_testbed::procs::TempDir::new("token");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "correct-horse-battery\n").unwrap();
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &["--auth-token-file", token_file.to_str().unwrap()],
+    );
+    let addr = f.service.addr.clone();
+    let body =
+        serde_json::to_vec(&json!({"checks": [{"subject": "s", "limits": [fixed(5, 60_000)]}]}))
+            .unwrap();
+    let call = |auth: Option<&[u8]>| {
+        let mut headers: Vec<(&str, &[u8])> = vec![("content-type", b"application/json")];
+        if let Some(a) = auth {
+            headers.push(("authorization", a));
+        }
+        http::request(&addr, "POST", "/v1/check", &headers, &body).unwrap()
+    };
+    assert_eq!(call(None).status, 401);
+    assert_eq!(call(Some(b"Bearer wrong-horse-battery")).status, 401);
+    assert_eq!(call(Some(b"Bearer correct-horse-batter")).status, 401);
+    assert_eq!(f.redis.cli(&["DBSIZE"]).trim(), "0", "nothing charged");
+    let ok = call(Some(b"Bearer correct-horse-battery"));
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    let metrics = http::get(&addr, "/metrics", &[]).unwrap().body;
+    assert!(
+        metrics.contains("meshlimitd_unauthorized_total 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("meshlimitd_check_responses_total{status=\"401\"} 3"),
+        "{metrics}"
+    );
+    // A token file that is no token stops meshlimitd at start, saying why.
+    std::fs::write(&token_file, "short").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshlimitd"))
+        .args([
+            "--auth-token-file",
+            token_file.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("--auth-token-file: the token must be 16 to 256"));
+}
