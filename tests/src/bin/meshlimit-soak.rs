@@ -1,7 +1,10 @@
 //! `make soak`: mixed traffic for SOAK_SECONDS (default 600) through two
-//! replicas, with Redis restarted every SOAK_RESTART_SECONDS (default 120).
-//! Reports 5xx (must be 0), decisions by kind and path, and memory before
-//! and after; writes docs/soak.md.
+//! replicas, with Redis restarted every SOAK_RESTART_SECONDS (default 120),
+//! and hostile clients throughout (33,000-byte binary ids, duplicate id
+//! headers, streams reset mid-check). Reports 5xx (must be 0), fallback
+//! decisions while Redis was up (must be 0: hostile input changes no one
+//! else's decision), decisions by kind, and memory before and after;
+//! writes docs/soak.md.
 //!
 //! `make memory` (`meshlimit-soak --flood N`): N distinct client ids through
 //! one Envoy with Redis down (local fallback), then through meshlimitd with
@@ -39,6 +42,44 @@ struct Counts {
     denied: AtomicU64,
     server_errors: AtomicU64,
     other: AtomicU64,
+    hostile: AtomicU64,
+}
+
+/// Time after a Redis restart before limiting is expected to be global
+/// again (the breaker's probes, meshlimitd's reconnection).
+const RECOVERY: Duration = Duration::from_secs(10);
+
+/// One hostile request, by kind: a huge binary id, two id headers, or a
+/// stream reset while its check is out. Returns whether it got a 5xx.
+fn hostile(entry: &str, kind: u64, n: u64) -> bool {
+    use std::io::Write;
+    match kind % 3 {
+        0 => {
+            let huge = vec![0xff_u8; 33_000];
+            let r = meshlimit_testbed::http::get(entry, "/fixed/h", &[("x-api-key", &huge)]);
+            matches!(r, Ok(r) if r.status >= 500)
+        }
+        1 => {
+            let victim = format!("client-{}", n % 200);
+            let r = meshlimit_testbed::http::get(
+                entry,
+                "/log/d",
+                &[("x-api-key", victim.as_bytes()), ("x-api-key", b"mine")],
+            );
+            matches!(r, Ok(r) if r.status >= 500)
+        }
+        _ => {
+            if let Ok(mut conn) = std::net::TcpStream::connect(entry) {
+                let _ = write!(
+                    conn,
+                    "GET /bucket/r HTTP/1.1\r\nhost: soak\r\nx-api-key: resetter-{}\r\n\r\n",
+                    n % 50
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            false
+        }
+    }
 }
 
 fn soak() {
@@ -54,7 +95,27 @@ fn soak() {
     let stop = AtomicBool::new(false);
     let entry = t.entry();
     let mut restarts = 0;
+    let fallbacks = |t: &Topology| {
+        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied")
+    };
+    // Fallback decisions while Redis was up: from RECOVERY after each
+    // restart (and after the start) to the next restart.
+    let mut steady_fallbacks = 0;
     std::thread::scope(|s| {
+        {
+            let (entry, counts, stop) = (entry.clone(), &counts, &stop);
+            s.spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    if hostile(&entry, n, n / 3) {
+                        counts.server_errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                    counts.hostile.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            });
+        }
         for w in 0..4u64 {
             let (entry, counts, stop) = (entry.clone(), &counts, &stop);
             s.spawn(move || {
@@ -86,16 +147,28 @@ fn soak() {
         }
         let start = Instant::now();
         let mut next_restart = Duration::from_secs(restart_every);
+        let mut steady_since: Option<u64> = None;
+        let mut last_restart = Duration::ZERO;
         while start.elapsed() < Duration::from_secs(seconds) {
             std::thread::sleep(Duration::from_millis(200));
+            if steady_since.is_none() && start.elapsed() >= last_restart + RECOVERY {
+                steady_since = Some(fallbacks(&t));
+            }
             if start.elapsed() >= next_restart {
+                if let Some(from) = steady_since.take() {
+                    steady_fallbacks += fallbacks(&t) - from;
+                }
                 println!("  {:>4}s: restarting Redis", start.elapsed().as_secs());
+                last_restart = start.elapsed();
                 t.stop_redis();
                 std::thread::sleep(Duration::from_secs(2));
                 t.start_redis();
                 restarts += 1;
                 next_restart += Duration::from_secs(restart_every);
             }
+        }
+        if let Some(from) = steady_since.take() {
+            steady_fallbacks += fallbacks(&t) - from;
         }
         stop.store(true, Ordering::Relaxed);
     });
@@ -108,7 +181,9 @@ fn soak() {
         + counts.other.load(Ordering::Relaxed);
     let _ = writeln!(
         report,
-        "# Soak\n\nGenerated by `make soak` (tests/src/bin/meshlimit-soak.rs): {seconds} s of mixed traffic\n(4 keep-alive connections through the front Envoy, two replicas; 200\nwell-behaved clients and 3 abusive ones over three rules: fixed window,\nsliding log, token bucket), Redis stopped for 2 s and restarted every\n{restart_every} s ({restarts} restarts).\n\n| what | value |\n|---|---|\n| requests | {total} |\n| 200 | {} |\n| 429 | {} |\n| **5xx** | **{}** |\n| connection errors or other statuses | {} |\n| decided by meshlimitd (allowed / denied) | {} / {} |\n| decided by the deny cache | {} |\n| decided locally (fallback allowed / denied) | {} / {} |\n| breaker openings | {} |\n| replica-1 RSS before / after | {} / {} KiB |\n| replica-2 RSS before / after | {} / {} KiB |",
+        "# Soak\n\nGenerated by `make soak` (tests/src/bin/meshlimit-soak.rs): {seconds} s of mixed traffic\n(4 keep-alive connections through the front Envoy, two replicas; 200\nwell-behaved clients and 3 abusive ones over three rules: fixed window,\nsliding log, token bucket), Redis stopped for 2 s and restarted every\n{restart_every} s ({restarts} restarts). Beside them, one hostile client\nthroughout, in turn: a 33,000-byte binary id, two `x-api-key` headers (a\nvictim's and its own), a stream reset while its check is out.\n\n| what | value |\n|---|---|\n| requests | {total} |\n| hostile requests (not in the counts below) | {} |\n| **fallback decisions while Redis was up** (from {}s after each restart to the next) | **{steady_fallbacks}** |\n| 200 | {} |\n| 429 | {} |\n| **5xx** | **{}** |\n| connection errors or other statuses | {} |\n| decided by meshlimitd (allowed / denied) | {} / {} |\n| decided by the deny cache | {} |\n| decided locally (fallback allowed / denied) | {} / {} |\n| breaker openings | {} |\n| replica-1 RSS before / after | {} / {} KiB |\n| replica-2 RSS before / after | {} / {} KiB |",
+        counts.hostile.load(Ordering::Relaxed),
+        RECOVERY.as_secs(),
         counts.ok.load(Ordering::Relaxed),
         counts.denied.load(Ordering::Relaxed),
         counts.server_errors.load(Ordering::Relaxed),
@@ -125,7 +200,7 @@ fn soak() {
         rss_after.1,
     );
     write_report("docs/soak.md", &report);
-    if counts.server_errors.load(Ordering::Relaxed) > 0 {
+    if counts.server_errors.load(Ordering::Relaxed) > 0 || steady_fallbacks > 0 {
         std::process::exit(1);
     }
 }
