@@ -1,6 +1,7 @@
 //! Any bytes as a check request (meshlimitd's decoder and validation) and
-//! as a check answer (the filter's decoder): decoded or refused, never a
-//! panic; and an accepted request's subjects always become safe key tags.
+//! as a check answer (the filter's decoder, one check or a batch, with
+//! per-check errors): decoded or refused, never a panic; and an accepted
+//! request's subjects always become safe key tags.
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
@@ -15,5 +16,10 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     }
     for status in [None, Some(200), Some(503), Some(504)] {
         let _ = meshlimit::decision::read_answer(status, Some(data), 1, false);
+        // A batch: each outcome decided, refused or unavailable on its own,
+        // or the whole answer unusable; never more outcomes than checks.
+        if let Ok(outcomes) = meshlimit::decision::read_batch_answer(status, Some(data), &[1, 2, 0], false) {
+            assert_eq!(outcomes.len(), 3);
+        }
     }
 });
