@@ -11,7 +11,7 @@
 //! it safe for keys.
 
 use crate::config::{ClientIdConfig, WhenMissing};
-use crate::host::RequestView;
+use crate::host::{HeaderValue, RequestView};
 
 /// The outcome of identifying a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,7 +30,10 @@ pub const MAX_PLAIN_SUBJECT: usize = 256;
 /// Identifies the request; `path` is its `:path` (for query parameters).
 pub fn identify(cfg: &ClientIdConfig, req: &impl RequestView, path: &str) -> Identity {
     for name in &cfg.headers {
-        if let Some(value) = req.header(name) {
+        // Sent twice, an id is ambiguous and counts as missing: counting
+        // the first while the upstream authenticates another would let
+        // `x-api-key: victim` + `x-api-key: mine` spend the victim's quota.
+        if let HeaderValue::Once(value) = req.header(name) {
             if !value.is_empty() {
                 return Identity::Subject(subject("hdr", name, &value));
             }
@@ -168,8 +171,14 @@ fn percent_decode(text: &str) -> Vec<u8> {
 /// proxies. Entries further left are client-controlled and never used.
 fn client_address(cfg: &ClientIdConfig, req: &impl RequestView) -> Option<String> {
     if cfg.trusted_hops > 0 {
-        if let Some(xff) = req.header("x-forwarded-for") {
-            let text = String::from_utf8_lossy(&xff);
+        // Several x-forwarded-for headers are one list, in order.
+        let xff = req.header_values("x-forwarded-for");
+        if !xff.is_empty() {
+            let text = xff
+                .iter()
+                .map(|v| String::from_utf8_lossy(v))
+                .collect::<Vec<_>>()
+                .join(",");
             let hops: Vec<&str> = text.split(',').map(str::trim).collect();
             let n = cfg.trusted_hops as usize;
             if hops.len() >= n {
@@ -321,6 +330,24 @@ mod tests {
             identify(&cfg(&[], WhenMissing::ClientAddress, 1), &req, "/"),
             subject("ip:not-an-ip")
         );
+    }
+
+    #[test]
+    fn repeated_id_headers_count_as_missing_and_forwarded_for_is_one_list() {
+        let c = cfg(&["x-api-key", "x-user"], WhenMissing::Reject, 0);
+        let req = FakeRequest::default()
+            .with_header("x-api-key", b"victim")
+            .with_header("x-api-key", b"mine");
+        assert_eq!(identify(&c, &req, "/"), Identity::Reject);
+        let req = req.with_header("x-user", b"u1");
+        assert_eq!(identify(&c, &req, "/"), subject("hdr:x-user:u1"));
+        let req = FakeRequest::default()
+            .from_source("127.0.0.9:1000")
+            .with_header("x-forwarded-for", b"6.6.6.6, 1.1.1.1")
+            .with_header("x-forwarded-for", b"2.2.2.2");
+        let id = |hops| identify(&cfg(&[], WhenMissing::ClientAddress, hops), &req, "/");
+        assert_eq!(id(1), subject("ip:2.2.2.2"));
+        assert_eq!(id(2), subject("ip:1.1.1.1"));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::check::{Applied, Check};
 use crate::client_id::{self, Identity};
 use crate::config::{Config, Cost, Rule, Scope};
 use crate::headers::{self, Headers};
-use crate::host::RequestView;
+use crate::host::{HeaderValue, RequestView};
 pub use crate::reply::DenyResponse;
 use crate::rules;
 use crate::shared::deny_cache::DenyCache;
@@ -133,16 +133,19 @@ fn plain(status: u32, body: String) -> DenyResponse {
 fn request_cost(rule: &Rule, req: &impl RequestView) -> Result<u64, String> {
     match &rule.cost {
         Cost::Fixed(n) => Ok(*n),
-        Cost::Header { name, default, max } => match req.header(name) {
-            None => Ok(*default),
-            Some(raw) => std::str::from_utf8(&raw)
-                .ok()
-                .and_then(|t| t.trim().parse::<u64>().ok())
-                .filter(|n| (1..=*max).contains(n))
-                .ok_or_else(|| {
-                    format!("invalid {name} header: must be a whole number from 1 to {max}\n")
-                }),
-        },
+        Cost::Header { name, default, max } => {
+            let invalid = || format!("invalid {name} header: must be a whole number from 1 to {max}\n");
+            match req.header(name) {
+                HeaderValue::Absent => Ok(*default),
+                // Two costs: which one would the client want counted?
+                HeaderValue::Repeated => Err(invalid()),
+                HeaderValue::Once(raw) => std::str::from_utf8(&raw)
+                    .ok()
+                    .and_then(|t| t.trim().parse::<u64>().ok())
+                    .filter(|n| (1..=*max).contains(n))
+                    .ok_or_else(invalid),
+            }
+        }
     }
 }
 

@@ -39,7 +39,7 @@ use crate::check::Check;
 use crate::config::Config;
 use crate::decision::{self, DenyResponse, Plan, RejectReason, ServiceError, Verdict};
 use crate::headers::Headers;
-use crate::host::{Call, Host};
+use crate::host::{Call, Host, Request};
 use crate::shared::breaker::{Breaker, Gate, Transition};
 use crate::shared::deny_cache::DenyCache;
 use crate::shared::fallback::{self, LocalLimiter};
@@ -137,8 +137,6 @@ pub struct Worker {
     batch_started: RefCell<HashMap<u32, u64>>,
     /// RateLimit headers for streams the root admitted, by context id.
     decided_headers: RefCell<HashMap<u32, Headers>>,
-    /// Whether any rule matches on the method (else it is not read).
-    rules_match_methods: bool,
     /// The millisecond in which this worker last found the breaker closed.
     /// Within that millisecond the shared state is not read again: a
     /// hostcall per request saved, and another worker's opening is seen at
@@ -172,7 +170,6 @@ impl Worker {
                 wake_queue,
             })
         });
-        let rules_match_methods = config.rules.iter().any(|r| !r.methods.is_empty());
         Worker {
             metrics: Metrics::define(host),
             config,
@@ -185,7 +182,6 @@ impl Worker {
             group,
             batch_started: RefCell::new(HashMap::new()),
             decided_headers: RefCell::new(HashMap::new()),
-            rules_match_methods,
             breaker_closed_at: Cell::new(None),
         }
     }
@@ -201,15 +197,12 @@ impl Worker {
 
     /// The request's headers are in: decide, or start deciding.
     pub fn on_request_headers(&self, host: &impl Host, stream: &mut Stream) -> Step {
-        // Most configs match on paths only: skip a hostcall when no rule
-        // looks at the method.
-        let method = if self.rules_match_methods {
-            header_text(host, ":method")
-        } else {
-            String::new()
-        };
-        let path = header_text(host, ":path");
-        let check = match decision::plan(&self.config, host, &method, &path) {
+        // Every header in one hostcall: the path, the method, the id and
+        // cost headers are then read without crossing into Envoy again,
+        // and a repeated header is seen as such.
+        let request = Request::read(host);
+        let (method, path) = (request.text(":method"), request.text(":path"));
+        let check = match decision::plan(&self.config, &request, &method, &path) {
             Plan::Pass => return Step::Continue,
             Plan::Reject(deny, why) => {
                 self.metrics.bump(
@@ -596,9 +589,3 @@ fn with_local(
     }
 }
 
-/// A request header as text (lossy: only compared with configured text).
-fn header_text(host: &impl Host, name: &str) -> String {
-    host.header(name)
-        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
-        .unwrap_or_default()
-}

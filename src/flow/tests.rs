@@ -186,8 +186,8 @@ fn unmatched_requests_pass_untouched() {
     let (_, step) = h.request_to("/health", "a");
     assert_eq!(step, Step::Continue);
     assert_eq!(h.calls(), 0);
-    // Only `:path` was read: no method rule, no id, no clock, no stat.
-    assert_eq!(h.host.take_hostcalls(), ["get_header"]);
+    // Only the headers were read: no clock, no shared data, no stat.
+    assert_eq!(h.host.take_hostcalls(), ["get_header_map_pairs"]);
 }
 
 #[test]
@@ -746,8 +746,10 @@ fn shadow_denials_are_counted_not_enforced() {
 // ---- what a request costs the host ----
 
 /// The hostcalls of one request decided by meshlimitd through a batch,
-/// after a warm-up (seed read, breaker state seen): the same as the glue
-/// made them before the flow was host-independent.
+/// after a warm-up (seed read, breaker state seen). Before the flow was
+/// host-independent the glue made the same ones, but read `:path` and the
+/// id header in two crossings (and added a zero to a stat); now all the
+/// headers come in one.
 #[test]
 fn hostcalls_per_request_with_group_commit() {
     let mut h = harness("");
@@ -760,8 +762,7 @@ fn hostcalls_per_request_with_group_commit() {
     assert_eq!(
         h.host.take_hostcalls(),
         [
-            "get_header",           // :path
-            "get_header",           // x-api-key
+            "get_header_map_pairs", // :path, x-api-key: all headers at once
             "get_current_time",     //
             "get_shared_data",      // deny cache
             "get_shared_data",      // breaker (once per millisecond)
@@ -810,8 +811,7 @@ fn hostcalls_per_request_with_one_call_each() {
     assert_eq!(
         h.host.take_hostcalls(),
         [
-            "get_header",
-            "get_header",
+            "get_header_map_pairs",
             "get_current_time",
             "get_shared_data",
             "get_shared_data",
@@ -919,7 +919,7 @@ fn a_reply_that_cannot_be_sent_is_logged() {
 }
 
 #[test]
-fn methods_are_read_only_when_a_rule_matches_on_them() {
+fn methods_are_matched_from_the_headers_read_once() {
     let h = harness_with(
         crate::config::parse(
             br#"{"client_id": {"headers": ["x-api-key"]}, "group_commit": {"enabled": false},
@@ -940,7 +940,7 @@ fn methods_are_read_only_when_a_rule_matches_on_them() {
         Step::Continue,
         "a GET matches no rule"
     );
-    assert_eq!(h.host.take_hostcalls(), ["get_header", "get_header"]);
+    assert_eq!(h.host.take_hostcalls(), ["get_header_map_pairs"]);
     *h.host.request.borrow_mut() = FakeRequest::default()
         .with_header(":method", b"POST")
         .with_header(":path", b"/")
@@ -1117,4 +1117,39 @@ fn calls_carry_the_shared_token_and_the_callers_timeout() {
     h.request("a");
     h.wake();
     assert_eq!(h.host.sent.borrow()[0].authorization, None);
+}
+
+/// Proxy-wasm hands the filter the first of repeated headers only; an
+/// upstream may read another. `x-api-key: victim` + `x-api-key: mine` must
+/// not spend the victim's quota, and two cost headers are no cost at all.
+#[test]
+fn repeated_id_or_cost_headers_are_ambiguous() {
+    let mut h = harness(ONE_CALL);
+    h.host.request.borrow_mut().headers = vec![
+        (":path".into(), b"/api/x".to_vec()),
+        ("x-api-key".into(), b"victim".to_vec()),
+        ("x-api-key".into(), b"mine".to_vec()),
+    ];
+    let mut s = h.worker.stream(50);
+    let step = h.worker.on_request_headers(&h.host, &mut s);
+    assert_eq!(reply_status(&step), Some(401), "counts as missing: when_missing reject");
+    assert_eq!(h.calls(), 0);
+    let mut h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"]}, "rules": [{"name": "api", "cost": {"header": "x-cost", "max": 10},
+                "limits": [{"name": "m", "requests": 10, "window": "60s"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    h.host.request.borrow_mut().headers = vec![
+        (":path".into(), b"/".to_vec()),
+        ("x-api-key".into(), b"a".to_vec()),
+        ("x-cost".into(), b"9".to_vec()),
+        ("x-cost".into(), b"1".to_vec()),
+    ];
+    let step = h.worker.on_request_headers(&h.host, &mut s);
+    assert_eq!(reply_status(&step), Some(400));
+    assert_eq!(h.stat("rejected_invalid_cost"), 1);
+    // x-forwarded-for headers are one list.
+    let _ = h.request("a");
 }

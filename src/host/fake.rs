@@ -25,11 +25,12 @@ impl FakeRequest {
 }
 
 impl RequestView for FakeRequest {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
+    fn header_values(&self, name: &str) -> Vec<Vec<u8>> {
         self.headers
             .iter()
-            .find(|(n, _)| n == name)
+            .filter(|(n, _)| n == name)
             .map(|(_, v)| v.clone())
+            .collect()
     }
     fn source_address(&self) -> Option<String> {
         self.source.clone()
@@ -192,17 +193,6 @@ impl FakeHost {
     }
 }
 
-impl RequestView for FakeHost {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        self.hostcall("get_header");
-        self.request.borrow().header(name)
-    }
-    fn source_address(&self) -> Option<String> {
-        self.hostcall("get_property");
-        self.request.borrow().source_address()
-    }
-}
-
 impl SharedStore for FakeHost {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
         self.hostcall("get_shared_data");
@@ -215,6 +205,16 @@ impl SharedStore for FakeHost {
 }
 
 impl Host for FakeHost {
+    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
+        self.hostcall("get_header_map_pairs");
+        self.request.borrow().headers.clone()
+    }
+
+    fn source_address(&self) -> Option<String> {
+        self.hostcall("get_property");
+        self.request.borrow().source_address()
+    }
+
     fn now_ms(&self) -> u64 {
         self.hostcall("get_current_time");
         self.now.get()

@@ -12,15 +12,77 @@ use crate::stats::MetricKind;
 
 #[cfg(test)]
 pub mod fake;
+pub mod pairs;
+
+/// A request header, as the decision logic must tell its cases apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderValue {
+    Absent,
+    /// Sent once: this value.
+    Once(Vec<u8>),
+    /// Sent more than once: ambiguous, since an upstream may read another
+    /// copy than the one counted (`x-api-key: victim`, `x-api-key: mine`).
+    Repeated,
+}
 
 /// Read access to the request being decided.
 pub trait RequestView {
-    /// Raw bytes of a request header (lower-case name). Bytes, not a
-    /// `String`: Envoy passes obs-text through, and a UTF-8 conversion that
-    /// fails must never be able to trap the VM.
-    fn header(&self, name: &str) -> Option<Vec<u8>>;
+    /// Every value of a request header (lower-case name), in order. Bytes,
+    /// not a `String`: Envoy passes obs-text through, and a UTF-8
+    /// conversion that fails must never be able to trap the VM.
+    fn header_values(&self, name: &str) -> Vec<Vec<u8>>;
     /// Envoy's `source.address` property (`ip:port`).
     fn source_address(&self) -> Option<String>;
+
+    /// A header that must be sent once to mean anything.
+    fn header(&self, name: &str) -> HeaderValue {
+        let mut values = self.header_values(name);
+        match values.len() {
+            0 => HeaderValue::Absent,
+            1 => values.pop().map_or(HeaderValue::Absent, HeaderValue::Once),
+            _ => HeaderValue::Repeated,
+        }
+    }
+}
+
+/// The request being decided: its headers, read from the host in one
+/// hostcall, and the host for what is read only when needed.
+pub struct Request<'h, H: Host> {
+    headers: Vec<(String, Vec<u8>)>,
+    host: &'h H,
+}
+
+impl<'h, H: Host> Request<'h, H> {
+    pub fn read(host: &'h H) -> Self {
+        Request {
+            headers: host.request_headers(),
+            host,
+        }
+    }
+
+    /// A header as text (lossy: only compared with configured text), empty
+    /// when absent; the first when repeated (pseudo-headers are unique).
+    pub fn text(&self, name: &str) -> String {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+impl<H: Host> RequestView for Request<'_, H> {
+    fn header_values(&self, name: &str) -> Vec<Vec<u8>> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    fn source_address(&self) -> Option<String> {
+        self.host.source_address()
+    }
 }
 
 /// A check call to meshlimitd.
@@ -39,7 +101,13 @@ pub struct Call<'a> {
 /// Everything the request flow does to its host. The request, the call
 /// response and the stream operations act on the host's current (effective)
 /// context.
-pub trait Host: RequestView + SharedStore {
+pub trait Host: SharedStore {
+    /// Every header of the current request, in order (one hostcall; the
+    /// flow reads them all at once rather than one crossing per header).
+    fn request_headers(&self) -> Vec<(String, Vec<u8>)>;
+    /// Envoy's `source.address` property (`ip:port`) of the current request.
+    fn source_address(&self) -> Option<String>;
+
     /// Milliseconds since the Unix epoch, as the host's clock says.
     fn now_ms(&self) -> u64;
     /// Fresh random words (fingerprint seeds, queue names).

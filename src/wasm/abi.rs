@@ -1,5 +1,5 @@
 //! Panic-free wrappers for the hostcalls whose status depends on the state
-//! of a dispatched call.
+//! of a dispatched call, and for reading the request's header map.
 //!
 //! The SDK's `hostcalls` return `Result`, but `panic!` on any status they do
 //! not expect. After a timed-out or reset call Envoy has no response header
@@ -23,6 +23,11 @@ extern "C" {
         key_size: usize,
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
     ) -> u32;
     fn proxy_get_buffer_bytes(
         buffer_type: BufferType,
@@ -76,4 +81,19 @@ pub fn call_response_body(max: usize) -> Option<Vec<u8>> {
         )
     };
     (status == STATUS_OK).then(|| owned(data, size))
+}
+
+/// Every header of the current request, decoded without trusting the
+/// encoding (the SDK's `get_map_bytes` panics on an unexpected status and
+/// unwraps as it decodes).
+pub fn request_headers() -> Option<Vec<(String, Vec<u8>)>> {
+    let mut data: *mut u8 = null_mut();
+    let mut size: usize = 0;
+    // SAFETY: pointers to live locals; the host fills them on success.
+    let status =
+        unsafe { proxy_get_header_map_pairs(MapType::HttpRequestHeaders, &mut data, &mut size) };
+    if status != STATUS_OK {
+        return None;
+    }
+    crate::host::pairs::decode(&owned(data, size))
 }

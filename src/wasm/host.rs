@@ -7,27 +7,12 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MapType, MetricType, Status};
 
 use super::abi;
-use crate::host::{Call, Host, RequestView, SharedStore, StoreError};
+use crate::host::{Call, Host, SharedStore, StoreError};
 use crate::reply::DenyResponse;
 use crate::stats::MetricKind;
 
 /// The Envoy this VM runs in, as the current context sees it.
 pub(super) struct WasmHost;
-
-impl RequestView for WasmHost {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
-    }
-
-    fn source_address(&self) -> Option<String> {
-        hostcalls::get_property(vec!["source", "address"])
-            .ok()
-            .flatten()
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-    }
-}
 
 /// proxy-wasm shared data (one per VM id, shared by all workers).
 impl SharedStore for WasmHost {
@@ -44,6 +29,17 @@ impl SharedStore for WasmHost {
 }
 
 impl Host for WasmHost {
+    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
+        abi::request_headers().unwrap_or_default()
+    }
+
+    fn source_address(&self) -> Option<String> {
+        hostcalls::get_property(vec!["source", "address"])
+            .ok()
+            .flatten()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    }
+
     fn now_ms(&self) -> u64 {
         hostcalls::get_current_time()
             .ok()
