@@ -134,7 +134,8 @@ fn request_cost(rule: &Rule, req: &impl RequestView) -> Result<u64, String> {
     match &rule.cost {
         Cost::Fixed(n) => Ok(*n),
         Cost::Header { name, default, max } => {
-            let invalid = || format!("invalid {name} header: must be a whole number from 1 to {max}\n");
+            let invalid =
+                || format!("invalid {name} header: must be a whole number from 1 to {max}\n");
             match req.header(name) {
                 HeaderValue::Absent => Ok(*default),
                 // Two costs: which one would the client want counted?

@@ -588,4 +588,3 @@ fn with_local(
         }
     }
 }
-

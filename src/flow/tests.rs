@@ -1132,7 +1132,11 @@ fn repeated_id_or_cost_headers_are_ambiguous() {
     ];
     let mut s = h.worker.stream(50);
     let step = h.worker.on_request_headers(&h.host, &mut s);
-    assert_eq!(reply_status(&step), Some(401), "counts as missing: when_missing reject");
+    assert_eq!(
+        reply_status(&step),
+        Some(401),
+        "counts as missing: when_missing reject"
+    );
     assert_eq!(h.calls(), 0);
     let mut h = harness_with(
         crate::config::parse(

@@ -118,3 +118,28 @@ fn resetting_clients_leave_no_call_behind() {
     assert_eq!(send(&t, &key("after")).status, 200);
     assert_no_vm_panics(&t);
 }
+
+/// `x-api-key: victim` and `x-api-key: mine` in one request: an upstream
+/// may authenticate either copy, so the request spends no one's quota; it
+/// counts as having no id (here: refused, as `when_missing: reject` says).
+#[test]
+fn a_repeated_id_header_spends_no_ones_quota() {
+    let t = Topology::start(TopologyOptions {
+        plugin_config: plugin_config(
+            json!({"headers": ["x-api-key"], "when_missing": "reject"}),
+            "local",
+        ),
+        replicas: 1,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    wait_for_fresh_window(Duration::from_secs(10));
+    let r = t.get(
+        "/api/items",
+        &[("x-api-key", b"victim"), ("x-api-key", b"mine")],
+    );
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(t.stat(1, "meshlimit.rejected_no_client_id"), 1);
+    // The victim's quota is whole.
+    assert_eq!(burst(&t, &key("victim"), LIMIT).0, LIMIT);
+}

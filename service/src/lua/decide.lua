@@ -31,6 +31,13 @@ for i = 1, n do
   local key, limit, window, cost = KEYS[k + i], s.limit, s.window, s.cost
   if s.alg == 'fw' then
     s.used = tonumber(redis.call('GET', key) or '0')
+    if s.used > 0 then
+      -- A counter whose deadline is before now (TIME's clock) belongs to a
+      -- window that has ended, even if Redis, whose expiry clock for this
+      -- run may be a millisecond behind TIME, still keeps it.
+      local at = redis.call('PEXPIRETIME', key)
+      if at >= 0 and at < now then s.used, s.stale = 0, true end
+    end
     s.reset = window - (now % window)
     s.fits = s.used + cost <= limit
     s.retry = s.reset
@@ -92,14 +99,17 @@ for i = 1, n do
   local remaining, reset
   if s.alg == 'fw' then
     local used = s.used
-    if charge then
+    -- The deadline is the window's last millisecond: Redis keeps a key
+    -- alive while its clock equals the deadline, so a deadline at the
+    -- window's end would hand the new window's first millisecond to the
+    -- old count (a deny with a full window's retry, or an increment lost
+    -- with the dying key).
+    if charge and s.stale then
+      redis.call('SET', key, s.cost, 'PXAT', num(now + s.reset - 1))
+      used = s.cost
+    elseif charge then
       used = redis.call('INCRBY', key, s.cost)
       if used == s.cost or redis.call('PTTL', key) < 0 then
-        -- The last millisecond of the window: Redis keeps a key alive
-        -- while the clock equals its deadline, so a deadline at the
-        -- window's end would hand the new window's first millisecond to
-        -- the old count (a deny with a full window's retry, or an
-        -- increment lost with the dying key).
         redis.call('PEXPIREAT', key, num(now + s.reset - 1))
       end
     end
