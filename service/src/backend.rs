@@ -12,9 +12,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cluster::Cluster;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::ClusterClientBuilder;
-use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
     Cmd, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, Script, ScriptInvocation,
@@ -67,15 +67,8 @@ pub enum ConfigError {
 #[derive(Clone)]
 pub enum Backend {
     Standalone(ConnectionManager),
-    Cluster(Arc<LazyCluster>),
+    Cluster(Arc<Cluster>),
     Sentinel(Arc<SentinelMaster>),
-}
-
-pub struct LazyCluster {
-    builder: Mutex<Option<ClusterClientBuilder>>,
-    client: Mutex<Option<redis::cluster::ClusterClient>>,
-    connection: Mutex<Option<ClusterConnection>>,
-    timeout: Duration,
 }
 
 pub struct SentinelMaster {
@@ -191,12 +184,13 @@ impl Backend {
                 if let Some(certs) = tls_certs(options) {
                     builder = builder.certs(certs);
                 }
-                Ok(Backend::Cluster(Arc::new(LazyCluster {
-                    builder: Mutex::new(Some(builder)),
-                    client: Mutex::new(None),
-                    connection: Mutex::new(None),
-                    timeout: options.timeout,
-                })))
+                let seed = first.as_str().into_connection_info()?;
+                Ok(Backend::Cluster(Arc::new(Cluster::new(
+                    builder,
+                    seed,
+                    tls_certs(options),
+                    options.timeout,
+                ))))
             }
             Mode::Sentinel => {
                 let master = options
@@ -213,17 +207,16 @@ impl Backend {
         }
     }
 
-    /// Runs a script invocation (EVALSHA, loading the script on NOSCRIPT).
+    /// Runs a script invocation (EVALSHA, loading the script on NOSCRIPT)
+    /// whose keys live in cluster slot `slot`.
     pub async fn invoke<T: FromRedisValue>(
         &self,
+        slot: u16,
         invocation: &ScriptInvocation<'_>,
     ) -> RedisResult<T> {
         match self {
             Backend::Standalone(conn) => invocation.invoke_async(&mut conn.clone()).await,
-            Backend::Cluster(lazy) => {
-                let mut conn = lazy.connection().await?;
-                invocation.invoke_async(&mut conn).await
-            }
+            Backend::Cluster(cluster) => cluster.invoke(slot, invocation).await,
             Backend::Sentinel(master) => {
                 let mut conn = master.connection().await?;
                 let result = invocation.invoke_async(&mut conn).await;
@@ -252,9 +245,9 @@ impl Backend {
     pub async fn load(&self, script: &Script) -> RedisResult<()> {
         match self {
             Backend::Standalone(conn) => script.load_async(&mut conn.clone()).await.map(drop),
-            Backend::Cluster(lazy) => {
+            Backend::Cluster(cluster) => {
                 // redis-rs sends SCRIPT LOAD to every master.
-                let mut conn = lazy.connection().await?;
+                let mut conn = cluster.connection().await?;
                 script.load_async(&mut conn).await.map(drop)
             }
             Backend::Sentinel(master) => {
@@ -270,8 +263,8 @@ impl Backend {
     pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         match self {
             Backend::Standalone(conn) => cmd.query_async(&mut conn.clone()).await,
-            Backend::Cluster(lazy) => {
-                let mut conn = lazy.connection().await?;
+            Backend::Cluster(cluster) => {
+                let mut conn = cluster.connection().await?;
                 cmd.query_async(&mut conn).await
             }
             Backend::Sentinel(master) => {
@@ -281,37 +274,6 @@ impl Backend {
                 result
             }
         }
-    }
-}
-
-impl LazyCluster {
-    async fn connection(&self) -> RedisResult<ClusterConnection> {
-        let mut slot = self.connection.lock().await;
-        if let Some(conn) = slot.as_ref() {
-            return Ok(conn.clone());
-        }
-        let mut client = self.client.lock().await;
-        if client.is_none() {
-            if let Some(builder) = self.builder.lock().await.take() {
-                *client = Some(builder.build()?);
-            }
-        }
-        let Some(c) = client.as_ref() else {
-            return Err(RedisError::from((
-                redis::ErrorKind::Client,
-                "cluster client unavailable",
-            )));
-        };
-        let conn = tokio::time::timeout(
-            self.timeout.max(Duration::from_millis(250)),
-            c.get_async_connection(),
-        )
-        .await
-        .map_err(|_| {
-            RedisError::from((redis::ErrorKind::Io, "timed out connecting to the cluster"))
-        })??;
-        *slot = Some(conn.clone());
-        Ok(conn)
     }
 }
 

@@ -46,6 +46,23 @@ fn hashed(subject: &str) -> String {
 }
 
 /// The key of one limit's counter for one subject.
+/// The Redis Cluster slot of every key with hash tag `tag` (CRC16/XMODEM
+/// of the tag, modulo 16384, as Redis computes it).
+pub fn tag_slot(tag: &str) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in tag.as_bytes() {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
 pub fn limit_key(prefix: &str, tag: &str, limit: &Limit) -> String {
     format!(
         "{prefix}{{{tag}}}:{}:{}:{}",
@@ -57,6 +74,15 @@ pub fn limit_key(prefix: &str, tag: &str, limit: &Limit) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn slots_are_redis_own() {
+        // Redis' cluster spec: CRC16("123456789") = 0x31C3; and
+        // CLUSTER KEYSLOT of two known keys.
+        assert_eq!(tag_slot("123456789"), 0x31C3);
+        assert_eq!(tag_slot("foo"), 12182);
+        assert_eq!(tag_slot("user1000"), 3443);
+    }
+
     use super::*;
     use meshlimit_protocol::Algorithm;
 

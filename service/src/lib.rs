@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod backend;
+pub mod cluster;
 pub mod keys;
 pub mod limiter;
 pub mod metrics;

@@ -146,7 +146,7 @@ impl Limiter {
         let mut invocation = self.script.prepare_invoke();
         invocation.arg(self.next_nonce());
         self.add_limits(&mut invocation, check);
-        let values = self.run(&invocation).await?;
+        let values = self.run(slot_of(check), &invocation).await?;
         parse_reply(check, &values)
     }
 
@@ -222,7 +222,9 @@ impl Limiter {
             invocation.arg(check.limits.len());
             self.add_limits(&mut invocation, check);
         }
-        let values = self.run(&invocation).await?;
+        // On a Cluster the checks of one run share a subject, hence a slot.
+        let slot = checks.first().map_or(0, |c| slot_of(c));
+        let values = self.run(slot, &invocation).await?;
         let mut rest = values.as_slice();
         let mut results = Vec::with_capacity(checks.len());
         for check in checks {
@@ -265,6 +267,7 @@ impl Limiter {
     /// metrics every run gets.
     async fn run(
         &self,
+        slot: u16,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<Vec<i64>, LimiterError> {
         if self.health.fail_fast() {
@@ -272,8 +275,11 @@ impl Limiter {
             return Err(LimiterError::Unhealthy);
         }
         let started = Instant::now();
-        let reply =
-            tokio::time::timeout(self.timeout, self.backend.invoke::<Vec<i64>>(invocation)).await;
+        let reply = tokio::time::timeout(
+            self.timeout,
+            self.backend.invoke::<Vec<i64>>(slot, invocation),
+        )
+        .await;
         self.metrics.observe_redis(started.elapsed());
         let values = match reply {
             Err(_) => {
@@ -284,7 +290,12 @@ impl Limiter {
             Ok(Ok(values)) => Ok(values),
         }
         .inspect_err(|e| self.metrics.redis_error(e.kind()));
-        self.health.record(values.is_ok());
+        // On a Cluster one node's failures say nothing of the others (the
+        // cluster backend pauses a failing node on its own): failing fast
+        // for all would turn one dead node into everyone's fallback.
+        if !self.backend.is_cluster() {
+            self.health.record(values.is_ok());
+        }
         values
     }
 
@@ -337,6 +348,11 @@ impl Limiter {
             Ok(Ok(_)) => Ok(()),
         }
     }
+}
+
+/// The Cluster slot of a check's keys (all share its subject's tag).
+fn slot_of(check: &Check) -> u16 {
+    keys::tag_slot(&keys::subject_tag(&check.subject))
 }
 
 /// Distinguishes this process's nonces from other meshlimitd instances'.

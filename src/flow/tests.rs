@@ -1124,7 +1124,7 @@ fn calls_carry_the_shared_token_and_the_callers_timeout() {
 /// not spend the victim's quota, and two cost headers are no cost at all.
 #[test]
 fn repeated_id_or_cost_headers_are_ambiguous() {
-    let mut h = harness(ONE_CALL);
+    let h = harness(ONE_CALL);
     h.host.request.borrow_mut().headers = vec![
         (":path".into(), b"/api/x".to_vec()),
         ("x-api-key".into(), b"victim".to_vec()),

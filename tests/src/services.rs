@@ -199,6 +199,11 @@ impl RedisCluster {
                         "--cluster-replica-validity-factor",
                         "0",
                     ])
+                    // As docs/operators.md recommends for meshlimit: the
+                    // live masters keep answering while a dead one's slots
+                    // wait for their failover (with the default `yes`,
+                    // every node refuses every command until then).
+                    .args(["--cluster-require-full-coverage", "no"])
                     // On loopback a node's outgoing address is 127.0.0.1;
                     // it must announce the address clients can reach.
                     .args(["--cluster-announce-ip", host])

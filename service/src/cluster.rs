@@ -1,0 +1,383 @@
+//! Redis Cluster, with each node's failure kept to that node's checks.
+//!
+//! redis-rs' cluster connection follows MOVED and ASK and refreshes its
+//! slot map after a failover, but while it recovers from one node's
+//! failure it holds up every request it carries, whichever node they are
+//! for: with a master killed under traffic, checks of the live masters
+//! timed out too, meshlimitd answered 503, and the proxies' breakers
+//! opened (thousands of fallback decisions for clients whose masters never
+//! failed).
+//!
+//! So a script run first goes straight to the master that holds its slot,
+//! on a connection of that master's own (the slot map comes from
+//! `CLUSTER SLOTS`); a dead master fails only the runs sent to it. Whatever
+//! that path cannot settle (a redirect during a resharding, a node that is
+//! down or unknown, a failover in progress) goes through redis-rs' cluster
+//! connection, and the slot map is read again in the background.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{
+    ConnectionAddr, ConnectionInfo, FromRedisValue, RedisError, RedisResult, ScriptInvocation,
+};
+use tokio::sync::Mutex;
+
+/// Slots in a Redis Cluster.
+const SLOTS: usize = 16_384;
+/// How long a node whose direct connection failed is left to the cluster
+/// connection before it is tried directly again.
+const NODE_PAUSE: Duration = Duration::from_secs(1);
+/// Least time between two reads of the slot map.
+const REFRESH_EVERY: Duration = Duration::from_millis(500);
+
+pub struct Cluster {
+    builder: Mutex<Option<ClusterClientBuilder>>,
+    client: Mutex<Option<redis::cluster::ClusterClient>>,
+    /// redis-rs' connection: redirects, failovers, and anything else.
+    connection: Mutex<Option<ClusterConnection>>,
+    /// How to reach one node: the first seed's settings (password, TLS).
+    seed: ConnectionInfo,
+    certs: Option<redis::TlsCertificates>,
+    /// Which master holds each slot (shared with background refreshes).
+    map: Arc<RwLock<SlotMap>>,
+    /// Connections straight to masters, by address.
+    direct: Mutex<HashMap<String, Direct>>,
+    refreshed_ms: AtomicU64,
+    epoch: Instant,
+    timeout: Duration,
+}
+
+#[derive(Default)]
+struct SlotMap {
+    /// `owner[slot]` indexes `masters`; `u16::MAX` for no known owner.
+    owner: Vec<u16>,
+    masters: Vec<(String, u16)>,
+}
+
+enum Direct {
+    Up(MultiplexedConnection),
+    /// Failed to connect or answer: left to the cluster connection until.
+    Paused(Instant),
+}
+
+impl Cluster {
+    pub fn new(
+        builder: ClusterClientBuilder,
+        seed: ConnectionInfo,
+        certs: Option<redis::TlsCertificates>,
+        timeout: Duration,
+    ) -> Cluster {
+        Cluster {
+            builder: Mutex::new(Some(builder)),
+            client: Mutex::new(None),
+            connection: Mutex::new(None),
+            seed,
+            certs,
+            map: Arc::new(RwLock::new(SlotMap::default())),
+            direct: Mutex::new(HashMap::new()),
+            refreshed_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            timeout,
+        }
+    }
+
+    /// Runs a script whose keys live in `slot`: on its master's own
+    /// connection when it can, else through the cluster connection.
+    pub async fn invoke<T: FromRedisValue>(
+        &self,
+        slot: u16,
+        invocation: &ScriptInvocation<'_>,
+    ) -> RedisResult<T> {
+        if let Some((addr, mut conn)) = self.direct_for(slot).await {
+            match invocation.invoke_async(&mut conn).await {
+                Ok(value) => return Ok(value),
+                Err(e) if !settled_elsewhere(&e) => return Err(e),
+                Err(e) => {
+                    if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() {
+                        self.pause(&addr).await;
+                    }
+                    self.refresh_soon();
+                }
+            }
+        }
+        let mut conn = self.connection().await?;
+        invocation.invoke_async(&mut conn).await
+    }
+
+    /// redis-rs' cluster connection, connecting on first use (and reading
+    /// the slot map then).
+    pub async fn connection(&self) -> RedisResult<ClusterConnection> {
+        let mut slot = self.connection.lock().await;
+        if let Some(conn) = slot.as_ref() {
+            return Ok(conn.clone());
+        }
+        let mut client = self.client.lock().await;
+        if client.is_none() {
+            if let Some(builder) = self.builder.lock().await.take() {
+                *client = Some(builder.build()?);
+            }
+        }
+        let Some(c) = client.as_ref() else {
+            return Err(RedisError::from((
+                redis::ErrorKind::Client,
+                "cluster client unavailable",
+            )));
+        };
+        let conn = tokio::time::timeout(self.patience(), c.get_async_connection())
+            .await
+            .map_err(|_| {
+                RedisError::from((redis::ErrorKind::Io, "timed out connecting to the cluster"))
+            })??;
+        *slot = Some(conn.clone());
+        drop(slot);
+        self.refresh(conn.clone()).await;
+        Ok(conn)
+    }
+
+    fn patience(&self) -> Duration {
+        self.timeout.max(Duration::from_millis(250))
+    }
+
+    /// The master of `slot` and a connection to it, if the map names one
+    /// and it is not paused.
+    async fn direct_for(&self, slot: u16) -> Option<(String, MultiplexedConnection)> {
+        let (host, port) = {
+            let map = self.map.read().ok()?;
+            let owner = *map.owner.get(usize::from(slot))?;
+            map.masters.get(usize::from(owner))?.clone()
+        };
+        let addr = format!("{host}:{port}");
+        let mut direct = self.direct.lock().await;
+        match direct.get(&addr) {
+            Some(Direct::Up(conn)) => return Some((addr, conn.clone())),
+            Some(Direct::Paused(until)) if Instant::now() < *until => return None,
+            _ => {}
+        }
+        // Connecting holds the lock: one attempt at a time, and a dead
+        // node is paused for everyone at once.
+        match self.open(&host, port).await {
+            Ok(conn) => {
+                direct.insert(addr.clone(), Direct::Up(conn.clone()));
+                Some((addr, conn))
+            }
+            Err(_) => {
+                direct.insert(addr, Direct::Paused(Instant::now() + NODE_PAUSE));
+                None
+            }
+        }
+    }
+
+    async fn open(&self, host: &str, port: u16) -> RedisResult<MultiplexedConnection> {
+        let addr = match self.seed.addr() {
+            ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {
+                host: host.to_string(),
+                port,
+                insecure: *insecure,
+                tls_params: None,
+            },
+            _ => ConnectionAddr::Tcp(host.to_string(), port),
+        };
+        let info = self.seed.clone().set_addr(addr);
+        let client = match &self.certs {
+            Some(certs) => redis::Client::build_with_tls(info, certs.clone())?,
+            None => redis::Client::open(info)?,
+        };
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.patience()))
+            .set_response_timeout(Some(self.timeout));
+        client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+    }
+
+    async fn pause(&self, addr: &str) {
+        self.direct.lock().await.insert(
+            addr.to_string(),
+            Direct::Paused(Instant::now() + NODE_PAUSE),
+        );
+    }
+
+    /// Reads the slot map again in the background, at most every
+    /// `REFRESH_EVERY`.
+    fn refresh_soon(&self) {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        let last = self.refreshed_ms.load(Ordering::Relaxed);
+        if last != 0 && now < last + REFRESH_EVERY.as_millis() as u64 {
+            return;
+        }
+        if self
+            .refreshed_ms
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        let Ok(conn) = self.connection.try_lock().map(|c| c.clone()) else {
+            return;
+        };
+        let Some(conn) = conn else {
+            return;
+        };
+        let (map, patience) = (self.map.clone(), self.patience());
+        tokio::spawn(async move {
+            if let Some(ranges) = read_slots(conn, patience).await {
+                install(&map, &ranges);
+            }
+        });
+    }
+
+    async fn refresh(&self, conn: ClusterConnection) {
+        if let Some(ranges) = read_slots(conn, self.patience()).await {
+            install(&self.map, &ranges);
+        }
+    }
+}
+
+/// Whether a failed direct run should go through the cluster connection:
+/// a redirect or a slot in transition (the cluster connection follows
+/// them), or a node that did not answer (after a failover, its slots have
+/// another master). Not CLUSTERDOWN: the cluster connection would only
+/// wait and retry past the caller's deadline; the check fails now and the
+/// caller decides it by its fallback (with `cluster-require-full-coverage
+/// no`, the live masters never answer it).
+fn settled_elsewhere(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_timeout()
+        || e.redirect_node().is_some()
+        || matches!(
+            e.code(),
+            Some("MOVED" | "ASK" | "TRYAGAIN" | "READONLY" | "LOADING")
+        )
+}
+
+/// `CLUSTER SLOTS` through the cluster connection.
+async fn read_slots(
+    mut conn: ClusterConnection,
+    patience: Duration,
+) -> Option<Vec<(u16, u16, String, u16)>> {
+    let reply = tokio::time::timeout(
+        patience,
+        redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async::<redis::Value>(&mut conn),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    Some(slot_ranges(&reply))
+}
+
+/// Replaces the slot map with `ranges`.
+fn install(map: &RwLock<SlotMap>, ranges: &[(u16, u16, String, u16)]) {
+    let mut masters: Vec<(String, u16)> = Vec::new();
+    let mut owner = vec![u16::MAX; SLOTS];
+    for (start, end, host, port) in ranges {
+        let index = match masters.iter().position(|(h, p)| h == host && p == port) {
+            Some(i) => i,
+            None => {
+                masters.push((host.clone(), *port));
+                masters.len() - 1
+            }
+        };
+        let index = u16::try_from(index).unwrap_or(u16::MAX);
+        for slot in usize::from(*start)..=usize::from(*end) {
+            if let Some(o) = owner.get_mut(slot) {
+                *o = index;
+            }
+        }
+    }
+    if let Ok(mut m) = map.write() {
+        *m = SlotMap { owner, masters };
+    }
+}
+
+/// `(first slot, last slot, master host, master port)` of each range in a
+/// `CLUSTER SLOTS` reply; ranges it cannot read are left out.
+fn slot_ranges(reply: &redis::Value) -> Vec<(u16, u16, String, u16)> {
+    let redis::Value::Array(ranges) = reply else {
+        return Vec::new();
+    };
+    ranges
+        .iter()
+        .filter_map(|range| {
+            let redis::Value::Array(fields) = range else {
+                return None;
+            };
+            let int = |v: Option<&redis::Value>| match v {
+                Some(redis::Value::Int(i)) => u16::try_from(*i).ok(),
+                _ => None,
+            };
+            let (start, end) = (int(fields.first())?, int(fields.get(1))?);
+            let redis::Value::Array(master) = fields.get(2)? else {
+                return None;
+            };
+            let host = match master.first()? {
+                redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                redis::Value::SimpleString(s) => s.clone(),
+                _ => return None,
+            };
+            let port = int(master.get(1))?;
+            Some((start, end, host, port))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::Value;
+
+    fn node(host: &str, port: i64) -> Value {
+        Value::Array(vec![
+            Value::BulkString(host.as_bytes().to_vec()),
+            Value::Int(port),
+            Value::BulkString(b"id".to_vec()),
+        ])
+    }
+
+    #[test]
+    fn the_slot_map_is_read_from_cluster_slots() {
+        let reply = Value::Array(vec![
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(5460),
+                node("10.0.0.1", 7000),
+                node("10.0.0.4", 7003),
+            ]),
+            Value::Array(vec![
+                Value::Int(5461),
+                Value::Int(16383),
+                node("10.0.0.2", 7001),
+            ]),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Int(3),
+        ]);
+        let ranges = slot_ranges(&reply);
+        assert_eq!(
+            ranges,
+            vec![
+                (0, 5460, "10.0.0.1".to_string(), 7000),
+                (5461, 16383, "10.0.0.2".to_string(), 7001)
+            ]
+        );
+        let map = RwLock::new(SlotMap::default());
+        install(&map, &ranges);
+        let m = map.read().unwrap();
+        assert_eq!(
+            m.masters[usize::from(m.owner[100])],
+            ("10.0.0.1".to_string(), 7000)
+        );
+        assert_eq!(
+            m.masters[usize::from(m.owner[16383])],
+            ("10.0.0.2".to_string(), 7001)
+        );
+        assert_eq!(slot_ranges(&Value::Nil), vec![]);
+    }
+}
