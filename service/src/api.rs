@@ -180,8 +180,10 @@ fn caller_budget(headers: &HeaderMap, request_timeout: Duration) -> Duration {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .filter(|ms| *ms > 0)
+        // A little before the caller gives up: an answer (even "not
+        // decided") keeps the connection, a timeout makes Envoy reset it.
         .map_or(request_timeout, |ms| {
-            Duration::from_millis(ms).min(request_timeout)
+            (Duration::from_millis(ms) * 9 / 10).min(request_timeout)
         })
 }
 
@@ -228,10 +230,17 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
         .enumerate()
         .map(|(i, check)| validate_check(i, check).map(|()| check))
         .collect();
-    let valid: Vec<Check> = checked
-        .iter()
-        .filter_map(|c| c.as_ref().ok().map(|c| (*c).clone()))
-        .collect();
+    // Usually every check is valid: decide them as they came, uncopied.
+    let some_invalid: Vec<Check>;
+    let valid: &[Check] = if checked.iter().all(Result::is_ok) {
+        &request.checks
+    } else {
+        some_invalid = checked
+            .iter()
+            .filter_map(|c| c.as_ref().ok().map(|c| (*c).clone()))
+            .collect();
+        &some_invalid
+    };
     if valid.is_empty() {
         let first = checked
             .into_iter()
@@ -241,11 +250,11 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
     }
     // Each check is decided on its own and atomically; a batch's checks
     // share script runs (one per Redis node), pipelined.
-    let decided: Vec<Result<CheckResult, LimiterError>> = if let [one] = valid.as_slice() {
+    let decided: Vec<Result<CheckResult, LimiterError>> = if let [one] = valid {
         vec![state.limiter.check(one).await]
     } else {
         state.limiter.prepare_batch().await;
-        state.limiter.check_batch(&valid).await
+        state.limiter.check_batch(valid).await
     };
     if decided.iter().all(Result::is_err) {
         // Redis cannot decide anything now: the caller falls back (and its

@@ -156,7 +156,7 @@ fn no_work_past_the_callers_deadline() {
     signal(f.redis.pid(), "-CONT");
     assert_eq!((short.status, long.status), (503, 503));
     assert!(
-        short.body.contains("not decided within 5ms"),
+        short.body.contains("not decided within 4.5ms"),
         "{}",
         short.body
     );

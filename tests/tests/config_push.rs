@@ -1,0 +1,105 @@
+//! A configuration pushed to a running Envoy (as Istio pushes a changed
+//! WasmPlugin): the listener is replaced, the VM (one `vm_id`) and its
+//! shared data stay.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use meshlimit_testbed::http;
+use meshlimit_testbed::{Topology, TopologyOptions};
+
+/// The replica's rendered config, its listener moved out to a file Envoy
+/// watches (filesystem LDS): `(bootstrap, listener resources)`.
+fn split_listener(config: &str) -> (String, String) {
+    let start = config.find("  listeners:\n").expect("a static listener");
+    let end = config.find("  clusters:\n").expect("static clusters");
+    let listener = &config[start + "  listeners:\n".len()..end];
+    // `  - name: ingress` and its fields, two deeper: one resource.
+    let mut resources = String::from("resources:\n");
+    for (i, line) in listener.lines().enumerate() {
+        let line = line.strip_prefix("  ").unwrap_or(line);
+        if i == 0 {
+            resources
+                .push_str("- \"@type\": type.googleapis.com/envoy.config.listener.v3.Listener\n  ");
+            resources.push_str(line.trim_start_matches("- "));
+        } else {
+            resources.push_str(line);
+        }
+        resources.push('\n');
+    }
+    let bootstrap = format!(
+        "{}node: {{ id: replica-1, cluster: meshlimit-test }}\ndynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    path_config_source:\n      path: LDS_PATH\nstatic_resources:\n{}",
+        &config[..config.find("static_resources:\n").expect("static resources")],
+        &config[end..]
+    );
+    (bootstrap, resources)
+}
+
+/// Shared data outlives a configuration push under the same `vm_id`. The
+/// deny cache used to key its entries by the limit's name alone: raising a
+/// limit left denied clients denied until the cached deadline (up to the
+/// window, 31 days at most). Entries are now keyed by the limit's whole
+/// definition.
+#[test]
+fn a_raised_limit_ends_cached_denials_at_once() {
+    let t = Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    let per_hour = |requests: u64| {
+        keyed("local")
+            .limits(json!([{"name": "per-hour", "requests": requests, "window": "1h"}]))
+            .build()
+    };
+    let (bootstrap, listener) = split_listener(&t.replica_config_with(1, &per_hour(1)));
+    let lds = t.dir.path().join("lds.yaml");
+    std::fs::write(&lds, &listener).unwrap();
+    let bootstrap = bootstrap.replace("LDS_PATH", lds.to_str().unwrap());
+    let _replica = t.start_envoy("replica-1", &bootstrap, 2);
+    let addr = t.replica_addr(1);
+    let get = || {
+        http::get(&addr, "/api/x", &[("x-api-key", b"pushed")])
+            .unwrap()
+            .status
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http::get(&addr, "/health", &[]).is_err() {
+        assert!(Instant::now() < deadline, "the listener never came up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(get(), 200);
+    assert_eq!(get(), 429, "decided by meshlimitd, then cached");
+    assert_eq!(get(), 429);
+    assert!(t.stat(1, "meshlimit.deny_cache_hits") >= 1, "a cached deny");
+    let updates = || {
+        http::envoy_stats(
+            &t.replica_admin(1),
+            "^listener_manager\\.lds\\.update_success$",
+        )
+        .first()
+        .map_or(0, |(_, v)| *v)
+    };
+    let before = updates();
+    // The operator raises the limit: the listener file is replaced whole.
+    let (_, raised) = split_listener(&t.replica_config_with(1, &per_hour(100)));
+    let next = t.dir.path().join("lds.next.yaml");
+    std::fs::write(&next, raised).unwrap();
+    std::fs::rename(&next, &lds).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while updates() == before {
+        assert!(
+            Instant::now() < deadline,
+            "Envoy never took the new listener"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let allowed_before = t.stat(1, "meshlimit.requests_allowed");
+    assert_eq!(get(), 200, "decided by meshlimitd under the new limit");
+    assert_eq!(t.stat(1, "meshlimit.requests_allowed"), allowed_before + 1);
+    let log = t.logs("replica-1");
+    assert!(!log.contains("panicked"), "{log}");
+}
