@@ -145,13 +145,7 @@ fn percent_decode(text: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while let Some(&b) = bytes.get(i) {
-        // Exactly two hex digits: `from_str_radix` alone would read "+1".
-        let escaped = (b == b'%')
-            .then(|| bytes.get(i + 1..i + 3))
-            .flatten()
-            .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
-            .and_then(|hex| std::str::from_utf8(hex).ok())
-            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        let escaped = crate::percent::escaped_byte(bytes, i);
         match escaped {
             Some(decoded) => {
                 out.push(decoded);

@@ -41,6 +41,7 @@ pub mod decision;
 pub(crate) mod flow;
 pub(crate) mod headers;
 pub mod host;
+pub(crate) mod percent;
 pub(crate) mod reply;
 pub(crate) mod rules;
 pub mod shared;

@@ -59,13 +59,8 @@ fn decode_unreserved(path: &str) -> String {
     let bytes = path.as_bytes();
     let mut out = String::with_capacity(path.len());
     let mut i = 0;
-    while let Some(&b) = bytes.get(i) {
-        let decoded = (b == b'%')
-            .then(|| bytes.get(i + 1..i + 3))
-            .flatten()
-            .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
-            .and_then(|hex| std::str::from_utf8(hex).ok())
-            .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+    while i < bytes.len() {
+        let decoded = crate::percent::escaped_byte(bytes, i)
             .filter(|c| c.is_ascii_alphanumeric() || b"-._~".contains(c));
         match decoded {
             Some(c) => {

@@ -26,11 +26,7 @@ impl FakeRequest {
 
 impl RequestView for FakeRequest {
     fn header_values(&self, name: &str) -> Vec<Vec<u8>> {
-        self.headers
-            .iter()
-            .filter(|(n, _)| n == name)
-            .map(|(_, v)| v.clone())
-            .collect()
+        values_of(&self.headers, name)
     }
     fn source_address(&self) -> Option<String> {
         self.source.clone()

@@ -45,6 +45,15 @@ pub trait RequestView {
     }
 }
 
+/// Every value of header `name` in a header map, in order.
+pub fn values_of(headers: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
+    headers
+        .iter()
+        .filter(|(n, _)| n == name)
+        .map(|(_, v)| v.clone())
+        .collect()
+}
+
 /// The request being decided: its headers, read from the host in one
 /// hostcall, and the host for what is read only when needed.
 pub struct Request<'h, H: Host> {
@@ -73,11 +82,7 @@ impl<'h, H: Host> Request<'h, H> {
 
 impl<H: Host> RequestView for Request<'_, H> {
     fn header_values(&self, name: &str) -> Vec<Vec<u8>> {
-        self.headers
-            .iter()
-            .filter(|(n, _)| n == name)
-            .map(|(_, v)| v.clone())
-            .collect()
+        values_of(&self.headers, name)
     }
 
     fn source_address(&self) -> Option<String> {
