@@ -1,5 +1,6 @@
 //! Builders the unit tests share: one way to make a limit, a limit applied
-//! to a request, and a limit's status in an answer.
+//! to a request, and a limit's status in an answer. Compiled only under
+//! `#[cfg(test)]`.
 
 use std::rc::Rc;
 

@@ -1,4 +1,5 @@
-//! Unit and property tests of the configuration parser.
+//! Unit and property tests of the configuration parser, compiled only
+//! under `#[cfg(test)]` (see `config/mod.rs`).
 
 use super::*;
 

@@ -37,12 +37,33 @@ impl Worker {
             timed_out,
         );
         self.report_call(host, outcome.as_ref().err(), now);
+        self.conclude(
+            host,
+            stream,
+            now,
+            &in_flight.check,
+            in_flight.local.as_ref(),
+            outcome,
+        )
+    }
+
+    /// The step for a stream's own check once its outcome is known (the
+    /// breaker already told).
+    pub(super) fn conclude(
+        &self,
+        host: &impl Host,
+        stream: &mut Stream,
+        now: u64,
+        check: &Check,
+        local: Option<&CheckResult>,
+        outcome: Result<CheckResult, ServiceError>,
+    ) -> Step {
         let verdict = self.verdict_after_call(
             host,
             &mut Tally::new(&self.metrics, host),
             now,
-            &in_flight.check,
-            in_flight.local.as_ref(),
+            check,
+            local,
             outcome,
         );
         stream.apply(verdict)

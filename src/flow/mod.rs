@@ -325,15 +325,7 @@ impl Worker {
             }
             Err(e) => {
                 self.record_call(host, false, now);
-                let verdict = self.verdict_after_call(
-                    host,
-                    &mut Tally::new(&self.metrics, host),
-                    now,
-                    &check,
-                    local.as_ref(),
-                    Err(e),
-                );
-                stream.apply(verdict)
+                self.conclude(host, stream, now, &check, local.as_ref(), Err(e))
             }
         }
     }
@@ -375,15 +367,14 @@ impl Worker {
             Enqueued::Refused(q) => {
                 // Too many queued: decide by failure_mode, and count it.
                 self.metrics.bump(host, Stat::BatchOverflow);
-                let verdict = self.verdict_after_call(
+                self.conclude(
                     host,
-                    &mut Tally::new(&self.metrics, host),
+                    stream,
                     now,
                     &q.check,
                     q.local.as_ref(),
                     Err(ServiceError::Connection),
-                );
-                stream.apply(verdict)
+                )
             }
         }
     }

@@ -1,5 +1,6 @@
 //! The request flow against the fake host: what only the end-to-end tests
-//! used to see, one branch at a time, in microseconds.
+//! used to see, one branch at a time, in microseconds. Compiled only under
+//! `#[cfg(test)]` (see `flow/mod.rs`).
 
 use super::*;
 use crate::host::fake::{Acted, FakeHost, FakeRequest};

@@ -1,6 +1,7 @@
 //! In-memory doubles of the host traits, for unit tests: a request, shared
 //! data, and [`FakeHost`], which runs the whole flow and records what it
-//! did (calls sent, streams resumed or answered, stats, headers).
+//! did (calls sent, streams resumed or answered, stats, headers). Compiled
+//! only under `#[cfg(test)]`.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;

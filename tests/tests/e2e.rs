@@ -235,15 +235,10 @@ fn failure_mode_allow_lets_everything_through() {
 #[test]
 fn missing_client_id_follows_when_missing() {
     // reject: a clear 401, counted.
-    let t = Topology::start(TopologyOptions {
-        plugin_config: plugin_config(
-            json!({"headers": ["x-api-key"], "when_missing": "reject"}),
-            "local",
-        ),
-        replicas: 1,
-        front: false,
-        ..TopologyOptions::default()
-    });
+    let t = single_replica(plugin_config(
+        json!({"headers": ["x-api-key"], "when_missing": "reject"}),
+        "local",
+    ));
     let r = t.get("/api/items", &[]);
     assert_eq!(r.status, 401);
     assert!(r.body.contains("x-api-key"), "{}", r.body);
@@ -251,15 +246,10 @@ fn missing_client_id_follows_when_missing() {
     drop(t);
 
     // anonymous: every request without an id shares one bucket.
-    let t = Topology::start(TopologyOptions {
-        plugin_config: plugin_config(
-            json!({"headers": ["x-api-key"], "when_missing": "anonymous"}),
-            "local",
-        ),
-        replicas: 1,
-        front: false,
-        ..TopologyOptions::default()
-    });
+    let t = single_replica(plugin_config(
+        json!({"headers": ["x-api-key"], "when_missing": "anonymous"}),
+        "local",
+    ));
     wait_for_fresh_window(Duration::from_secs(10));
     assert_eq!(burst(&t, &[], 25), (LIMIT, 5));
     assert_eq!(send(&t, &key("has-a-key")).status, 200);
@@ -267,15 +257,10 @@ fn missing_client_id_follows_when_missing() {
 
 #[test]
 fn a_query_parameter_identifies_the_client_however_it_is_encoded() {
-    let t = Topology::start(TopologyOptions {
-        plugin_config: plugin_config(
-            json!({"query_params": ["api_key"], "when_missing": "reject"}),
-            "local",
-        ),
-        replicas: 1,
-        front: false,
-        ..TopologyOptions::default()
-    });
+    let t = single_replica(plugin_config(
+        json!({"query_params": ["api_key"], "when_missing": "reject"}),
+        "local",
+    ));
     wait_for_fresh_window(Duration::from_secs(10));
     // Two spellings of one key share one quota, as they are one key to the
     // upstream.

@@ -124,15 +124,10 @@ fn resetting_clients_leave_no_call_behind() {
 /// counts as having no id (here: refused, as `when_missing: reject` says).
 #[test]
 fn a_repeated_id_header_spends_no_ones_quota() {
-    let t = Topology::start(TopologyOptions {
-        plugin_config: plugin_config(
-            json!({"headers": ["x-api-key"], "when_missing": "reject"}),
-            "local",
-        ),
-        replicas: 1,
-        front: false,
-        ..TopologyOptions::default()
-    });
+    let t = single_replica(plugin_config(
+        json!({"headers": ["x-api-key"], "when_missing": "reject"}),
+        "local",
+    ));
     wait_for_fresh_window(Duration::from_secs(10));
     let r = t.get(
         "/api/items",

@@ -29,6 +29,16 @@ pub fn keyed_config(failure_mode: &str) -> String {
     keyed(failure_mode).build()
 }
 
+/// One replica, no front proxy: requests go straight to it.
+pub fn single_replica(plugin_config: String) -> Topology {
+    Topology::start(TopologyOptions {
+        plugin_config,
+        replicas: 1,
+        front: false,
+        ..TopologyOptions::default()
+    })
+}
+
 pub fn topology(plugin_config: String) -> Topology {
     Topology::start(TopologyOptions {
         plugin_config,
