@@ -1,18 +1,84 @@
 //! Which rules apply to a request.
 
-use crate::config::Rule;
+use crate::config::{HeaderTest, HostPattern, Match, PathMatch, Rule};
+use crate::host::{HeaderValue, RequestView};
 
-/// Rules matching `method` and `path` (query string ignored, the path
-/// [normalised](normalize)), in config order. A request may match several;
-/// every limit of each applies.
-pub fn matching<'a>(rules: &'a [Rule], method: &str, path: &str) -> Vec<&'a Rule> {
+/// Rules whose every condition `req` meets (query string ignored, the path
+/// [normalised](normalize), the host without its port), in config order. A
+/// request may match several; every limit of each applies.
+pub fn matching<'a>(
+    rules: &'a [Rule],
+    req: &impl RequestView,
+    method: &str,
+    path: &str,
+) -> Vec<&'a Rule> {
     let path = path.split(['?', '#']).next().unwrap_or(path);
     let path = normalize(path);
+    let mut host: Option<String> = None;
     rules
         .iter()
-        .filter(|r| path.starts_with(r.path_prefix.as_str()))
-        .filter(|r| r.methods.is_empty() || r.methods.iter().any(|m| m == method))
+        .filter(|r| path_matches(&r.matcher, &path))
+        .filter(|r| r.matcher.methods.is_empty() || r.matcher.methods.iter().any(|m| m == method))
+        .filter(|r| {
+            r.matcher.hosts.is_empty() || {
+                let host = host.get_or_insert_with(|| request_host(req));
+                r.matcher.hosts.iter().any(|p| host_matches(p, host))
+            }
+        })
+        .filter(|r| headers_match(&r.matcher, req))
         .collect()
+}
+
+fn path_matches(m: &Match, path: &str) -> bool {
+    match &m.path {
+        PathMatch::Prefix(p) => path.starts_with(p.as_str()),
+        PathMatch::Exact(p) => path == p,
+    }
+}
+
+/// `:authority`, lower-case, without port or trailing dot ("" if absent).
+fn request_host(req: &impl RequestView) -> String {
+    let raw = match req.header(":authority") {
+        HeaderValue::Once(v) => String::from_utf8_lossy(&v).to_ascii_lowercase(),
+        _ => return String::new(),
+    };
+    let host = match raw.strip_prefix('[') {
+        // [v6]:port
+        Some(rest) => rest.split(']').next().unwrap_or(rest).to_string(),
+        None => raw
+            .rsplit_once(':')
+            .map_or(raw.as_str(), |(h, _)| h)
+            .to_string(),
+    };
+    host.trim_end_matches('.').to_string()
+}
+
+fn host_matches(pattern: &HostPattern, host: &str) -> bool {
+    match pattern {
+        HostPattern::Exact(h) => host == h,
+        HostPattern::Subdomains(suffix) => {
+            host.len() > suffix.len() && host.ends_with(suffix.as_str())
+        }
+    }
+}
+
+/// Every header condition of `m`; a header sent twice counts as absent
+/// (see [`crate::config::HeaderCondition`]).
+fn headers_match(m: &Match, req: &impl RequestView) -> bool {
+    m.headers.iter().all(|c| {
+        let value = match req.header(&c.name) {
+            HeaderValue::Once(v) => Some(v),
+            HeaderValue::Absent | HeaderValue::Repeated => None,
+        };
+        match (&c.test, value) {
+            (HeaderTest::Absent, v) => v.is_none(),
+            (HeaderTest::Present, v) => v.is_some(),
+            (_, None) => false,
+            (HeaderTest::Exact(want), Some(v)) => v == want.as_bytes(),
+            (HeaderTest::Prefix(want), Some(v)) => v.starts_with(want.as_bytes()),
+            (HeaderTest::In(wants), Some(v)) => wants.iter().any(|w| v == w.as_bytes()),
+        }
+    })
 }
 
 /// The path as an upstream reads it, so that no spelling of it slips past
@@ -84,12 +150,18 @@ fn decode_unreserved(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{HeaderCondition, HostPattern};
+    use crate::host::fake::FakeRequest;
 
     fn rule(name: &str, prefix: &str, methods: &[&str]) -> Rule {
         Rule {
             name: name.into(),
-            path_prefix: prefix.into(),
-            methods: methods.iter().map(|m| m.to_string()).collect(),
+            matcher: crate::config::Match {
+                hosts: Vec::new(),
+                path: PathMatch::Prefix(prefix.into()),
+                methods: methods.iter().map(|m| m.to_string()).collect(),
+                headers: Vec::new(),
+            },
             limits: Vec::new(),
             cost: crate::config::Cost::Fixed(1),
             shadow: false,
@@ -108,11 +180,25 @@ mod tests {
             rule("all", "/", &[]),
             rule("admin", "/admin", &["DELETE"]),
         ];
-        assert_eq!(names(&matching(&rules, "GET", "/api/x")), ["api", "all"]);
-        assert_eq!(names(&matching(&rules, "PUT", "/api/x")), ["all"]);
-        assert_eq!(names(&matching(&rules, "GET", "/admin")), ["all"]);
         assert_eq!(
-            names(&matching(&rules, "DELETE", "/admin/1")),
+            names(&matching(&rules, &FakeRequest::default(), "GET", "/api/x")),
+            ["api", "all"]
+        );
+        assert_eq!(
+            names(&matching(&rules, &FakeRequest::default(), "PUT", "/api/x")),
+            ["all"]
+        );
+        assert_eq!(
+            names(&matching(&rules, &FakeRequest::default(), "GET", "/admin")),
+            ["all"]
+        );
+        assert_eq!(
+            names(&matching(
+                &rules,
+                &FakeRequest::default(),
+                "DELETE",
+                "/admin/1"
+            )),
             ["all", "admin"]
         );
     }
@@ -131,10 +217,17 @@ mod tests {
             "/%2e/api/x",
             "/api/./x?q=1",
         ] {
-            assert_eq!(names(&matching(&rules, "GET", path)), ["api"], "{path}");
+            assert_eq!(
+                names(&matching(&rules, &FakeRequest::default(), "GET", path)),
+                ["api"],
+                "{path}"
+            );
         }
         for path in ["/apix", "/ap%69", "/../", "/%2Fapi/x"] {
-            assert!(matching(&rules, "GET", path).is_empty(), "{path}");
+            assert!(
+                matching(&rules, &FakeRequest::default(), "GET", path).is_empty(),
+                "{path}"
+            );
         }
         assert_eq!(normalize("/a/b/../../../c"), "/c", "never above the root");
         assert_eq!(normalize("/api/%7Euser"), "/api/~user");
@@ -145,9 +238,103 @@ mod tests {
     fn query_string_does_not_change_the_match() {
         let rules = vec![rule("exact", "/api/v1", &[])];
         assert_eq!(
-            names(&matching(&rules, "GET", "/api/v1?x=/other")),
+            names(&matching(
+                &rules,
+                &FakeRequest::default(),
+                "GET",
+                "/api/v1?x=/other"
+            )),
             ["exact"]
         );
-        assert!(matching(&rules, "GET", "/?p=/api/v1").is_empty());
+        assert!(matching(&rules, &FakeRequest::default(), "GET", "/?p=/api/v1").is_empty());
+    }
+
+    fn with(rule_: Rule, f: impl FnOnce(&mut Match)) -> Rule {
+        let mut r = rule_;
+        f(&mut r.matcher);
+        r
+    }
+
+    #[test]
+    fn hosts_exact_and_subdomains() {
+        let rules = vec![
+            with(rule("exact", "/", &[]), |m| {
+                m.hosts = vec![HostPattern::Exact("api.example.com".into())]
+            }),
+            with(rule("subs", "/", &[]), |m| {
+                m.hosts = vec![HostPattern::Subdomains(".example.com".into())]
+            }),
+        ];
+        let at = |host: &[u8]| {
+            let req = FakeRequest::default().with_header(":authority", host);
+            names(&matching(&rules, &req, "GET", "/"))
+        };
+        assert_eq!(at(b"api.example.com"), ["exact", "subs"]);
+        assert_eq!(at(b"API.Example.com:8443"), ["exact", "subs"]);
+        assert_eq!(at(b"www.example.com"), ["subs"]);
+        assert!(at(b"example.com").is_empty(), "not the domain itself");
+        assert!(at(b"evil-example.com").is_empty());
+        assert!(names(&matching(&rules, &FakeRequest::default(), "GET", "/")).is_empty());
+    }
+
+    #[test]
+    fn exact_paths_match_only_themselves() {
+        let rules = vec![with(rule("login", "/", &[]), |m| {
+            m.path = PathMatch::Exact("/login".into())
+        })];
+        let at = |p: &str| names(&matching(&rules, &FakeRequest::default(), "POST", p));
+        assert_eq!(at("/login"), ["login"]);
+        assert_eq!(at("/login?next=/"), ["login"]);
+        assert_eq!(at("//login"), ["login"], "normalised first");
+        assert!(at("/login/x").is_empty() && at("/logins").is_empty());
+    }
+
+    #[test]
+    fn header_conditions_and_repeats() {
+        let cond = |name: &str, test: HeaderTest| HeaderCondition {
+            name: name.into(),
+            test,
+        };
+        let rules = vec![
+            with(rule("free", "/", &[]), |m| {
+                m.headers = vec![cond("x-plan", HeaderTest::Exact("free".into()))]
+            }),
+            with(rule("paid", "/", &[]), |m| {
+                m.headers = vec![cond(
+                    "x-plan",
+                    HeaderTest::In(vec!["pro".into(), "team".into()]),
+                )]
+            }),
+            with(rule("none", "/", &[]), |m| {
+                m.headers = vec![cond("x-plan", HeaderTest::Absent)]
+            }),
+            with(rule("beta", "/", &[]), |m| {
+                m.headers = vec![
+                    cond("x-beta", HeaderTest::Present),
+                    cond("user-agent", HeaderTest::Prefix("curl/".into())),
+                ]
+            }),
+        ];
+        let plan = |values: &[&[u8]]| {
+            let mut req = FakeRequest::default();
+            for v in values {
+                req = req.with_header("x-plan", v);
+            }
+            names(&matching(&rules, &req, "GET", "/"))
+        };
+        assert_eq!(plan(&[b"free"]), ["free"]);
+        assert_eq!(plan(&[b"team"]), ["paid"]);
+        assert_eq!(plan(&[]), ["none"]);
+        assert!(plan(&[b"gold"]).is_empty());
+        // Both plans at once: ambiguous, counted as no plan.
+        assert_eq!(plan(&[b"free", b"pro"]), ["none"]);
+        let beta = FakeRequest::default()
+            .with_header("x-beta", b"")
+            .with_header("user-agent", b"curl/8.0")
+            .with_header("x-plan", b"free");
+        assert_eq!(
+            names(&matching(&rules, &beta, "GET", "/")),
+            ["free", "beta"]
+        );
     }
 }

@@ -106,15 +106,60 @@ pub enum WhenMissing {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
     pub name: String,
-    pub path_prefix: String,
-    /// Upper-case methods; empty means any.
-    pub methods: Vec<String>,
+    /// Which requests the rule applies to (every condition must hold).
+    pub matcher: Match,
     /// Shared with the checks that apply them (no copy per request).
     pub limits: Vec<Rc<LimitConfig>>,
     pub cost: Cost,
     /// Decide and count, but never deny.
     pub shadow: bool,
     pub scope: Scope,
+}
+
+/// A rule's conditions on a request; all of them must hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Match {
+    /// The request's host (`:authority`, lower-case, without port); empty:
+    /// any host.
+    pub hosts: Vec<HostPattern>,
+    /// On the normalised path (see [`crate::rules::normalize`]).
+    pub path: PathMatch,
+    /// Upper-case methods; empty means any.
+    pub methods: Vec<String>,
+    pub headers: Vec<HeaderCondition>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostPattern {
+    Exact(String),
+    /// `*.example.com`: any subdomain (kept as `.example.com`), not the
+    /// domain itself.
+    Subdomains(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    Prefix(String),
+    Exact(String),
+}
+
+/// A condition on one request header (lower-case name). A header sent
+/// more than once counts as absent: an upstream may read either copy, so
+/// no copy may select a rule (a client sending `x-plan: free` and
+/// `x-plan: pro` gets the rules for no plan).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderCondition {
+    pub name: String,
+    pub test: HeaderTest,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderTest {
+    Exact(String),
+    Prefix(String),
+    In(Vec<String>),
+    Present,
+    Absent,
 }
 
 /// Where a rule's limits are counted.

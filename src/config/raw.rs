@@ -173,20 +173,33 @@ pub(super) fn one() -> u64 {
     1
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub(super) struct RawMatch {
-    pub(super) path_prefix: String,
+    pub(super) path_prefix: Option<String>,
+    pub(super) path: Option<RawPath>,
     pub(super) methods: Vec<String>,
+    pub(super) hosts: Vec<String>,
+    pub(super) headers: Vec<RawHeaderMatch>,
 }
 
-impl Default for RawMatch {
-    fn default() -> Self {
-        RawMatch {
-            path_prefix: "/".into(),
-            methods: Vec::new(),
-        }
-    }
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPath {
+    pub(super) exact: Option<String>,
+    pub(super) prefix: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawHeaderMatch {
+    pub(super) name: String,
+    pub(super) exact: Option<String>,
+    pub(super) prefix: Option<String>,
+    #[serde(rename = "in")]
+    pub(super) one_of: Option<Vec<String>>,
+    pub(super) present: Option<bool>,
+    pub(super) absent: Option<bool>,
 }
 
 #[derive(Deserialize)]

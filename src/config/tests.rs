@@ -62,8 +62,8 @@ fn minimal_config_gets_documented_defaults() {
         "between 1",
     );
     let rule = &c.rules[0];
-    assert_eq!(rule.path_prefix, "/");
-    assert!(rule.methods.is_empty());
+    assert_eq!(rule.matcher.path, PathMatch::Prefix("/".into()));
+    assert!(rule.matcher.methods.is_empty());
     assert_eq!(rule.limits[0].window_ms, 60_000);
     assert_eq!(rule.limits[0].qualified_name, "api/per-minute");
     assert_eq!(rule.limits[0].algorithm, Algorithm::FixedWindow);
@@ -84,7 +84,7 @@ fn full_design_example_parses() {
         }"#;
     let c = parse_str(json).unwrap();
     assert_eq!(c.client_id.headers, vec!["x-api-key", "x-client-id"]);
-    assert_eq!(c.rules[0].methods, vec!["GET", "POST"]);
+    assert_eq!(c.rules[0].matcher.methods, vec!["GET", "POST"]);
     assert_eq!(c.failure_mode, FailureMode::Deny);
     assert_eq!(c.response.headers, HeaderStyle::XRatelimit);
     assert_eq!(c.service.timeout_ms, 25);
@@ -457,4 +457,89 @@ fn the_shared_token_is_checked_at_load() {
         assert_eq!(e.field, "service.auth_token", "{bad}");
     }
     assert_eq!(parse_str(MINIMAL).unwrap().service.authorization, None);
+}
+
+#[test]
+fn match_conditions_are_read_and_checked() {
+    let rule = |m: &str| {
+        parse_str(&format!(
+            r#"{{"rules":[{{"name":"r","match":{m},"limits":[{{"name":"l","requests":1,"window":"1s"}}]}}]}}"#
+        ))
+    };
+    let c = rule(
+        r#"{"hosts":["API.example.com","*.example.org"],"path":{"exact":"/login"},"methods":["post"],
+            "headers":[{"name":"X-Plan","in":["pro","team"]},{"name":"x-beta","present":true}]}"#,
+    )
+    .unwrap();
+    let m = &c.rules[0].matcher;
+    assert_eq!(
+        m.hosts,
+        [
+            HostPattern::Exact("api.example.com".into()),
+            HostPattern::Subdomains(".example.org".into())
+        ]
+    );
+    assert_eq!(m.path, PathMatch::Exact("/login".into()));
+    assert_eq!(m.methods, ["POST"]);
+    assert_eq!(m.headers[0].name, "x-plan");
+    assert_eq!(
+        m.headers[0].test,
+        HeaderTest::In(vec!["pro".into(), "team".into()])
+    );
+    assert_eq!(m.headers[1].test, HeaderTest::Present);
+    assert_eq!(
+        rule("{}").unwrap().rules[0].matcher.path,
+        PathMatch::Prefix("/".into())
+    );
+    let rejects_match = |m: &str, field: &str, part: &str| {
+        let e = rule(m).expect_err(m);
+        assert_eq!(e.field, field, "{m}: {e}");
+        assert!(e.problem.contains(part), "{m}: {e}");
+    };
+    rejects_match(
+        r#"{"path_prefix":"/a","path":{"prefix":"/b"}}"#,
+        "rules[0].match.path",
+        "not both",
+    );
+    rejects_match(r#"{"path":{}}"#, "rules[0].match.path", "exactly one");
+    rejects_match(
+        r#"{"path":{"exact":"login"}}"#,
+        "rules[0].match.path.exact",
+        "'/'",
+    );
+    rejects_match(
+        r#"{"hosts":["bad host"]}"#,
+        "rules[0].match.hosts[0]",
+        "host name",
+    );
+    rejects_match(
+        r#"{"hosts":["*."]}"#,
+        "rules[0].match.hosts[0]",
+        "host name",
+    );
+    rejects_match(
+        r#"{"headers":[{"name":"x","exact":"a","prefix":"b"}]}"#,
+        "rules[0].match.headers[0]",
+        "exactly one",
+    );
+    rejects_match(
+        r#"{"headers":[{"name":"x","present":false}]}"#,
+        "rules[0].match.headers[0]",
+        "take true",
+    );
+    rejects_match(
+        r#"{"headers":[{"name":"x y","present":true}]}"#,
+        "rules[0].match.headers[0].name",
+        "header name",
+    );
+    rejects_match(
+        r#"{"headers":[{"name":"x","in":[]}]}"#,
+        "rules[0].match.headers[0].in",
+        "at least one",
+    );
+    rejects_match(
+        r#"{"headers":[{"name":"x","regex":"a"}]}"#,
+        "rules[0].match.headers[0].regex",
+        "unknown field",
+    );
 }

@@ -9,8 +9,9 @@ use meshlimit_protocol::bounds::{self, LimitField};
 use super::duration;
 use super::raw::*;
 use super::{
-    err, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, LimitConfig, LocalConfig,
-    ResponseConfig, Rule, Scope, ServiceConfig,
+    err, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, HeaderCondition, HeaderTest,
+    HostPattern, LimitConfig, LocalConfig, Match, PathMatch, ResponseConfig, Rule, Scope,
+    ServiceConfig,
 };
 
 /// Parts per million, so the config stays `Eq`.
@@ -261,23 +262,7 @@ fn validate_rule(i: usize, raw: RawRule, default_share_ppm: u64) -> Result<Rule,
             ));
         }
     };
-    if !raw.matcher.path_prefix.starts_with('/') {
-        return Err(err(
-            format!("rules[{i}].match.path_prefix"),
-            "must start with '/'",
-        ));
-    }
-    let mut methods = Vec::with_capacity(raw.matcher.methods.len());
-    for (j, m) in raw.matcher.methods.iter().enumerate() {
-        let upper = m.trim().to_ascii_uppercase();
-        if upper.is_empty() || !upper.bytes().all(|b| b.is_ascii_uppercase()) {
-            return Err(err(
-                format!("rules[{i}].match.methods[{j}]"),
-                format!("\"{m}\" is not an HTTP method"),
-            ));
-        }
-        methods.push(upper);
-    }
+    let matcher = validate_match(i, raw.matcher)?;
     if raw.limits.is_empty() {
         return Err(err(
             format!("rules[{i}].limits"),
@@ -361,12 +346,120 @@ fn validate_rule(i: usize, raw: RawRule, default_share_ppm: u64) -> Result<Rule,
     };
     Ok(Rule {
         name: raw.name,
-        path_prefix: raw.matcher.path_prefix,
-        methods,
+        matcher,
         limits,
         cost,
         shadow: raw.shadow,
         scope: raw.scope,
+    })
+}
+
+fn validate_match(i: usize, raw: RawMatch) -> Result<Match, ConfigError> {
+    let at = |f: &str| format!("rules[{i}].match.{f}");
+    let slash = |field: String, p: String| {
+        if p.starts_with('/') {
+            Ok(p)
+        } else {
+            Err(err(field, "must start with '/'"))
+        }
+    };
+    let path = match (raw.path_prefix, raw.path) {
+        (Some(_), Some(_)) => {
+            return Err(err(at("path"), "give either path_prefix or path, not both"));
+        }
+        (Some(prefix), None) => PathMatch::Prefix(slash(at("path_prefix"), prefix)?),
+        (None, None) => PathMatch::Prefix("/".into()),
+        (
+            None,
+            Some(RawPath {
+                exact: Some(e),
+                prefix: None,
+            }),
+        ) => PathMatch::Exact(slash(at("path.exact"), e)?),
+        (
+            None,
+            Some(RawPath {
+                exact: None,
+                prefix: Some(p),
+            }),
+        ) => PathMatch::Prefix(slash(at("path.prefix"), p)?),
+        (None, Some(_)) => {
+            return Err(err(at("path"), "needs exactly one of exact or prefix"));
+        }
+    };
+    let mut methods = Vec::with_capacity(raw.methods.len());
+    for (j, m) in raw.methods.iter().enumerate() {
+        let upper = m.trim().to_ascii_uppercase();
+        if upper.is_empty() || !upper.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(err(
+                at(&format!("methods[{j}]")),
+                format!("\"{m}\" is not an HTTP method"),
+            ));
+        }
+        methods.push(upper);
+    }
+    let mut hosts = Vec::with_capacity(raw.hosts.len());
+    for (j, h) in raw.hosts.iter().enumerate() {
+        let lower = h.trim().to_ascii_lowercase();
+        let (pattern, name) = match lower.strip_prefix("*.") {
+            Some(rest) => (
+                HostPattern::Subdomains(format!(".{rest}")),
+                rest.to_string(),
+            ),
+            None => (HostPattern::Exact(lower.clone()), lower.clone()),
+        };
+        let valid = !name.is_empty()
+            && name.len() <= 253
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+        if !valid {
+            return Err(err(
+                at(&format!("hosts[{j}]")),
+                format!("\"{h}\" is not a host name (or *.domain for its subdomains)"),
+            ));
+        }
+        hosts.push(pattern);
+    }
+    let mut headers = Vec::with_capacity(raw.headers.len());
+    for (j, h) in raw.headers.into_iter().enumerate() {
+        let field = |f: &str| at(&format!("headers[{j}].{f}"));
+        let name = h.name.trim().to_ascii_lowercase();
+        if name.is_empty() || !name.bytes().all(is_header_name_byte) {
+            return Err(err(
+                field("name"),
+                format!("\"{}\" is not a valid header name", h.name),
+            ));
+        }
+        let test = match (h.exact, h.prefix, h.one_of, h.present, h.absent) {
+            (Some(v), None, None, None, None) => HeaderTest::Exact(v),
+            (None, Some(v), None, None, None) => HeaderTest::Prefix(v),
+            (None, None, Some(vs), None, None) if !vs.is_empty() => HeaderTest::In(vs),
+            (None, None, Some(_), None, None) => {
+                return Err(err(field("in"), "must list at least one value"));
+            }
+            (None, None, None, Some(true), None) => HeaderTest::Present,
+            (None, None, None, None, Some(true)) => HeaderTest::Absent,
+            (None, None, None, Some(false), None) | (None, None, None, None, Some(false)) => {
+                return Err(err(
+                    at(&format!("headers[{j}]")),
+                    "present and absent take true (use the other one for false)",
+                ));
+            }
+            _ => {
+                return Err(err(
+                    at(&format!("headers[{j}]")),
+                    "needs exactly one of exact, prefix, in, present, absent",
+                ));
+            }
+        };
+        headers.push(HeaderCondition { name, test });
+    }
+    Ok(Match {
+        hosts,
+        path,
+        methods,
+        headers,
     })
 }
 
