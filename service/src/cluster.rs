@@ -62,6 +62,11 @@ struct SlotMap {
 
 enum Direct {
     Up(MultiplexedConnection),
+    /// Being connected since then (by another run, which does not hold
+    /// the lock meanwhile: a node that accepts but never answers must not
+    /// hold up the runs for other nodes). A run cut short by its deadline
+    /// leaves this behind; it is retried once it is stale.
+    Connecting(Instant),
     /// Failed to connect or answer: left to the cluster connection until.
     Paused(Instant),
 }
@@ -153,15 +158,23 @@ impl Cluster {
             map.masters.get(usize::from(owner))?.clone()
         };
         let addr = format!("{host}:{port}");
-        let mut direct = self.direct.lock().await;
-        match direct.get(&addr) {
-            Some(Direct::Up(conn)) => return Some((addr, conn.clone())),
-            Some(Direct::Paused(until)) if Instant::now() < *until => return None,
-            _ => {}
+        {
+            let mut direct = self.direct.lock().await;
+            match direct.get(&addr) {
+                Some(Direct::Up(conn)) => return Some((addr, conn.clone())),
+                Some(Direct::Connecting(since)) if since.elapsed() < 2 * self.patience() => {
+                    return None
+                }
+                Some(Direct::Paused(until)) if Instant::now() < *until => return None,
+                _ => {}
+            }
+            // One attempt at a time; the node's other runs go through the
+            // cluster connection until it is up.
+            direct.insert(addr.clone(), Direct::Connecting(Instant::now()));
         }
-        // Connecting holds the lock: one attempt at a time, and a dead
-        // node is paused for everyone at once.
-        match self.open(&host, port).await {
+        let opened = self.open(&host, port).await;
+        let mut direct = self.direct.lock().await;
+        match opened {
             Ok(conn) => {
                 direct.insert(addr.clone(), Direct::Up(conn.clone()));
                 Some((addr, conn))
