@@ -6,7 +6,7 @@ use log::warn;
 use meshlimit_protocol::CheckResult;
 
 use super::metrics::Tally;
-use super::{with_local, Step, Stream, Worker};
+use super::{with_local, Queued, Step, Stream, Worker};
 use crate::check::{Applied, Check};
 use crate::config::FailureMode;
 use crate::decision::{self, ServiceError, Verdict};
@@ -102,17 +102,29 @@ impl Worker {
                     .unwrap_or_else(|| Err(ServiceError::BadBody("missing result".into()))),
                 Err(e) => Err(e.clone()),
             };
-            let verdict = self.verdict_after_call(
-                host,
-                &mut tally,
-                now,
-                &queued.check,
-                queued.local.as_ref(),
-                outcome,
-            );
-            // A stream reset meanwhile is gone: nothing to act on.
-            self.act_for(host, queued.context_id, verdict);
+            self.settle(host, &mut tally, now, &queued, outcome);
         }
+    }
+
+    /// Decides a queued check from its outcome and acts for its paused
+    /// stream (a stream reset meanwhile is gone: nothing to act on).
+    pub(super) fn settle(
+        &self,
+        host: &impl Host,
+        tally: &mut Tally<'_, impl Host>,
+        now: u64,
+        queued: &Queued,
+        outcome: Result<CheckResult, ServiceError>,
+    ) {
+        let verdict = self.verdict_after_call(
+            host,
+            tally,
+            now,
+            &queued.check,
+            queued.local.as_ref(),
+            outcome,
+        );
+        self.act_for(host, queued.context_id, verdict);
     }
 
     /// Tells the breaker how a call went (once per call, not per check).

@@ -408,16 +408,8 @@ impl Worker {
                 Err(e) => {
                     self.record_call(host, false, now);
                     let mut tally = Tally::new(&self.metrics, host);
-                    for queued in batch {
-                        let verdict = self.verdict_after_call(
-                            host,
-                            &mut tally,
-                            now,
-                            &queued.check,
-                            queued.local.as_ref(),
-                            Err(e.clone()),
-                        );
-                        self.act_for(host, queued.context_id, verdict);
+                    for queued in &batch {
+                        self.settle(host, &mut tally, now, queued, Err(e.clone()));
                     }
                 }
             }
