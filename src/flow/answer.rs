@@ -9,7 +9,7 @@ use super::metrics::Tally;
 use super::{with_local, Queued, Step, Stream, Worker};
 use crate::check::{Applied, Check};
 use crate::config::FailureMode;
-use crate::decision::{self, ServiceError, Verdict};
+use crate::decision::{self, BatchAnswer, ServiceError, Verdict};
 use crate::host::Host;
 use crate::shared::fallback::LocalLimiter;
 use crate::stats::Stat;
@@ -91,8 +91,20 @@ impl Worker {
         // while this worker forwards the admitted requests, instead of
         // waiting for it to finish.
         self.flush(host, now);
+        self.settle_batch(host, now, &batch, answers);
+    }
+
+    /// Decides every check of a batch from the call's answer (or its
+    /// failure, which every check shares) and acts for its stream.
+    pub(super) fn settle_batch(
+        &self,
+        host: &impl Host,
+        now: u64,
+        batch: &[Queued],
+        answers: Result<BatchAnswer, ServiceError>,
+    ) {
         let mut tally = Tally::new(&self.metrics, host);
-        for (i, queued) in batch.into_iter().enumerate() {
+        for (i, queued) in batch.iter().enumerate() {
             // Each check has its own outcome: one refused check (or one
             // on a Redis node that failed) changes no other's decision.
             let outcome = match &answers {
@@ -102,13 +114,13 @@ impl Worker {
                     .unwrap_or_else(|| Err(ServiceError::BadBody("missing result".into()))),
                 Err(e) => Err(e.clone()),
             };
-            self.settle(host, &mut tally, now, &queued, outcome);
+            self.settle(host, &mut tally, now, queued, outcome);
         }
     }
 
     /// Decides a queued check from its outcome and acts for its paused
     /// stream (a stream reset meanwhile is gone: nothing to act on).
-    pub(super) fn settle(
+    fn settle(
         &self,
         host: &impl Host,
         tally: &mut Tally<'_, impl Host>,

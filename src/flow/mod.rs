@@ -46,7 +46,7 @@ use crate::shared::fallback::{self, LocalLimiter};
 use crate::shared::keys;
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
-use metrics::{Metrics, Tally};
+use metrics::Metrics;
 
 /// Interval between two log lines about the same kind of trouble.
 const LOG_EVERY_MS: u64 = 10_000;
@@ -407,10 +407,7 @@ impl Worker {
                 }
                 Err(e) => {
                     self.record_call(host, false, now);
-                    let mut tally = Tally::new(&self.metrics, host);
-                    for queued in &batch {
-                        self.settle(host, &mut tally, now, queued, Err(e.clone()));
-                    }
+                    self.settle_batch(host, now, &batch, Err(e));
                 }
             }
         }
