@@ -16,7 +16,6 @@
 //! connection, and the slot map is read again in the background.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -27,6 +26,8 @@ use redis::{
     ConnectionAddr, ConnectionInfo, FromRedisValue, RedisError, RedisResult, ScriptInvocation,
 };
 use tokio::sync::Mutex;
+
+use crate::throttle::AtMostEvery;
 
 /// Slots in a Redis Cluster.
 const SLOTS: usize = 16_384;
@@ -48,7 +49,8 @@ pub struct Cluster {
     map: Arc<RwLock<SlotMap>>,
     /// Connections straight to masters, by address.
     direct: Mutex<HashMap<String, Direct>>,
-    refreshed_ms: AtomicU64,
+    /// Background slot-map reads, at most one per `REFRESH_EVERY`.
+    refresh: AtMostEvery,
     epoch: Instant,
     timeout: Duration,
 }
@@ -86,7 +88,7 @@ impl Cluster {
             certs,
             map: Arc::new(RwLock::new(SlotMap::default())),
             direct: Mutex::new(HashMap::new()),
-            refreshed_ms: AtomicU64::new(0),
+            refresh: AtMostEvery::default(),
             epoch: Instant::now(),
             timeout,
         }
@@ -220,15 +222,7 @@ impl Cluster {
     /// `REFRESH_EVERY`.
     fn refresh_soon(&self) {
         let now = self.epoch.elapsed().as_millis() as u64;
-        let last = self.refreshed_ms.load(Ordering::Relaxed);
-        if last != 0 && now < last + REFRESH_EVERY.as_millis() as u64 {
-            return;
-        }
-        if self
-            .refreshed_ms
-            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
-            .is_err()
-        {
+        if !self.refresh.claim(now, REFRESH_EVERY.as_millis() as u64) {
             return;
         }
         let Ok(conn) = self.connection.try_lock().map(|c| c.clone()) else {

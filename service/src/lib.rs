@@ -11,3 +11,4 @@ pub mod keys;
 pub mod limiter;
 pub mod metrics;
 pub mod script;
+pub mod throttle;

@@ -12,6 +12,7 @@ use crate::backend::{self, Backend};
 use crate::keys;
 use crate::metrics::Metrics;
 use crate::script;
+use crate::throttle::AtMostEvery;
 
 /// Why Redis could not decide a check. Every variant becomes a 503, which
 /// tells the filter to fall back.
@@ -76,9 +77,8 @@ pub struct Limiter {
     health: Arc<Health>,
     /// Set once the script is known to be in Redis' cache.
     script_loaded: Arc<std::sync::atomic::AtomicBool>,
-    /// When a background script load was last started (ms of `health`'s
-    /// clock; 0: never).
-    script_load_tried_ms: Arc<AtomicU64>,
+    /// Background script loads, at most one a second (on `health`'s clock).
+    script_load: Arc<AtMostEvery>,
 }
 
 /// Consecutive Redis failures after which calls fail fast.
@@ -137,7 +137,7 @@ impl Limiter {
             metrics,
             health: Arc::new(Health::default()),
             script_loaded: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            script_load_tried_ms: Arc::new(AtomicU64::new(0)),
+            script_load: Arc::default(),
         })
     }
 
@@ -311,16 +311,7 @@ impl Limiter {
         if self.script_loaded.load(Ordering::Relaxed) || self.health.fail_fast() {
             return;
         }
-        let now = self.health.now_ms();
-        let last = self.script_load_tried_ms.load(Ordering::Relaxed);
-        if last != 0 && now < last + 1_000 {
-            return;
-        }
-        if self
-            .script_load_tried_ms
-            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
-            .is_err()
-        {
+        if !self.script_load.claim(self.health.now_ms(), 1_000) {
             return;
         }
         let this = self.clone();
