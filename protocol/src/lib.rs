@@ -32,6 +32,9 @@
 use serde::{Deserialize, Serialize};
 
 pub mod bounds;
+pub mod calendar;
+
+pub use calendar::{Calendar, CalendarUnit};
 
 /// Path of the check endpoint on `meshlimitd`.
 pub const CHECK_PATH: &str = "/v1/check";
@@ -46,12 +49,13 @@ pub struct CheckRequest {
     pub checks: Vec<Check>,
 }
 
-/// One HTTP request's worth of limits for one subject.
+/// One HTTP request's worth of limits.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Check {
     /// Who is being limited (the client id as the filter derived it, e.g.
-    /// `hdr:x-api-key:abc` or `ip:10.0.0.1`). Untrusted client input: the
-    /// service escapes or hashes it before it becomes part of a key.
+    /// `hdr:x-api-key:abc` or `ip:10.0.0.1`), for every limit that names no
+    /// subject of its own. Untrusted client input: the service escapes or
+    /// hashes it before it becomes part of a key.
     pub subject: String,
     /// Every limit that applies to the request; all are decided together.
     pub limits: Vec<Limit>,
@@ -86,12 +90,27 @@ pub struct Limit {
     /// Decided and counted, but never the reason a check is denied.
     #[serde(default, skip_serializing_if = "is_false")]
     pub shadow: bool,
+    /// Whose counter this limit spends when it is not the check's
+    /// subject: a limit counted `by` other attributes than the client
+    /// (`hdr:x-tenant:acme|path:/api`, or `*` for one counter for everyone).
+    /// Untrusted, like the check's subject.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subject: Option<String>,
+    /// `fixed_window` only: windows on calendar edges (a day, a week, a
+    /// month at a UTC offset) instead of `window_ms`-long ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calendar: Option<Calendar>,
 }
 
 impl Limit {
     /// The most units one request can ever take from this limit.
     pub fn capacity(&self) -> u64 {
         bounds::capacity(self.algorithm, self.requests, self.burst)
+    }
+
+    /// The subject whose counter this limit spends in `check`.
+    pub fn subject_in<'a>(&'a self, check: &'a Check) -> &'a str {
+        self.subject.as_deref().unwrap_or(&check.subject)
     }
 }
 

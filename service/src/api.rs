@@ -1,4 +1,5 @@
-//! HTTP API: `POST /v1/check`, `GET /healthz`, `GET /readyz`, `GET /metrics`.
+//! HTTP API: `POST /v1/check`, `GET /healthz`, `GET /readyz`, `GET /metrics`,
+//! and the admin API of [`crate::admin`].
 //!
 //! Status codes are a contract with the filter: 200 is a decision, 400 and
 //! 413 are the caller's mistake (with a reason), 503 means "Redis cannot
@@ -36,6 +37,8 @@ pub struct AppState {
     pub error_log: std::sync::Arc<LogEvery>,
     /// `Bearer <secret>` every check must carry, when configured.
     pub authorization: Option<std::sync::Arc<[u8]>>,
+    /// `Bearer <admin secret>` of the admin API; `None`: the API is off.
+    pub admin_authorization: Option<std::sync::Arc<[u8]>>,
 }
 
 /// Bounds on work in progress.
@@ -59,7 +62,16 @@ impl AppState {
             )),
             error_log: std::sync::Arc::new(LogEvery::default()),
             authorization: None,
+            admin_authorization: None,
         }
+    }
+
+    /// Turns the admin API (live overrides) on, behind `token`; the
+    /// limiter then reads overrides in every decision.
+    pub fn with_admin_token(mut self, token: Option<String>) -> Self {
+        self.limiter = self.limiter.clone().with_overrides(token.is_some());
+        self.admin_authorization = token.map(|t| format!("Bearer {t}").into_bytes().into());
+        self
     }
 
     /// Requires checks to carry `authorization: Bearer <token>`.
@@ -82,7 +94,7 @@ pub fn auth_token(bytes: &[u8]) -> Result<String, String> {
 
 /// Whether `presented` equals `expected`, in time that does not depend on
 /// where they differ.
-fn same_secret(presented: &[u8], expected: &[u8]) -> bool {
+pub(crate) fn same_secret(presented: &[u8], expected: &[u8]) -> bool {
     presented.len() == expected.len()
         && presented
             .iter()
@@ -126,11 +138,12 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
+        .merge(crate::admin::routes())
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (
         status,
         Json(ErrorBody {
@@ -367,6 +380,19 @@ fn validate_check(i: usize, check: &Check) -> Result<(), String> {
             };
             return Err(format!("{at}.{field}: {}", e.problem));
         }
+        if let Some(subject) = &limit.subject {
+            if subject.is_empty() || subject.len() > MAX_SUBJECT_BYTES {
+                return Err(format!("{at}.subject: 1 to {MAX_SUBJECT_BYTES} bytes"));
+            }
+        }
+        if let Some(calendar) = &limit.calendar {
+            if limit.algorithm != meshlimit_protocol::Algorithm::FixedWindow {
+                return Err(format!("{at}.calendar: only a fixed_window has one"));
+            }
+            calendar
+                .check()
+                .map_err(|e| format!("{at}.calendar: {e}"))?;
+        }
         if limit.cost == 0 || limit.cost > bounds::MAX_COST {
             return Err(format!(
                 "{at}.cost: must be between 1 and {}",
@@ -412,6 +438,8 @@ mod tests {
                     cost: 1,
                     burst: None,
                     shadow: false,
+                    subject: None,
+                    calendar: None,
                 }],
             }],
         }

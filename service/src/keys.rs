@@ -1,9 +1,11 @@
 //! Redis key layout.
 //!
 //! ```text
-//! <prefix>{<tag>}:<rule>/<limit>:<algorithm>:<window_ms>
+//! <prefix>{<tag>}:<rule>/<limit>:<algorithm>:<window_ms or calendar>
 //! ml:{e:hdr:x-api-key:alice}:api/per-minute:fw:60000
 //! ml:{h:3f1c…(64 hex)}:api/per-minute:fw:60000
+//! ml:{e:hdr:x-api-key:alice}:api/monthly:fw:month+120
+//! ml:{e:hdr:x-api-key:alice}:api/per-minute:ovr      (a live override)
 //! ```
 //!
 //! The subject is client input, so it never reaches a key as is. The tag is
@@ -45,7 +47,6 @@ fn hashed(subject: &str) -> String {
     format!("h:{}", hex::encode(Sha256::digest(subject.as_bytes())))
 }
 
-/// The key of one limit's counter for one subject.
 /// The Redis Cluster slot of every key with hash tag `tag` (CRC16/XMODEM
 /// of the tag, modulo 16384, as Redis computes it).
 pub fn tag_slot(tag: &str) -> u16 {
@@ -63,13 +64,29 @@ pub fn tag_slot(tag: &str) -> u16 {
     crc % 16384
 }
 
+/// The key of one limit's counter for the subject of tag `tag`.
 pub fn limit_key(prefix: &str, tag: &str, limit: &Limit) -> String {
-    format!(
-        "{prefix}{{{tag}}}:{}:{}:{}",
-        limit.name,
-        limit.algorithm.short_name(),
-        limit.window_ms
-    )
+    match &limit.calendar {
+        Some(calendar) => format!(
+            "{prefix}{{{tag}}}:{}:{}:{}",
+            limit.name,
+            limit.algorithm.short_name(),
+            calendar.key_suffix()
+        ),
+        None => format!(
+            "{prefix}{{{tag}}}:{}:{}:{}",
+            limit.name,
+            limit.algorithm.short_name(),
+            limit.window_ms
+        ),
+    }
+}
+
+/// The key of a live override of limit `name` (`rule/limit`) for the
+/// subject of tag `tag`: beside the subject's counters, in their slot, so
+/// the script that decides reads it in the same run.
+pub fn override_key(prefix: &str, tag: &str, name: &str) -> String {
+    format!("{prefix}{{{tag}}}:{name}:ovr")
 }
 
 #[cfg(test)]
@@ -95,6 +112,8 @@ mod tests {
             cost: 1,
             burst: None,
             shadow: false,
+            subject: None,
+            calendar: None,
         }
     }
 

@@ -4,6 +4,7 @@
 //! by the scripts in [`script`]. See `api` for the HTTP contract and `keys`
 //! for the key layout.
 
+pub mod admin;
 pub mod api;
 pub mod backend;
 pub mod cluster;

@@ -69,6 +69,16 @@ pub struct Limiter {
     script: Script,
     /// Several checks per run (see [`Limiter::check_batch`]).
     many: Script,
+    /// A check spread over several Cluster slots, one slot at a time
+    /// (see [`Limiter::check_across_slots`]), and its refund.
+    charge: Script,
+    refund: Script,
+    override_script: Script,
+    /// Live overrides are read by every decision (admin API on).
+    overrides: bool,
+    /// Test hook: the key whose value (ms) shifts the scripts' clock; ""
+    /// in production.
+    clock_key: String,
     /// Makes sorted-set members unique across calls and instances.
     nonce: Arc<(u64, AtomicU64)>,
     prefix: String,
@@ -131,6 +141,11 @@ impl Limiter {
             backend,
             script: Script::new(script::CHECK),
             many: Script::new(script::CHECK_MANY),
+            charge: Script::new(script::CHARGE),
+            refund: Script::new(script::REFUND),
+            override_script: Script::new(script::OVERRIDE),
+            overrides: false,
+            clock_key: String::new(),
             nonce: Arc::new((instance_id(), AtomicU64::new(0))),
             prefix,
             timeout,
@@ -141,13 +156,208 @@ impl Limiter {
         })
     }
 
+    /// Reads live overrides in every decision (the admin API is on).
+    pub fn with_overrides(mut self, on: bool) -> Self {
+        self.overrides = on;
+        self
+    }
+
+    /// Test hook: shifts the scripts' clock by the value (milliseconds) of
+    /// Redis key `key`, so that tests can cross calendar edges without
+    /// waiting. Refused on a Cluster (the key would live in another slot).
+    pub fn with_test_clock(mut self, key: Option<String>) -> Result<Self, LimiterError> {
+        if let Some(key) = key {
+            if self.backend.is_cluster() {
+                return Err(LimiterError::Reply(
+                    "the test clock hook is not available on a Cluster".into(),
+                ));
+            }
+            self.clock_key = key;
+        }
+        Ok(self)
+    }
+
+    /// Whether this limiter reads live overrides.
+    pub fn overrides(&self) -> bool {
+        self.overrides
+    }
+
     /// Decides one check atomically (all of its limits or none).
     pub async fn check(&self, check: &Check) -> Result<CheckResult, LimiterError> {
+        let Some(slot) = self.slot_of(check) else {
+            return self.check_across_slots(check).await;
+        };
         let mut invocation = self.script.prepare_invoke();
-        invocation.arg(self.next_nonce());
-        self.add_limits(&mut invocation, check);
-        let values = self.run(slot_of(check), &invocation).await?;
+        self.add_fixed_args(&mut invocation);
+        self.add_limits(&mut invocation, check, &check.limits);
+        let values = self.run(slot, &invocation).await?;
         parse_reply(check, &values)
+    }
+
+    /// A check whose limits live in different Cluster slots (a route cap
+    /// `by: []` and a per-client limit, say) cannot be one script run. Each
+    /// slot's limits are decided by their own run, all at once; if any run
+    /// denies, the runs that charged are refunded, so a denied request
+    /// still charges nothing. What is lost is only the atomicity between
+    /// the slots: for the time of one round trip, a request that is then
+    /// denied holds units of the other slots' counters, which can make a
+    /// concurrent request on those counters be denied (never admitted over
+    /// the limit). On one Redis or behind Sentinel every check is one run.
+    async fn check_across_slots(&self, check: &Check) -> Result<CheckResult, LimiterError> {
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, limit) in check.limits.iter().enumerate() {
+            let slot = keys::tag_slot(&keys::subject_tag(limit.subject_in(check)));
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
+            // Each limit carries its own subject from here on (the refund
+            // needs it without the check).
+            let limits: Vec<Limit> = members
+                .iter()
+                .filter_map(|&i| check.limits.get(i))
+                .map(|limit| Limit {
+                    subject: Some(limit.subject_in(check).to_string()),
+                    ..limit.clone()
+                })
+                .collect();
+            async move {
+                let nonce = self.next_nonce();
+                let mut invocation = self.charge.prepare_invoke();
+                invocation
+                    .arg(&nonce)
+                    .arg(u8::from(self.overrides))
+                    .arg(&self.clock_key);
+                self.add_limits(&mut invocation, check, &limits);
+                let values = self.run(*slot, &invocation).await?;
+                let (clock, reply) = values
+                    .split_last()
+                    .ok_or_else(|| LimiterError::Reply("empty reply".into()))?;
+                let part = Check {
+                    subject: check.subject.clone(),
+                    limits: limits.clone(),
+                };
+                let result = parse_reply(&part, reply)?;
+                Ok::<_, LimiterError>((nonce, *clock, limits, result))
+            }
+        }))
+        .await;
+        let allowed = runs
+            .iter()
+            .all(|r| matches!(r, Ok((_, _, _, result)) if result.allowed));
+        if !allowed {
+            // Give back what the runs that admitted charged.
+            let refunds = runs.iter().zip(&groups).filter_map(|(run, (slot, _))| {
+                let (nonce, clock, limits, result) = run.as_ref().ok()?;
+                result
+                    .allowed
+                    .then(|| self.refund(*slot, nonce, *clock, limits, result))
+            });
+            for refund in futures_util::future::join_all(refunds).await {
+                if let Err(e) = refund {
+                    tracing::warn!(error = %e, "could not refund a check denied in another slot");
+                }
+            }
+        }
+        let mut statuses: Vec<Option<LimitStatus>> = vec![None; check.limits.len()];
+        for (run, (_, members)) in runs.into_iter().zip(&groups) {
+            let (_, _, limits, result) = run?;
+            for ((&i, mut status), limit) in members.iter().zip(result.limits).zip(&limits) {
+                if !allowed && result.allowed && status.allowed {
+                    // Refunded: what remains is as before the charge.
+                    status.remaining = (status.remaining + limit.cost).min(status.limit);
+                }
+                if let Some(slot) = statuses.get_mut(i) {
+                    *slot = Some(status);
+                }
+            }
+        }
+        let limits = statuses.into_iter().flatten().collect::<Vec<_>>();
+        if limits.len() != check.limits.len() {
+            return Err(LimiterError::Reply("a limit was not decided".into()));
+        }
+        Ok(CheckResult { allowed, limits })
+    }
+
+    /// The live override of limit `name` (`rule/limit`) for `subject`.
+    pub async fn get_override(
+        &self,
+        name: &str,
+        subject: &str,
+    ) -> Result<Option<Override>, LimiterError> {
+        let values = self.override_op(name, subject, &["get"]).await?;
+        Ok(Override::from_reply(&values))
+    }
+
+    /// Sets (or replaces) a live override; `expires_at_ms` in Unix
+    /// milliseconds, none for an override that lasts until deleted.
+    pub async fn set_override(
+        &self,
+        name: &str,
+        subject: &str,
+        requests: u64,
+        expires_at_ms: Option<u64>,
+    ) -> Result<Option<Override>, LimiterError> {
+        let requests = requests.to_string();
+        let expiry = expires_at_ms.map(|t| t.to_string()).unwrap_or_default();
+        let values = self
+            .override_op(name, subject, &["set", &requests, &expiry])
+            .await?;
+        Ok(Override::from_reply(&values))
+    }
+
+    /// Removes a live override; whether there was one.
+    pub async fn delete_override(&self, name: &str, subject: &str) -> Result<bool, LimiterError> {
+        let values = self.override_op(name, subject, &["del"]).await?;
+        Ok(values.first().is_some_and(|&n| n > 0))
+    }
+
+    async fn override_op(
+        &self,
+        name: &str,
+        subject: &str,
+        args: &[&str],
+    ) -> Result<Vec<i64>, LimiterError> {
+        let tag = keys::subject_tag(subject);
+        let mut invocation = self.override_script.prepare_invoke();
+        invocation.key(keys::override_key(&self.prefix, &tag, name));
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        self.run(keys::tag_slot(&tag), &invocation).await
+    }
+
+    /// Undoes the charge of one [`Limiter::check_across_slots`] run.
+    async fn refund(
+        &self,
+        slot: u16,
+        nonce: &str,
+        clock: i64,
+        limits: &[Limit],
+        result: &CheckResult,
+    ) -> Result<(), LimiterError> {
+        let mut invocation = self.refund.prepare_invoke();
+        invocation.arg(nonce).arg(clock).arg(&self.clock_key);
+        for (place, (limit, status)) in limits.iter().zip(&result.limits).enumerate() {
+            if !status.allowed {
+                continue; // a shadow limit that did not fit was not charged
+            }
+            invocation
+                .key(keys::limit_key(
+                    &self.prefix,
+                    &keys::subject_tag(limit.subject.as_deref().unwrap_or_default()),
+                    limit,
+                ))
+                .arg(limit.algorithm.short_name())
+                .arg(status.limit)
+                .arg(limit.window_ms)
+                .arg(limit.cost)
+                .arg(calendar_arg(limit))
+                .arg(place + 1);
+        }
+        self.run(slot, &invocation).await.map(drop)
     }
 
     /// Decides a batch of checks, answers in order. Each check is decided
@@ -161,12 +371,18 @@ impl Limiter {
     /// with a node down, the checks of the other nodes keep their decisions
     /// (already charged in Redis, never to be charged again elsewhere).
     pub async fn check_batch(&self, checks: &[Check]) -> Vec<Result<CheckResult, LimiterError>> {
-        // Groups of indices into `checks`, each group in request order.
+        // Groups of indices into `checks`, each group in request order: on
+        // a Cluster one per slot, and a check spread over several slots
+        // alone (decided by `check`, slot by slot).
         let groups: Vec<Vec<usize>> = if self.backend.is_cluster() {
-            let mut group_of: std::collections::HashMap<&str, usize> = Default::default();
+            let mut group_of: std::collections::HashMap<u16, usize> = Default::default();
             let mut groups: Vec<Vec<usize>> = Vec::new();
             for (i, check) in checks.iter().enumerate() {
-                let g = *group_of.entry(&check.subject).or_insert_with(|| {
+                let Some(slot) = self.slot_of(check) else {
+                    groups.push(vec![i]);
+                    continue;
+                };
+                let g = *group_of.entry(slot).or_insert_with(|| {
                     groups.push(Vec::new());
                     groups.len() - 1
                 });
@@ -217,13 +433,17 @@ impl Limiter {
             return Ok(vec![self.check(one).await?]);
         }
         let mut invocation = self.many.prepare_invoke();
-        invocation.arg(self.next_nonce()).arg(checks.len());
+        self.add_fixed_args(&mut invocation);
+        invocation.arg(checks.len());
         for check in checks {
             invocation.arg(check.limits.len());
-            self.add_limits(&mut invocation, check);
+            self.add_limits(&mut invocation, check, &check.limits);
         }
-        // On a Cluster the checks of one run share a subject, hence a slot.
-        let slot = checks.first().map_or(0, |c| slot_of(c));
+        // On a Cluster the checks of one run share a slot.
+        let slot = checks
+            .first()
+            .and_then(|c| self.slot_of(c))
+            .unwrap_or_default();
         let values = self.run(slot, &invocation).await?;
         let mut rest = values.as_slice();
         let mut results = Vec::with_capacity(checks.len());
@@ -248,19 +468,58 @@ impl Limiter {
         format!("{:x}.{seq:x}", self.nonce.0)
     }
 
-    /// A check's keys and per-limit arguments, as the scripts take them.
-    fn add_limits(&self, invocation: &mut redis::ScriptInvocation<'_>, check: &Check) {
-        let tag = keys::subject_tag(&check.subject);
-        for limit in &check.limits {
+    /// The arguments before the limits: nonce, overrides, test clock.
+    fn add_fixed_args(&self, invocation: &mut redis::ScriptInvocation<'_>) {
+        invocation
+            .arg(self.next_nonce())
+            .arg(u8::from(self.overrides))
+            .arg(&self.clock_key);
+    }
+
+    /// Keys and per-limit arguments of `limits` (of `check`), as the
+    /// scripts take them: the counters, then (with overrides) the
+    /// override keys.
+    fn add_limits(
+        &self,
+        invocation: &mut redis::ScriptInvocation<'_>,
+        check: &Check,
+        limits: &[Limit],
+    ) {
+        let tags: Vec<String> = limits
+            .iter()
+            .map(|l| keys::subject_tag(l.subject_in(check)))
+            .collect();
+        for (limit, tag) in limits.iter().zip(&tags) {
             invocation
-                .key(keys::limit_key(&self.prefix, &tag, limit))
+                .key(keys::limit_key(&self.prefix, tag, limit))
                 .arg(limit.algorithm.short_name())
                 .arg(limit.requests)
                 .arg(limit.window_ms)
                 .arg(limit.cost)
                 .arg(limit.capacity())
-                .arg(u8::from(limit.shadow));
+                .arg(u8::from(limit.shadow))
+                .arg(calendar_arg(limit));
         }
+        if self.overrides {
+            for (limit, tag) in limits.iter().zip(&tags) {
+                invocation.key(keys::override_key(&self.prefix, tag, &limit.name));
+            }
+        }
+    }
+
+    /// The Cluster slot of every key of `check`, or `None` when its limits'
+    /// subjects live in several slots. Always `Some` off a Cluster (where
+    /// the slot means nothing).
+    fn slot_of(&self, check: &Check) -> Option<u16> {
+        if !self.backend.is_cluster() {
+            return Some(0);
+        }
+        let mut slots = check
+            .limits
+            .iter()
+            .map(|l| keys::tag_slot(&keys::subject_tag(l.subject_in(check))));
+        let first = slots.next().unwrap_or_default();
+        slots.all(|s| s == first).then_some(first)
     }
 
     /// Runs a script invocation with the timeout, the health check and the
@@ -341,9 +600,31 @@ impl Limiter {
     }
 }
 
-/// The Cluster slot of a check's keys (all share its subject's tag).
-fn slot_of(check: &Check) -> u16 {
-    keys::tag_slot(&keys::subject_tag(&check.subject))
+/// A live override as stored in Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Override {
+    pub requests: u64,
+    /// Unix milliseconds; none: until deleted.
+    pub expires_at_ms: Option<u64>,
+}
+
+impl Override {
+    fn from_reply(values: &[i64]) -> Option<Override> {
+        match values {
+            [requests, expiry] => Some(Override {
+                requests: (*requests).max(0) as u64,
+                expires_at_ms: (*expiry >= 0).then_some(*expiry as u64),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// A limit's calendar as the scripts take it: `month:120`, or "".
+fn calendar_arg(limit: &Limit) -> String {
+    limit.calendar.map_or_else(String::new, |c| {
+        format!("{}:{}", c.unit.as_str(), c.utc_offset_minutes)
+    })
 }
 
 /// Distinguishes this process's nonces from other meshlimitd instances'.
@@ -352,14 +633,17 @@ fn instance_id() -> u64 {
     RandomState::new().hash_one(std::process::id())
 }
 
-/// Why `limit` can never admit a request of its cost, if it cannot.
-fn impossible(limit: &Limit) -> Option<String> {
-    (limit.cost > limit.capacity()).then(|| {
+/// Why `limit` can never admit a request of its cost, if it cannot;
+/// `effective` is its number of requests after any live override.
+fn impossible(limit: &Limit, effective: u64) -> Option<String> {
+    let capacity = match limit.burst {
+        Some(burst) if limit.algorithm == meshlimit_protocol::Algorithm::TokenBucket => burst,
+        _ => effective,
+    };
+    (limit.cost > capacity).then(|| {
         format!(
-            "cost {} exceeds the capacity {} of limit {}",
-            limit.cost,
-            limit.capacity(),
-            limit.name
+            "cost {} exceeds the capacity {capacity} of limit {}",
+            limit.cost, limit.name
         )
     })
 }
@@ -379,11 +663,12 @@ fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterErro
         .iter()
         .zip(values.get(1..).unwrap_or_default().chunks_exact(per))
         .map(|(limit, v)| {
-            let reason = impossible(limit);
+            let effective = v[4].max(1) as u64;
+            let reason = impossible(limit, effective);
             let ok = v[0] == 1 && reason.is_none();
             LimitStatus {
                 allowed: ok,
-                limit: limit.requests,
+                limit: effective,
                 remaining: v[1].max(0) as u64,
                 reset_after_ms: v[2].max(0) as u64,
                 // Waiting never helps a request that can never fit.
@@ -419,6 +704,8 @@ mod tests {
                     cost,
                     burst: None,
                     shadow: false,
+                    subject: None,
+                    calendar: None,
                 })
                 .collect(),
         }
@@ -426,7 +713,7 @@ mod tests {
 
     #[test]
     fn reply_maps_to_statuses() {
-        let r = parse_reply(&check(2, 1), &[0, 1, 3, 400, 0, 0, 0, 900, 900]).unwrap();
+        let r = parse_reply(&check(2, 1), &[0, 1, 3, 400, 0, 10, 0, 0, 900, 900, 10]).unwrap();
         assert!(!r.allowed);
         assert_eq!(r.limits[0].remaining, 3);
         assert_eq!(r.limits[0].retry_after_ms, 0);
@@ -436,7 +723,7 @@ mod tests {
 
     #[test]
     fn impossible_costs_carry_a_reason() {
-        let r = parse_reply(&check(1, 11), &[0, 0, 10, 0, 5]).unwrap();
+        let r = parse_reply(&check(1, 11), &[0, 0, 10, 0, 5, 10]).unwrap();
         assert_eq!(
             r.limits[0].reason.as_deref(),
             Some("cost 11 exceeds the capacity 10 of limit r/l0")

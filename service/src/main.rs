@@ -6,7 +6,7 @@ use meshlimitd::api::{self, AppState};
 use meshlimitd::backend;
 use meshlimitd::limiter::Limiter;
 use meshlimitd::metrics::Metrics;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// meshlimitd: decides meshlimit's rate limits on Redis.
 #[derive(Parser, Debug)]
@@ -53,13 +53,24 @@ struct Args {
         requires = "redis_client_cert"
     )]
     redis_client_key: Option<std::path::PathBuf>,
-    /// Prefix of every key meshlimitd writes (must not contain '{' or '}').
     /// A file holding a shared secret: checks must then carry
     /// `authorization: Bearer <secret>` (the filter's `service.auth_token`),
     /// or get 401. For deployments where more than the proxies can reach
     /// meshlimitd (see docs/security.md).
     #[arg(long, env = "MESHLIMITD_AUTH_TOKEN_FILE")]
     auth_token_file: Option<std::path::PathBuf>,
+    /// A file holding the admin API's secret (a different one from
+    /// --auth-token-file): turns on live overrides (`/v1/overrides/...`,
+    /// see docs/policies.md), read by every decision. Give every instance
+    /// the same setting. Off by default.
+    #[arg(long, env = "MESHLIMITD_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<std::path::PathBuf>,
+    /// Test hook, never for production: the scripts' clock is Redis TIME
+    /// plus the value (milliseconds) of this Redis key, so tests cross
+    /// calendar edges without waiting. Not available on a Cluster.
+    #[arg(long, env = "MESHLIMITD_TEST_CLOCK_OFFSET_KEY", hide = true)]
+    test_clock_offset_key: Option<String>,
+    /// Prefix of every key meshlimitd writes (must not contain '{' or '}').
     #[arg(long, env = "MESHLIMITD_KEY_PREFIX", default_value = "ml:")]
     key_prefix: String,
     /// Largest accepted request body; larger ones get 413.
@@ -141,7 +152,11 @@ async fn run(args: Args) -> Result<(), String> {
         timeout: Duration::from_millis(args.redis_timeout_ms.max(1)),
     };
     let limiter = Limiter::new(&options, args.key_prefix.clone(), metrics.clone())
+        .and_then(|l| l.with_test_clock(args.test_clock_offset_key.clone()))
         .map_err(|e| format!("invalid Redis settings: {e}"))?;
+    if let Some(key) = &args.test_clock_offset_key {
+        warn!("test clock hook on: the scripts' clock is shifted by Redis key {key}");
+    }
     // A first PING, so a wrong password or address shows in the log at
     // once (meshlimitd keeps running and retrying; /readyz says why).
     match limiter.ping().await {
@@ -162,8 +177,22 @@ async fn run(args: Args) -> Result<(), String> {
             Some(api::auth_token(&bytes).map_err(|e| format!("--auth-token-file: {e}"))?)
         }
     };
+    let admin_token = match read("--admin-token-file", &args.admin_token_file)? {
+        None => None,
+        Some(bytes) => {
+            Some(api::auth_token(&bytes).map_err(|e| format!("--admin-token-file: {e}"))?)
+        }
+    };
+    if admin_token.is_some() && admin_token == auth_token {
+        return Err("--admin-token-file must hold another secret than --auth-token-file".into());
+    }
+    if admin_token.is_some() {
+        info!("admin API on: live overrides are read by every decision");
+    }
     let app = api::router(
-        AppState::new(limiter, metrics, limits).with_auth_token(auth_token),
+        AppState::new(limiter, metrics, limits)
+            .with_auth_token(auth_token)
+            .with_admin_token(admin_token),
         args.max_body_bytes,
     );
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -34,17 +34,31 @@
 //! (the decision of one check, as a function) followed by `check.lua` or
 //! `check_many.lua` (the entry points).
 //!
-//! KEYS: one per limit.
-//! ARGV: nonce, then per limit: algorithm, requests, window_ms, cost, burst,
-//!       shadow (0/1).
+//! Calendar windows (`fw` with a calendar) end on the next day, ISO week or
+//! month edge at the limit's UTC offset, computed in the script from the
+//! run's clock as `meshlimit_protocol::calendar` computes them (a test
+//! compares the two on real Redis).
+//!
+//! Live overrides: with meshlimitd's admin API on, each limit's override
+//! key (same hash tag as its counter) is declared after the counters and
+//! read in the same run, so an override applies atomically with the
+//! decision and fleet-wide at once.
+//!
+//! KEYS: one counter per limit; with overrides, then one override per limit.
+//! ARGV: nonce, overrides (0/1), test clock key ('' in production), then per
+//!       limit: algorithm, requests, window_ms, cost, burst, shadow (0/1),
+//!       calendar ('' or `month:120`).
 //! Returns: allowed, then per limit: fits, remaining, reset_after_ms,
-//!          retry_after_ms.
+//!          retry_after_ms, limit (after any override).
 
-/// Arguments per limit after the nonce (`ARGS_PER_LIMIT` in `decide.lua`).
-pub const ARGS_PER_LIMIT: usize = 6;
+/// Arguments per limit after the fixed ones (`ARGS_PER_LIMIT` in
+/// `decide.lua`).
+pub const ARGS_PER_LIMIT: usize = 7;
 /// Values per limit in the reply after the overall decision
 /// (`REPLY_PER_LIMIT` in `decide.lua`).
-pub const REPLY_PER_LIMIT: usize = 4;
+pub const REPLY_PER_LIMIT: usize = 5;
+/// Arguments per limit of [`REFUND`] (`REFUND_ARGS` in `refund.lua`).
+pub const REFUND_ARGS: usize = 6;
 
 /// One check per run.
 pub const CHECK: &str = concat!(
@@ -63,6 +77,23 @@ pub const CHECK_MANY: &str = concat!(
     include_str!("lua/check_many.lua")
 );
 
+/// One check whose limits live in several Cluster slots: [`CHECK`] for
+/// one slot's limits, its reply followed by the run's clock (for a refund).
+pub const CHARGE: &str = concat!(
+    include_str!("lua/decide.lua"),
+    include_str!("lua/charge.lua")
+);
+
+/// Gives back what a [`CHARGE`] run charged, when another slot denied the
+/// same check.
+pub const REFUND: &str = concat!(
+    include_str!("lua/decide.lua"),
+    include_str!("lua/refund.lua")
+);
+
+/// Reads, sets or deletes a live override (the admin API).
+pub const OVERRIDE: &str = include_str!("lua/override.lua");
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,6 +104,8 @@ mod tests {
         assert!(lua.contains(&format!("local ARGS_PER_LIMIT = {ARGS_PER_LIMIT}\n")));
         assert!(lua.contains(&format!("local REPLY_PER_LIMIT = {REPLY_PER_LIMIT}\n")));
         // No stray literal stride left behind.
-        assert!(!CHECK_MANY.contains("* 6") && !CHECK.contains("* 6"));
+        assert!(!CHECK_MANY.contains("* 7") && !CHECK.contains("* 7"));
+        let refund = include_str!("lua/refund.lua");
+        assert!(refund.contains(&format!("local REFUND_ARGS = {REFUND_ARGS}\n")));
     }
 }

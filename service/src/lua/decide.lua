@@ -6,28 +6,100 @@
 
 -- Argument layout, also named in script.rs (a unit test compares them):
 -- ARGS_PER_LIMIT arguments per limit (algorithm, requests, window_ms, cost,
--- burst, shadow), REPLY_PER_LIMIT reply values per limit (fits, remaining,
--- reset_after_ms, retry_after_ms) after the overall decision.
-local ARGS_PER_LIMIT = 6
-local REPLY_PER_LIMIT = 4
+-- burst, shadow, calendar), REPLY_PER_LIMIT reply values per limit (fits,
+-- remaining, reset_after_ms, retry_after_ms, limit) after the overall
+-- decision.
+local ARGS_PER_LIMIT = 7
+local REPLY_PER_LIMIT = 5
 -- Members per ZADD (well under Lua's limit on unpack()).
 local ZADD_CHUNK = 1000
+-- A live override never makes a sliding log longer than the API allows
+-- (protocol::bounds::MAX_SLIDING_LOG_REQUESTS).
+local MAX_LOG = 10000
+local DAY = 86400000
 
 -- Large numbers go to Redis through '%.0f': Lua's default conversion keeps
 -- 14 digits, which would silently round a microsecond timestamp.
 local function num(x) return string.format('%.0f', x) end
 
--- One check: its keys are KEYS[k + 1 .. k + n], its limits' arguments
+-- Calendar windows, as protocol/src/calendar.rs computes them (H. Hinnant's
+-- civil-date algorithms, proleptic Gregorian).
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local doy = math.floor((153 * ((m + 9) % 12) + 2) / 5) + d - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+local function civil_from_days(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+                          - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+
+-- Milliseconds from `now` to the end of its calendar window; `cal` is
+-- 'day:<offset minutes>', 'week:..' or 'month:..'.
+local function calendar_reset(now, cal)
+  local unit, off = string.match(cal, '^(%a+):(-?%d+)$')
+  off = tonumber(off) * 60000
+  local day = math.floor((now + off) / DAY)
+  local last
+  if unit == 'day' then last = day + 1
+  elseif unit == 'week' then last = day - ((day + 3) % 7) + 7
+  else
+    local y, m = civil_from_days(day)
+    if m == 12 then y, m = y + 1, 1 else m = m + 1 end
+    last = days_from_civil(y, m, 1)
+  end
+  return last * DAY - off - now
+end
+
+-- The clock of a run: Redis TIME in microseconds, shifted by the value
+-- (milliseconds) of the key named `clock_key` when meshlimitd runs with
+-- its test hook (--test-clock-offset-key); '' in production.
+local function clock(clock_key)
+  local t = redis.call('TIME')
+  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  if clock_key ~= '' then
+    now_us = now_us + 1000 * (tonumber(redis.call('GET', clock_key) or '0') or 0)
+  end
+  return now_us
+end
+
+-- One check: its counters are KEYS[k + 1 .. k + n], followed, when `ovr`
+-- is 1 (live overrides on), by the limits' override keys
+-- KEYS[k + n + 1 .. k + 2n]; its limits' arguments are
 -- ARGV[a + 1 .. a + ARGS_PER_LIMIT * n]. Returns allowed, then
 -- REPLY_PER_LIMIT values per limit.
-local function decide(k, n, a, nonce, now_us)
+local function decide(k, n, a, nonce, now_us, ovr)
 local now = math.floor(now_us / 1000)
 local st = {}
 local allowed = 1
 for i = 1, n do
   local b = a + (i - 1) * ARGS_PER_LIMIT
   local s = { alg = ARGV[b + 1], limit = tonumber(ARGV[b + 2]), window = tonumber(ARGV[b + 3]),
-              cost = tonumber(ARGV[b + 4]), burst = tonumber(ARGV[b + 5]), shadow = ARGV[b + 6] == '1' }
+              cost = tonumber(ARGV[b + 4]), burst = tonumber(ARGV[b + 5]), shadow = ARGV[b + 6] == '1',
+              cal = ARGV[b + 7] }
+  if ovr == 1 then
+    -- A live override (meshlimitd's admin API) replaces the limit, and a
+    -- burst that was the limit; it expires with its key.
+    local o = tonumber(redis.call('GET', KEYS[k + n + i]) or '')
+    if o and o >= 1 then
+      if s.alg == 'swl' and o > MAX_LOG then o = MAX_LOG end
+      if s.burst == s.limit then s.burst = o end
+      s.limit = o
+    end
+  end
   local key, limit, window, cost = KEYS[k + i], s.limit, s.window, s.cost
   if s.alg == 'fw' then
     s.used = tonumber(redis.call('GET', key) or '0')
@@ -38,7 +110,8 @@ for i = 1, n do
       local at = redis.call('PEXPIRETIME', key)
       if at >= 0 and at < now then s.used, s.stale = 0, true end
     end
-    s.reset = window - (now % window)
+    if s.cal ~= '' then s.reset = calendar_reset(now, s.cal)
+    else s.reset = window - (now % window) end
     s.fits = s.used + cost <= limit
     s.retry = s.reset
   elseif s.alg == 'swl' then
@@ -155,7 +228,8 @@ for i = 1, n do
     remaining = math.floor((s.T * s.burst - (tat - now_us)) / s.T)
     reset = math.ceil((tat - now_us) / 1000)
   end
-  local reply = { s.fits and 1 or 0, math.max(0, remaining), math.max(0, reset), math.max(0, s.retry) }
+  local reply = { s.fits and 1 or 0, math.max(0, remaining), math.max(0, reset), math.max(0, s.retry),
+                  s.limit }
   for j = 1, REPLY_PER_LIMIT do out[#out + 1] = reply[j] end
 end
 return out

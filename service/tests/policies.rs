@@ -1,0 +1,302 @@
+//! Mesh policies in meshlimitd, against real Redis: limits counted by
+//! subjects of their own (one check, several counters), calendar windows
+//! (with the test clock hook, across a leap day and a month end), live
+//! overrides through the admin API, and, on a real Redis Cluster, checks
+//! whose counters live in several slots (decided slot by slot, refunded on
+//! a deny).
+
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use meshlimit_protocol::{Calendar, CalendarUnit};
+use meshlimit_testbed::http;
+use meshlimit_testbed::procs::TempDir;
+use meshlimit_testbed::services::{unique_host, Meshlimitd, RedisCluster, Standalone};
+use serde_json::{json, Value};
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_meshlimitd"))
+}
+
+fn decide(addr: &str, subject: &str, limits: &[Value]) -> Value {
+    let body =
+        serde_json::to_vec(&json!({"checks": [{"subject": subject, "limits": limits}]})).unwrap();
+    let r = http::request(addr, "POST", "/v1/check", &[], &body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    v["results"][0].clone()
+}
+
+fn allowed(v: &Value) -> bool {
+    v["allowed"] == json!(true)
+}
+
+fn limit(name: &str, requests: u64, subject: Option<&str>) -> Value {
+    let mut l = json!({"name": name, "requests": requests, "window_ms": 60_000, "algorithm": "fixed_window"});
+    if let Some(s) = subject {
+        l["subject"] = json!(s);
+    }
+    l
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// A route cap (`*`) and a per-client limit in one check: the cap counts
+/// everyone, the client limit each client, and a denied request charges
+/// neither.
+#[test]
+fn limits_with_their_own_subjects_share_one_decision() {
+    let f = Standalone::start(binary(), &[]);
+    let addr = &f.service.addr;
+    let limits = |cap: u64| {
+        [
+            limit("route/cap", cap, Some("*")),
+            limit("route/per-client", 2, None),
+        ]
+    };
+    let a: Vec<bool> = (0..3)
+        .map(|_| allowed(&decide(addr, "a", &limits(3))))
+        .collect();
+    assert_eq!(a, [true, true, false], "a: its own 2");
+    let b: Vec<bool> = (0..2)
+        .map(|_| allowed(&decide(addr, "b", &limits(3))))
+        .collect();
+    assert_eq!(b, [true, false], "b: the cap's last unit");
+    // b's denied request charged nothing: with a higher cap it has 1 left.
+    let more = decide(addr, "b", &limits(10));
+    assert!(allowed(&more));
+    assert_eq!(more["limits"][1]["remaining"], json!(0));
+    assert_eq!(
+        f.redis
+            .cli(&["GET", "ml:{e:%2A}:route/cap:fw:60000"])
+            .trim(),
+        "4"
+    );
+}
+
+/// The script's calendar edges are the protocol crate's, at a leap day and
+/// a year end, with a UTC offset; a monthly quota exhausted before a month
+/// end is whole again one second after it, for the new month's length.
+#[test]
+fn calendar_windows_end_on_the_real_month_end() {
+    let f = Standalone::start(binary(), &["--test-clock-offset-key", "ml:test:clock"]);
+    let addr = &f.service.addr;
+    let monthly = Calendar {
+        unit: CalendarUnit::Month,
+        utc_offset_minutes: 120,
+    };
+    let limit = |requests: u64, cal: &Calendar| {
+        json!({"name": format!("api/{}", cal.key_suffix().replace('+', "p").replace('-', "m")), "requests": requests,
+               "window_ms": cal.unit.max_len_ms(), "algorithm": "fixed_window",
+               "calendar": cal})
+    };
+    // Shift the script's clock so that it reads `at` (Unix ms).
+    let set_clock = |at: i64| {
+        f.redis
+            .cli(&["SET", "ml:test:clock", &(at - now_ms()).to_string()]);
+    };
+    // 2028-02-29T23:59:00+02:00, one minute before March at +02:00.
+    let leap_evening: i64 = 1_835_474_340_000;
+    let cases = [
+        (monthly, leap_evening),
+        (
+            Calendar {
+                unit: CalendarUnit::Day,
+                utc_offset_minutes: -300,
+            },
+            leap_evening,
+        ),
+        (
+            Calendar {
+                unit: CalendarUnit::Week,
+                utc_offset_minutes: 0,
+            },
+            leap_evening,
+        ),
+        // 2027-12-31T23:00Z: the year rolls over at UTC.
+        (
+            Calendar {
+                unit: CalendarUnit::Month,
+                utc_offset_minutes: 0,
+            },
+            1_830_294_000_000,
+        ),
+    ];
+    for (cal, at) in cases {
+        set_clock(at);
+        let v = decide(
+            addr,
+            &format!("cal-{}", cal.key_suffix()),
+            &[limit(5, &cal)],
+        );
+        let expected = cal.window(at as u64).1 as i64 - at;
+        let reset = v["limits"][0]["reset_after_ms"].as_i64().unwrap();
+        assert!(
+            (reset - expected).abs() < 1_000,
+            "{cal:?}: reset {reset} ms, the window ends in {expected} ms"
+        );
+    }
+    // Exhaust February's quota a minute before its end...
+    set_clock(leap_evening);
+    let l = [limit(3, &monthly)];
+    let feb: Vec<bool> = (0..4).map(|_| allowed(&decide(addr, "edge", &l))).collect();
+    assert_eq!(feb, [true, true, true, false]);
+    let denied = decide(addr, "edge", &l);
+    let retry = denied["limits"][0]["retry_after_ms"].as_i64().unwrap();
+    assert!((59_000..=60_000).contains(&retry), "retry {retry}");
+    // ...and one second into March (+02:00) it is whole, for 31 days.
+    set_clock(leap_evening + 61_000);
+    let march = decide(addr, "edge", &l);
+    assert!(allowed(&march));
+    assert_eq!(march["limits"][0]["remaining"], json!(2));
+    let reset = march["limits"][0]["reset_after_ms"].as_i64().unwrap();
+    let march_len = 31 * 86_400_000 - 1_000;
+    assert!((reset - march_len).abs() < 1_000, "reset {reset}");
+}
+
+fn admin(addr: &str, method: &str, path: &str, token: &str, body: &str) -> http::Response {
+    let auth = format!("Bearer {token}");
+    http::request(
+        addr,
+        method,
+        path,
+        &[
+            ("authorization", auth.as_bytes()),
+            ("content-type", b"application/json"),
+        ],
+        body.as_bytes(),
+    )
+    .unwrap()
+}
+
+/// A live override raises a client's limit at once, shows in the answer,
+/// ends when deleted or expired; a wrong token changes nothing.
+#[test]
+fn live_overrides_apply_at_once_and_end_when_told() {
+    let dir = TempDir::new("admin");
+    let token_file = dir.path().join("admin-token");
+    let token = "admin-secret-0123456789";
+    std::fs::write(&token_file, token).unwrap();
+    let f = Standalone::start(
+        binary(),
+        &["--admin-token-file", token_file.to_str().unwrap()],
+    );
+    let addr = &f.service.addr;
+    let l = [limit("api/per-minute", 3, None)];
+    let n = |k: usize| {
+        (0..k)
+            .filter(|_| allowed(&decide(addr, "hdr:x-api-key:partner-a", &l)))
+            .count()
+    };
+    assert_eq!(n(5), 3);
+    let path = "/v1/overrides/api/per-minute";
+    let put = r#"{"subject":"hdr:x-api-key:partner-a","requests":6}"#;
+    // A wrong token: 401, nothing stored.
+    let r = admin(addr, "PUT", path, "wrong-token-0123456789", put);
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(n(1), 0);
+    let r = admin(addr, "PUT", path, token, put);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let shown: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(shown["requests"], json!(6));
+    // Three more at once, and the answer reports the new limit.
+    let v = decide(addr, "hdr:x-api-key:partner-a", &l);
+    assert!(allowed(&v));
+    assert_eq!(v["limits"][0]["limit"], json!(6));
+    assert_eq!(n(3), 2);
+    let q = format!("{path}?subject=hdr%3Ax-api-key%3Apartner-a");
+    let r = admin(addr, "GET", &q, token, "");
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Another client keeps the configured limit.
+    let other: Vec<bool> = (0..4)
+        .map(|_| allowed(&decide(addr, "hdr:x-api-key:b", &l)))
+        .collect();
+    assert_eq!(other, [true, true, true, false]);
+    // Deleted: back to 3 (already 6 spent).
+    assert_eq!(admin(addr, "DELETE", &q, token, "").status, 204);
+    assert_eq!(admin(addr, "GET", &q, token, "").status, 404);
+    assert_eq!(n(1), 0);
+    // An override with a one-second life stops applying by itself.
+    let short = r#"{"subject":"hdr:x-api-key:partner-a","requests":100,"ttl_seconds":1}"#;
+    assert_eq!(admin(addr, "PUT", path, token, short).status, 200);
+    assert_eq!(n(1), 1);
+    std::thread::sleep(Duration::from_millis(1_100));
+    assert_eq!(n(1), 0, "expired");
+    // Bad input is refused with the field named.
+    let r = admin(addr, "PUT", path, token, r#"{"subject":"x","requests":0}"#);
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("requests"), "{}", r.body);
+    let r = admin(addr, "PUT", "/v1/overrides/a%7Bb/c", token, put);
+    assert_eq!(r.status, 400, "{}", r.body);
+}
+
+/// Without `--admin-token-file` there is no admin API at all.
+#[test]
+fn the_admin_api_is_off_unless_configured() {
+    let f = Standalone::start(binary(), &[]);
+    let r = admin(
+        &f.service.addr,
+        "PUT",
+        "/v1/overrides/api/m",
+        "anything-0123456789",
+        r#"{"subject":"s","requests":5}"#,
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+}
+
+/// On a Redis Cluster, a check whose counters live in different slots is
+/// decided slot by slot; when one slot denies, what the others charged is
+/// given back, for every algorithm of the per-client limit.
+#[test]
+fn a_check_across_cluster_slots_charges_nothing_when_denied() {
+    let dir = TempDir::new("xslot");
+    let host = unique_host();
+    let cluster = RedisCluster::start(&host, dir.path(), 3);
+    let service = Meshlimitd::start_binary(
+        binary(),
+        &host,
+        &cluster.seeds(),
+        dir.path(),
+        &["--redis-mode", "cluster"],
+    );
+    let addr = &service.addr;
+    let slot = |s: &str| meshlimitd::keys::tag_slot(&meshlimitd::keys::subject_tag(s));
+    // Clients whose counters are not in the route cap's slot.
+    let clients: Vec<String> = (0..100)
+        .map(|i| format!("c{i}"))
+        .filter(|c| slot(c) != slot("*"))
+        .take(4)
+        .collect();
+    for algorithm in [
+        "fixed_window",
+        "sliding_window_counter",
+        "sliding_window_log",
+        "token_bucket",
+    ] {
+        let cap = json!({"name": format!("{algorithm}/cap"), "requests": 3, "window_ms": 60_000,
+                         "algorithm": "fixed_window", "subject": "*"});
+        let per = json!({"name": format!("{algorithm}/client"), "requests": 1, "window_ms": 60_000,
+                         "algorithm": algorithm});
+        let both = [cap.clone(), per.clone()];
+        let c = |i: usize| clients[i].as_str();
+        assert!(allowed(&decide(addr, c(0), &both)), "{algorithm}");
+        // The client's own limit denies: the cap's charge is given back...
+        assert!(!allowed(&decide(addr, c(0), &both)), "{algorithm}");
+        assert!(allowed(&decide(addr, c(1), &both)), "{algorithm}");
+        assert!(
+            allowed(&decide(addr, c(2), &both)),
+            "{algorithm}: the cap had room"
+        );
+        // ...and the cap denies: the client's charge is given back.
+        let denied = decide(addr, c(3), &both);
+        assert!(!allowed(&denied), "{algorithm}");
+        assert_eq!(denied["limits"][1]["remaining"], json!(1), "{algorithm}");
+        let alone = decide(addr, c(3), std::slice::from_ref(&per));
+        assert!(allowed(&alone), "{algorithm}: {alone}");
+    }
+}
