@@ -16,15 +16,20 @@ use crate::config::LimitConfig;
 /// A limit that applies to a request, and the request's cost on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Applied {
+    /// The limit, with a static override for this subject already applied.
     pub limit: Rc<LimitConfig>,
     pub cost: u64,
     /// From a shadow rule: decided and counted, never enforced.
     pub shadow: bool,
+    /// Whose counter it spends (see [`crate::subject`]).
+    pub subject: String,
 }
 
 impl Applied {
-    /// The limit as meshlimitd's check API carries it.
-    pub fn to_wire(&self) -> Limit {
+    /// The limit as meshlimitd's check API carries it, within a check
+    /// whose subject is `check_subject` (a limit of that subject names
+    /// none of its own: the usual case travels as before).
+    pub fn to_wire(&self, check_subject: &str) -> Limit {
         Limit {
             name: self.limit.qualified_name.clone(),
             requests: self.limit.requests,
@@ -33,6 +38,8 @@ impl Applied {
             cost: self.cost,
             burst: self.limit.burst,
             shadow: self.shadow,
+            subject: (self.subject != check_subject).then(|| self.subject.clone()),
+            calendar: self.limit.calendar,
         }
     }
 
@@ -48,13 +55,18 @@ impl Applied {
 /// What a request needs decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Check {
-    /// Whose quota (see [`crate::client_id`]).
+    /// The client id when a limit counts by it, else the first limit's
+    /// subject: what logs show, and the subject of every limit on the wire
+    /// that names none.
     pub subject: String,
     /// Limits of `scope: local` rules: counted in this Envoy, never called for.
     pub local: Vec<Applied>,
     /// Limits decided by meshlimitd, or by `failure_mode` when it cannot be
     /// asked.
     pub global: Vec<Applied>,
+    /// Matched limits not counted: the request lacks an attribute of
+    /// their `by`.
+    pub skipped: u32,
 }
 
 impl Check {
@@ -62,7 +74,11 @@ impl Check {
     pub fn to_wire(&self) -> meshlimit_protocol::Check {
         meshlimit_protocol::Check {
             subject: self.subject.clone(),
-            limits: self.global.iter().map(Applied::to_wire).collect(),
+            limits: self
+                .global
+                .iter()
+                .map(|a| a.to_wire(&self.subject))
+                .collect(),
         }
     }
 

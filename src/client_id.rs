@@ -89,17 +89,45 @@ const MAX_ADDRESS_TEXT: usize = 64;
 /// `<source>#:<name>:<SHA-256 of the value, hex>`. The three prefixes never
 /// meet (names hold no ':'), so two distinct values never share a subject.
 fn subject(source: &str, name: &str, value: &[u8]) -> String {
+    tagged(source, Some(name), value)
+}
+
+/// [`subject`]'s scheme for any attribute, with or without a name:
+/// `host:<value>`, `hostx:<hex>`, `host#:<SHA-256>` (see
+/// [`crate::subject`]).
+pub(crate) fn tagged(source: &str, name: Option<&str>, value: &[u8]) -> String {
     let text = std::str::from_utf8(value).ok();
     let encoded_len = text.map_or(value.len() * 2 + 1, str::len);
-    if source.len() + name.len() + 2 + encoded_len > MAX_PLAIN_SUBJECT {
-        return format!("{source}#:{name}:{}", hex(&sha256(value)));
+    let label = |marker: &str| match name {
+        Some(name) => format!("{source}{marker}:{name}:"),
+        None => format!("{source}{marker}:"),
+    };
+    if label("").len() + encoded_len > MAX_PLAIN_SUBJECT {
+        return label("#") + &hex(&sha256(value));
     }
     match text {
-        Some(text) => format!("{source}:{name}:{text}"),
+        Some(text) => label("") + text,
         // Distinct prefix keeps the mapping one-to-one: a UTF-8 value can
         // never render as the hex of another value.
-        None => format!("{source}x:{name}:{}", hex(value)),
+        None => label("x") + &hex(value),
     }
+}
+
+/// The value inside a client-id subject as the client sent it
+/// (`partner-a` of `hdr:x-api-key:partner-a`, `10.0.0.1` of
+/// `ip:10.0.0.1`); the subject itself for digests and `anon`.
+pub(crate) fn bare_value(subject: &str) -> &str {
+    if let Some(rest) = subject
+        .strip_prefix("hdr:")
+        .or_else(|| subject.strip_prefix("qry:"))
+    {
+        return rest.split_once(':').map_or(subject, |(_, v)| v);
+    }
+    subject.strip_prefix("ip:").unwrap_or(subject)
+}
+
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&sha256(bytes))
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -123,7 +151,7 @@ fn hex(bytes: &[u8]) -> String {
 /// parameter given twice is treated as missing: counting the first while
 /// the upstream authenticates the last would let `key=victim&key=mine`
 /// spend the victim's quota.
-fn query_param(path: &str, name: &str) -> Option<Vec<u8>> {
+pub(crate) fn query_param(path: &str, name: &str) -> Option<Vec<u8>> {
     let query = path.split('#').next()?.split_once('?')?.1;
     let mut found = None;
     for pair in query.split('&') {

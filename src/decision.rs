@@ -9,20 +9,24 @@
 use meshlimit_protocol::{CheckOutcome, CheckResponse, CheckResult, ErrorBody, FailureKind};
 
 use crate::check::{Applied, Check};
-use crate::client_id::{self, Identity};
-use crate::config::{Config, Cost, Rule, Scope};
+use std::rc::Rc;
+
+use crate::client_id::Identity;
+use crate::config::{Config, Cost, MissingAttribute, Rule, Scope};
 use crate::headers::{self, Headers};
 use crate::host::{HeaderValue, RequestView};
 pub use crate::reply::DenyResponse;
 use crate::rules;
 use crate::shared::deny_cache::DenyCache;
 use crate::shared::SharedStore;
+use crate::subject::{self, Facts, Missing};
 
 /// What a request needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
-    /// No rule matches: the filter stays out of the way.
-    Pass,
+    /// No rule matches, or every matching limit lacks an attribute it
+    /// counts by (`skipped` of them): the filter stays out of the way.
+    Pass { skipped: u32 },
     /// Refused before any check, for the reason given.
     Reject(DenyResponse, RejectReason),
     /// Decide these limits for this subject.
@@ -38,6 +42,8 @@ pub enum RejectReason {
     InvalidCost,
     /// The request's cost exceeds a limit's capacity: it could never fit.
     CostAboveCapacity,
+    /// A limit with `missing: reject` lacks an attribute it counts by.
+    MissingAttribute,
 }
 
 /// What the client sees.
@@ -53,15 +59,47 @@ pub enum Verdict {
 pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> Plan {
     let matched = rules::matching(&cfg.rules, req, method, path);
     if matched.is_empty() {
-        return Plan::Pass;
+        return Plan::Pass { skipped: 0 };
     }
+    let bare_path = path.split(['?', '#']).next().unwrap_or(path);
+    let normalised = rules::normalize(bare_path);
+    let facts = Facts::new(cfg, req, method, path, &normalised);
     let (mut local, mut global) = (Vec::new(), Vec::new());
+    let mut skipped = 0;
     for rule in matched {
         let cost = match request_cost(rule, req) {
             Ok(cost) => cost,
             Err(body) => return Plan::Reject(plain(400, body), RejectReason::InvalidCost),
         };
         for limit in &rule.limits {
+            let subject = match facts.subject_for(limit) {
+                Ok(subject) => subject,
+                Err(Missing::ClientId) => {
+                    return Plan::Reject(
+                        plain(
+                            cfg.client_id.reject_status,
+                            missing_client_id(&cfg.client_id),
+                        ),
+                        RejectReason::NoClientId,
+                    )
+                }
+                Err(Missing::Attribute(_)) if limit.missing == MissingAttribute::Skip => {
+                    skipped += 1;
+                    continue;
+                }
+                Err(Missing::Attribute(attribute)) => {
+                    let body = format!(
+                        "missing {} for limit {}\n",
+                        subject::attribute_name(&attribute),
+                        limit.qualified_name
+                    );
+                    return Plan::Reject(plain(403, body), RejectReason::MissingAttribute);
+                }
+            };
+            let limit = match limit.override_for(&subject.encoded, subject.plain.as_deref()) {
+                Some(requests) => Rc::new(limit.with_requests(requests)),
+                None => limit.clone(),
+            };
             if cost > limit.capacity() && !rule.shadow {
                 // Waiting would never help: say why instead of a retry time.
                 let mut deny = plain(
@@ -79,9 +117,10 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
                 return Plan::Reject(deny, RejectReason::CostAboveCapacity);
             }
             let applied = Applied {
-                limit: limit.clone(),
+                limit,
                 cost,
                 shadow: rule.shadow,
+                subject: subject.encoded,
             };
             match rule.scope {
                 Scope::Local => local.push(applied),
@@ -89,20 +128,20 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
             }
         }
     }
-    match client_id::identify(&cfg.client_id, req, path) {
-        Identity::Reject => Plan::Reject(
-            plain(
-                cfg.client_id.reject_status,
-                missing_client_id(&cfg.client_id),
-            ),
-            RejectReason::NoClientId,
-        ),
-        Identity::Subject(subject) => Plan::Check(Check {
-            subject,
-            local,
-            global,
-        }),
-    }
+    let Some(first) = local.first().or(global.first()) else {
+        // Every limit lacked an attribute it counts by.
+        return Plan::Pass { skipped };
+    };
+    let subject = match facts.known_client() {
+        Some(Identity::Subject(client)) => client.clone(),
+        _ => first.subject.clone(),
+    };
+    Plan::Check(Check {
+        subject,
+        local,
+        global,
+        skipped,
+    })
 }
 
 /// The body of a `when_missing: reject` deny: where to put the id.
@@ -333,7 +372,7 @@ pub fn cached_deny<S: SharedStore>(
         .iter()
         .filter(|a| !a.shadow && a.cost == 1)
         .find_map(|a| {
-            let until = cache.denied_until(&check.subject, &a.limit, now_ms)?;
+            let until = cache.denied_until(&a.subject, &a.limit, now_ms)?;
             let wait = until - now_ms;
             let result = CheckResult {
                 allowed: false,
@@ -371,7 +410,7 @@ pub fn remember_denials<S: SharedStore>(
             && status.retry_after_ms > 0
         {
             evicted += usize::from(cache.remember(
-                &check.subject,
+                &a.subject,
                 &a.limit,
                 now_ms + status.retry_after_ms,
                 now_ms,
@@ -487,7 +526,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             plan(&only_api, &FakeRequest::default(), "GET", "/health"),
-            Plan::Pass
+            Plan::Pass { skipped: 0 }
         );
         let Plan::Reject(r, RejectReason::NoClientId) =
             plan(&c, &FakeRequest::default(), "GET", "/api/x")
@@ -759,20 +798,23 @@ mod tests {
             ],
         };
         remember_denials(&p, &result, &cache, 1_000);
-        let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 11_000) else {
+        let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 1_500) else {
             panic!("expected a cached deny")
         };
-        assert!(d.headers.contains(&("retry-after".into(), "20".into())));
+        assert!(d.headers.contains(&("retry-after".into(), "30".into())));
         assert!(d
             .headers
-            .contains(&("ratelimit".into(), "\"api/per-minute\";r=0;t=20".into())));
-        assert!(cached_deny(&c, &p, &cache, 31_000).is_none(), "expired");
+            .contains(&("ratelimit".into(), "\"api/per-minute\";r=0;t=30".into())));
+        assert!(
+            cached_deny(&c, &p, &cache, 2_000).is_none(),
+            "trusted for a second, then asked again"
+        );
         // Another client is not affected.
         let other = FakeRequest::default().with_header("x-api-key", b"B");
         let Plan::Check(q) = plan(&c, &other, "GET", "/api/x") else {
             panic!("expected a check")
         };
-        assert!(cached_deny(&c, &q, &cache, 11_000).is_none());
+        assert!(cached_deny(&c, &q, &cache, 1_500).is_none());
     }
 
     #[test]

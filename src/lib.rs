@@ -3,8 +3,9 @@
 //! Everything that decides is plain Rust, unit-tested natively:
 //! - [`config`]: the plugin configuration, parsed and validated once.
 //! - What a request needs: [`rules`] (which rules match), [`client_id`]
-//!   (whose quota), [`check`] (its limits, split into local and global
-//!   parts once), built by [`decision::plan`].
+//!   (who the client is), [`subject`] (whose counter each limit spends,
+//!   from its `by` attributes), [`check`] (its limits, split into local and
+//!   global parts once), built by [`decision::plan`].
 //! - [`decision`]: meshlimitd's answer to a result, a result to a verdict;
 //!   [`headers`] renders the RateLimit headers, [`reply`] holds a local reply.
 //! - [`flow`]: the order of it all, per callback, over the [`host::Host`]
@@ -46,6 +47,7 @@ pub(crate) mod reply;
 pub(crate) mod rules;
 pub mod shared;
 pub(crate) mod stats;
+pub(crate) mod subject;
 #[cfg(test)]
 mod testing;
 pub(crate) mod throttle;

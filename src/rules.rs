@@ -37,7 +37,7 @@ fn path_matches(m: &Match, path: &str) -> bool {
 }
 
 /// `:authority`, lower-case, without port or trailing dot ("" if absent).
-fn request_host(req: &impl RequestView) -> String {
+pub(crate) fn request_host(req: &impl RequestView) -> String {
     let raw = match req.header(":authority") {
         HeaderValue::Once(v) => String::from_utf8_lossy(&v).to_ascii_lowercase(),
         _ => return String::new(),

@@ -43,6 +43,8 @@ pub enum Stat {
     RejectedNoClientId,
     RejectedInvalidCost,
     RejectedCostAboveCapacity,
+    RejectedMissingAttribute,
+    SkippedMissingAttribute,
     ServiceErrorTimeout,
     ServiceErrorConnection,
     ServiceErrorUnavailable,
@@ -53,7 +55,7 @@ pub enum Stat {
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 24] = [
+    pub const ALL: [Stat; 26] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -72,6 +74,8 @@ impl Stat {
         Stat::RejectedNoClientId,
         Stat::RejectedInvalidCost,
         Stat::RejectedCostAboveCapacity,
+        Stat::RejectedMissingAttribute,
+        Stat::SkippedMissingAttribute,
         Stat::ServiceErrorTimeout,
         Stat::ServiceErrorConnection,
         Stat::ServiceErrorUnavailable,
@@ -185,6 +189,16 @@ impl Stat {
                 "meshlimit.rejected_cost_above_capacity",
                 Counter,
                 "requests refused for a cost above a limit's capacity",
+            ),
+            Stat::RejectedMissingAttribute => (
+                "meshlimit.rejected_missing_attribute",
+                Counter,
+                "requests refused (403): a limit with `missing: reject` lacked an attribute of its `by`",
+            ),
+            Stat::SkippedMissingAttribute => (
+                "meshlimit.skipped_missing_attribute",
+                Counter,
+                "limits not counted for a request that lacked an attribute of their `by`",
             ),
             Stat::ServiceErrorTimeout => (
                 "meshlimit.service_errors.timeout",

@@ -24,6 +24,11 @@ pub(crate) fn limit(qualified_name: &str, requests: u64, window_ms: u64) -> Limi
         algorithm: Algorithm::FixedWindow,
         burst: None,
         fallback_requests: requests,
+        by: vec![crate::config::Attribute::Client],
+        missing: crate::config::MissingAttribute::Skip,
+        overrides: Vec::new(),
+        calendar: None,
+        share_ppm: 1_000_000,
     }
 }
 
@@ -33,6 +38,7 @@ pub(crate) fn applied(limit: &LimitConfig) -> Applied {
         limit: Rc::new(limit.clone()),
         cost: 1,
         shadow: false,
+        subject: "s".into(),
     }
 }
 

@@ -62,6 +62,19 @@ pub struct Config {
     pub deny_cache_slots: u32,
     /// Coalescing concurrent checks into one call; `None` when off.
     pub group_commit: Option<crate::batch::BatchConfig>,
+    /// Where `jwt:CLAIM` attributes are read.
+    pub jwt: JwtSource,
+}
+
+/// The verified JWT payload in the request's dynamic metadata, as Envoy's
+/// `jwt_authn` filter writes it with `payload_in_metadata` (Istio's
+/// `RequestAuthentication` uses the token's issuer as that name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JwtSource {
+    /// The metadata namespace: the filter's name.
+    pub filter: String,
+    /// The filter's `payload_in_metadata`.
+    pub payload_in_metadata: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,6 +199,48 @@ pub enum Cost {
     },
 }
 
+/// A request attribute a limit counts by (its `by`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Attribute {
+    /// The client id (`client_id`).
+    Client,
+    /// A request header sent once (lower-case name).
+    Header(String),
+    /// A query parameter sent once (decoded name).
+    Query(String),
+    /// `:authority`, lower-case, without port.
+    Host,
+    /// The normalised path, without query.
+    Path,
+    Method,
+    /// The URI SAN of the downstream peer's certificate (mTLS).
+    PeerIdentity,
+    /// A claim of the payload verified by `jwt_authn`.
+    Jwt(String),
+}
+
+/// What a limit does with a request that lacks one of its attributes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissingAttribute {
+    /// The request is not counted on this limit (stat
+    /// `skipped_missing_attribute`).
+    #[default]
+    Skip,
+    /// The request is refused with 403 (stat `rejected_missing_attribute`).
+    Reject,
+}
+
+/// Static override: `requests` instead of the limit's own for these
+/// subjects.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StaticOverride {
+    /// Subjects as the filter spells them, or, for a limit counted by one
+    /// attribute, that attribute's value.
+    pub subjects: Vec<String>,
+    pub requests: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LimitConfig {
     pub name: String,
@@ -199,6 +254,16 @@ pub struct LimitConfig {
     /// This Envoy's share of the limit while it decides alone (a fallback):
     /// `requests * fallback_share`, rounded up, at least 1.
     pub fallback_requests: u64,
+    /// What the counter's subject is made of; `[Client]` by default, `[]`
+    /// for one counter for everyone the rule matches.
+    pub by: Vec<Attribute>,
+    pub missing: MissingAttribute,
+    pub overrides: Vec<StaticOverride>,
+    /// `fixed_window` only: calendar-aligned windows (`window_ms` is then
+    /// the unit's longest window).
+    pub calendar: Option<meshlimit_protocol::Calendar>,
+    /// The fallback share in parts per million (for overridden limits).
+    pub share_ppm: u64,
 }
 
 impl LimitConfig {
@@ -218,6 +283,35 @@ impl LimitConfig {
     pub fn capacity(&self) -> u64 {
         bounds::capacity(self.algorithm, self.requests, self.burst)
     }
+
+    /// The `requests` of a static override for `subject` (the encoded
+    /// subject, or `plain`, the value of a one-attribute `by`), if any.
+    pub fn override_for(&self, subject: &str, plain: Option<&str>) -> Option<u64> {
+        self.overrides
+            .iter()
+            .find(|o| {
+                o.subjects
+                    .iter()
+                    .any(|s| s == subject || Some(s.as_str()) == plain)
+            })
+            .map(|o| o.requests)
+    }
+
+    /// The same limit with `requests` replaced (a static override); the
+    /// fallback share and a burst that was the default follow.
+    pub fn with_requests(&self, requests: u64) -> LimitConfig {
+        LimitConfig {
+            requests,
+            fallback_requests: fallback_requests(requests, self.share_ppm),
+            ..self.clone()
+        }
+    }
+}
+
+/// `requests * share`, rounded up, from 1 to `requests`.
+pub(crate) fn fallback_requests(requests: u64, share_ppm: u64) -> u64 {
+    (((requests as u128 * u128::from(share_ppm)) as f64 / 1_000_000.0).ceil() as u64)
+        .clamp(1, requests)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

@@ -5,7 +5,7 @@
 use meshlimit_protocol::Algorithm;
 use serde::Deserialize;
 
-use super::{FailureMode, HeaderStyle, Scope, WhenMissing};
+use super::{FailureMode, HeaderStyle, MissingAttribute, Scope, WhenMissing};
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawConfig {
@@ -26,6 +26,24 @@ pub(super) struct RawConfig {
     pub(super) deny_cache: RawDenyCache,
     #[serde(default)]
     pub(super) group_commit: RawGroupCommit,
+    #[serde(default)]
+    pub(super) jwt: RawJwt,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawJwt {
+    pub(super) filter: String,
+    pub(super) payload_in_metadata: String,
+}
+
+impl Default for RawJwt {
+    fn default() -> Self {
+        RawJwt {
+            filter: "envoy.filters.http.jwt_authn".into(),
+            payload_in_metadata: "jwt_payload".into(),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -207,10 +225,24 @@ pub(super) struct RawHeaderMatch {
 pub(super) struct RawLimit {
     pub(super) name: String,
     pub(super) requests: u64,
-    pub(super) window: String,
+    pub(super) window: Option<String>,
     #[serde(default = "default_algorithm")]
     pub(super) algorithm: Algorithm,
     pub(super) burst: Option<u64>,
+    pub(super) by: Option<Vec<String>>,
+    #[serde(default)]
+    pub(super) missing: MissingAttribute,
+    #[serde(default)]
+    pub(super) overrides: Vec<RawOverride>,
+    pub(super) calendar: Option<meshlimit_protocol::CalendarUnit>,
+    pub(super) utc_offset: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOverride {
+    pub(super) subjects: Vec<String>,
+    pub(super) requests: u64,
 }
 
 pub(super) fn default_algorithm() -> Algorithm {

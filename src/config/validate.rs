@@ -9,9 +9,9 @@ use meshlimit_protocol::bounds::{self, LimitField};
 use super::duration;
 use super::raw::*;
 use super::{
-    err, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, HeaderCondition, HeaderTest,
-    HostPattern, LimitConfig, LocalConfig, Match, PathMatch, ResponseConfig, Rule, Scope,
-    ServiceConfig,
+    err, Attribute, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, HeaderCondition,
+    HeaderTest, HostPattern, JwtSource, LimitConfig, LocalConfig, Match, PathMatch, ResponseConfig,
+    Rule, Scope, ServiceConfig, StaticOverride,
 };
 
 /// Parts per million, so the config stays `Eq`.
@@ -78,6 +78,121 @@ pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
         breaker,
         deny_cache_slots: raw.deny_cache.slots,
         group_commit: validate_group_commit(raw.group_commit)?,
+        jwt: validate_jwt(raw.jwt)?,
+    })
+}
+
+/// Longest `by` list: each attribute is a part of every key.
+const MAX_BY: usize = 8;
+
+/// A limit's `by`: attribute names, each once.
+fn validate_by(
+    field: &dyn Fn(&str) -> String,
+    list: &[String],
+) -> Result<Vec<Attribute>, ConfigError> {
+    if list.len() > MAX_BY {
+        return Err(err(field("by"), format!("at most {MAX_BY} attributes")));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (k, name) in list.iter().enumerate() {
+        let at = || field(&format!("by[{k}]"));
+        let named = |prefix: &str| name.strip_prefix(prefix).map(str::trim);
+        let attribute = match name.as_str() {
+            "client" => Attribute::Client,
+            "host" => Attribute::Host,
+            "path" => Attribute::Path,
+            "method" => Attribute::Method,
+            "peer_identity" => Attribute::PeerIdentity,
+            _ => {
+                if let Some(h) = named("header:") {
+                    let h = h.to_ascii_lowercase();
+                    if h.is_empty() || !h.bytes().all(is_header_name_byte) {
+                        return Err(err(at(), format!("\"{name}\": not a valid header name")));
+                    }
+                    Attribute::Header(h)
+                } else if let Some(q) = named("query:").filter(|q| !q.is_empty()) {
+                    Attribute::Query(q.to_string())
+                } else if let Some(c) = named("jwt:").filter(|c| !c.is_empty() && c.len() <= 256) {
+                    Attribute::Jwt(c.to_string())
+                } else {
+                    return Err(err(
+                        at(),
+                        format!("unknown attribute \"{name}\": one of client, header:NAME, query:NAME, host, path, method, peer_identity, jwt:CLAIM"),
+                    ));
+                }
+            }
+        };
+        if out.contains(&attribute) {
+            return Err(err(at(), format!("\"{name}\" is listed twice")));
+        }
+        out.push(attribute);
+    }
+    Ok(out)
+}
+
+/// A limit's `calendar` and `utc_offset` (`+02:00`, `-05:30`, `Z`).
+fn validate_calendar(
+    field: &dyn Fn(&str) -> String,
+    l: &RawLimit,
+) -> Result<Option<meshlimit_protocol::Calendar>, ConfigError> {
+    let Some(unit) = l.calendar else {
+        if l.utc_offset.is_some() {
+            return Err(err(field("utc_offset"), "only a calendar limit has one"));
+        }
+        return Ok(None);
+    };
+    if l.algorithm != meshlimit_protocol::Algorithm::FixedWindow {
+        return Err(err(
+            field("calendar"),
+            format!(
+                "calendar windows are fixed windows, not {}",
+                l.algorithm.as_str()
+            ),
+        ));
+    }
+    let minutes = match l.utc_offset.as_deref() {
+        None | Some("Z") | Some("z") => 0,
+        Some(text) => parse_utc_offset(text).ok_or_else(|| {
+            err(
+                field("utc_offset"),
+                format!("\"{text}\": write +HH:MM or -HH:MM, from -14:00 to +14:00"),
+            )
+        })?,
+    };
+    Ok(Some(meshlimit_protocol::Calendar {
+        unit,
+        utc_offset_minutes: minutes,
+    }))
+}
+
+/// `+02:00` as 120 minutes; `None` unless `±HH:MM` within ±14:00.
+fn parse_utc_offset(text: &str) -> Option<i32> {
+    let (sign, rest) = match text.as_bytes().first()? {
+        b'+' => (1, text.get(1..)?),
+        b'-' => (-1, text.get(1..)?),
+        _ => return None,
+    };
+    let (h, m) = rest.split_once(':')?;
+    if h.len() != 2 || m.len() != 2 {
+        return None;
+    }
+    let (h, m): (i32, i32) = (h.parse().ok()?, m.parse().ok()?);
+    let minutes = sign * (h * 60 + m);
+    (m < 60 && minutes.abs() <= meshlimit_protocol::calendar::MAX_OFFSET_MINUTES).then_some(minutes)
+}
+
+fn validate_jwt(raw: RawJwt) -> Result<JwtSource, ConfigError> {
+    for (f, v) in [
+        ("jwt.filter", &raw.filter),
+        ("jwt.payload_in_metadata", &raw.payload_in_metadata),
+    ] {
+        if v.is_empty() || v.len() > 256 {
+            return Err(err(f, "must be 1 to 256 characters"));
+        }
+    }
+    Ok(JwtSource {
+        filter: raw.filter,
+        payload_in_metadata: raw.payload_in_metadata,
     })
 }
 
@@ -283,16 +398,54 @@ fn validate_rule(i: usize, raw: RawRule, default_share_ppm: u64) -> Result<Rule,
                 ),
             ));
         }
-        let window_ms =
-            duration::parse_millis(&l.window).map_err(|e| err(field("window"), e.to_string()))?;
-        bounds::check_limit(l.requests, window_ms, l.algorithm, l.burst).map_err(|e| {
-            let name = match e.field {
-                LimitField::Requests => "requests",
-                LimitField::Window => "window",
-                LimitField::Burst => "burst",
-            };
-            err(field(name), e.problem)
-        })?;
+        let calendar = validate_calendar(&field, &l)?;
+        let window_ms = match (&l.window, calendar) {
+            (Some(_), Some(_)) => {
+                return Err(err(
+                    field("window"),
+                    "a calendar limit's window is its calendar unit; remove `window`",
+                ))
+            }
+            (None, Some(c)) => c.unit.max_len_ms(),
+            (Some(w), None) => {
+                duration::parse_millis(w).map_err(|e| err(field("window"), e.to_string()))?
+            }
+            (None, None) => {
+                return Err(err(
+                    field("window"),
+                    "missing: every limit needs a `window` (or a `calendar`)",
+                ))
+            }
+        };
+        let check_numbers = |requests: u64, at: &str| {
+            bounds::check_limit(requests, window_ms, l.algorithm, l.burst).map_err(|e| {
+                let name = match e.field {
+                    LimitField::Requests => at,
+                    LimitField::Window => "window",
+                    LimitField::Burst => "burst",
+                };
+                err(field(name), e.problem)
+            })
+        };
+        check_numbers(l.requests, "requests")?;
+        let by = match &l.by {
+            None => vec![Attribute::Client],
+            Some(list) => validate_by(&field, list)?,
+        };
+        let mut overrides = Vec::with_capacity(l.overrides.len());
+        for (k, o) in l.overrides.iter().enumerate() {
+            check_numbers(o.requests, &format!("overrides[{k}].requests"))?;
+            if o.subjects.is_empty() || o.subjects.iter().any(String::is_empty) {
+                return Err(err(
+                    field(&format!("overrides[{k}].subjects")),
+                    "list at least one subject, none empty",
+                ));
+            }
+            overrides.push(StaticOverride {
+                subjects: o.subjects.clone(),
+                requests: o.requests,
+            });
+        }
         limits.push(Rc::new(LimitConfig {
             qualified_name: format!("{}/{}", raw.name, l.name),
             name: l.name,
@@ -300,9 +453,12 @@ fn validate_rule(i: usize, raw: RawRule, default_share_ppm: u64) -> Result<Rule,
             window_ms,
             algorithm: l.algorithm,
             burst: l.burst,
-            fallback_requests: (((l.requests as u128 * u128::from(share_ppm)) as f64 / PPM).ceil()
-                as u64)
-                .clamp(1, l.requests),
+            fallback_requests: super::fallback_requests(l.requests, share_ppm),
+            by,
+            missing: l.missing,
+            overrides,
+            calendar,
+            share_ppm,
         }));
     }
     let cost = match raw.cost {

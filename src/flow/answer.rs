@@ -199,26 +199,24 @@ impl Worker {
             self.metrics.bump(host, Stat::service_error(e));
         }
         let config = &self.config;
-        let decided =
-            match config.failure_mode {
-                FailureMode::Allow => Ok(CheckResult {
-                    allowed: true,
-                    limits: Vec::new(),
-                }),
-                FailureMode::Deny => Err(decision::failure_deny(config)),
-                FailureMode::Local => {
-                    // Each Envoy enforces its share of the global limit.
-                    let scaled: Vec<Applied> =
-                        check.global.iter().map(Applied::for_fallback).collect();
-                    let decided = LocalLimiter::new(config.local.slots, self.seed(host, now))
-                        .check(host, &check.subject, &scaled, now);
-                    if decided.degraded {
-                        self.metrics.bump(host, Stat::FallbackUncounted);
-                    }
-                    self.count_shadow(host, now, &check.subject, &decided.result);
-                    Ok(decided.result)
+        let decided = match config.failure_mode {
+            FailureMode::Allow => Ok(CheckResult {
+                allowed: true,
+                limits: Vec::new(),
+            }),
+            FailureMode::Deny => Err(decision::failure_deny(config)),
+            FailureMode::Local => {
+                // Each Envoy enforces its share of the global limit.
+                let scaled: Vec<Applied> = check.global.iter().map(Applied::for_fallback).collect();
+                let decided = LocalLimiter::new(config.local.slots, self.seed(host, now))
+                    .check(host, &scaled, now);
+                if decided.degraded {
+                    self.metrics.bump(host, Stat::FallbackUncounted);
                 }
-            };
+                self.count_shadow(host, now, &check.subject, &decided.result);
+                Ok(decided.result)
+            }
+        };
         let allowed = matches!(&decided, Ok(r) if r.allowed);
         self.metrics.bump(
             host,

@@ -203,7 +203,11 @@ impl Worker {
         let request = Request::read(host);
         let (method, path) = (request.text(":method"), request.text(":path"));
         let check = match decision::plan(&self.config, &request, &method, &path) {
-            Plan::Pass => return Step::Continue,
+            Plan::Pass { skipped } => {
+                self.metrics
+                    .add(host, Stat::SkippedMissingAttribute, skipped as usize);
+                return Step::Continue;
+            }
             Plan::Reject(deny, why) => {
                 self.metrics.bump(
                     host,
@@ -211,12 +215,15 @@ impl Worker {
                         RejectReason::NoClientId => Stat::RejectedNoClientId,
                         RejectReason::InvalidCost => Stat::RejectedInvalidCost,
                         RejectReason::CostAboveCapacity => Stat::RejectedCostAboveCapacity,
+                        RejectReason::MissingAttribute => Stat::RejectedMissingAttribute,
                     },
                 );
                 return Step::Reply(deny);
             }
             Plan::Check(check) => check,
         };
+        self.metrics
+            .add(host, Stat::SkippedMissingAttribute, check.skipped as usize);
         let now = host.now_ms();
         let config = &self.config;
         // Local rules first: a local deny needs no call at all. (A request
@@ -226,7 +233,6 @@ impl Worker {
         } else {
             let decided = LocalLimiter::new(config.local.slots, self.seed(host, now)).check(
                 host,
-                &check.subject,
                 &check.local,
                 now,
             );

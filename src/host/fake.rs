@@ -12,9 +12,15 @@ use super::*;
 pub struct FakeRequest {
     pub headers: Vec<(String, Vec<u8>)>,
     pub source: Option<String>,
+    pub properties: Vec<(Vec<String>, Vec<u8>)>,
 }
 
 impl FakeRequest {
+    pub fn with_property(mut self, path: &[&str], value: &[u8]) -> Self {
+        let path = path.iter().map(|p| p.to_string()).collect();
+        self.properties.push((path, value.to_vec()));
+        self
+    }
     pub fn with_header(mut self, name: &str, value: &[u8]) -> Self {
         self.headers.push((name.to_string(), value.to_vec()));
         self
@@ -31,6 +37,13 @@ impl RequestView for FakeRequest {
     }
     fn source_address(&self) -> Option<String> {
         self.source.clone()
+    }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.properties
+            .iter()
+            .find(|(p, _)| p.iter().map(String::as_str).eq(path.iter().copied()))
+            .map(|(_, v)| v.clone())
+            .filter(|v| !v.is_empty())
     }
 }
 
@@ -210,6 +223,11 @@ impl Host for FakeHost {
     fn source_address(&self) -> Option<String> {
         self.hostcall("get_property");
         self.request.borrow().source_address()
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.hostcall("get_property");
+        self.request.borrow().property(path)
     }
 
     fn now_ms(&self) -> u64 {

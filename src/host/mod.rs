@@ -33,6 +33,9 @@ pub trait RequestView {
     fn header_values(&self, name: &str) -> Vec<Vec<u8>>;
     /// Envoy's `source.address` property (`ip:port`).
     fn source_address(&self) -> Option<String>;
+    /// An Envoy property (`connection.uri_san_peer_certificate`, a path
+    /// into the dynamic metadata); `None` when absent or empty.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 
     /// A header that must be sent once to mean anything.
     fn header(&self, name: &str) -> HeaderValue {
@@ -88,6 +91,10 @@ impl<H: Host> RequestView for Request<'_, H> {
     fn source_address(&self) -> Option<String> {
         self.host.source_address()
     }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.host.property(path)
+    }
 }
 
 /// A check call to meshlimitd.
@@ -112,6 +119,8 @@ pub trait Host: SharedStore {
     fn request_headers(&self) -> Vec<(String, Vec<u8>)>;
     /// Envoy's `source.address` property (`ip:port`) of the current request.
     fn source_address(&self) -> Option<String>;
+    /// A property of the current request (see [`RequestView::property`]).
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 
     /// Milliseconds since the Unix epoch, as the host's clock says.
     fn now_ms(&self) -> u64;

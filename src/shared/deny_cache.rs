@@ -2,6 +2,11 @@
 //! until T, this Envoy denies it locally until T, without a call. Abusive
 //! clients then cost no round trip.
 //!
+//! A cached deny is trusted for at most [`MAX_CACHED_DENY_MS`] after it
+//! was learnt, however far off T is (its `Retry-After` still says T):
+//! quota can come back before T (a live override raised in meshlimitd, a
+//! refund), and one call a second per denied subject costs little.
+//!
 //! Entries live in a fixed set of shared-data slots (`slots`), each holding
 //! one (fingerprint, until) pair; a new deny overwrites its slot. A lookup
 //! only denies when the full 64-bit keyed fingerprint matches: a collision
@@ -10,6 +15,10 @@
 use super::keys;
 use super::store::{self, le_word, le_words, Purpose, SharedStore};
 use crate::config::LimitConfig;
+
+/// The longest a deny is answered from the cache before meshlimitd is
+/// asked again: a raised override ends cached denials within this time.
+pub const MAX_CACHED_DENY_MS: u64 = 1_000;
 
 #[derive(Debug, Clone, Copy)]
 pub struct DenyCache<'a, S: SharedStore> {
@@ -25,9 +34,12 @@ impl<S: SharedStore> DenyCache<'_, S> {
         let (bytes, _) = self.store.get(&self.key(fp)).ok()?;
         let bytes = bytes?;
         let (stored, until) = (le_word(&bytes, 0)?, le_word(&bytes, 1)?);
+        let learnt = le_word(&bytes, 2)?;
         // No deny lasts longer than the limit's window: a deadline further
         // off was set before the wall clock stepped back.
-        let plausible = until <= now_ms.saturating_add(limit.window_ms);
+        let plausible = until <= now_ms.saturating_add(limit.window_ms)
+            && learnt <= now_ms
+            && now_ms < learnt.saturating_add(MAX_CACHED_DENY_MS);
         (stored == fp && until > now_ms && plausible).then_some(until)
     }
 
@@ -44,7 +56,9 @@ impl<S: SharedStore> DenyCache<'_, S> {
             _ => false,
         };
         // Unconditional write: the slot belongs to the latest deny.
-        let _ = self.store.set(&key, &le_words(&[fp, until_ms]), None);
+        let _ = self
+            .store
+            .set(&key, &le_words(&[fp, until_ms, now_ms]), None);
         evicted
     }
 
@@ -82,11 +96,28 @@ mod tests {
             store: &s,
         };
         assert_eq!(c.denied_until("a", &m(), 0), None);
+        assert!(!c.remember("a", &m(), 500, 0));
+        assert_eq!(c.denied_until("a", &m(), 499), Some(500));
+        assert_eq!(c.denied_until("a", &m(), 500), None);
         assert!(!c.remember("a", &m(), 5_000, 0));
-        assert_eq!(c.denied_until("a", &m(), 4_999), Some(5_000));
-        assert_eq!(c.denied_until("a", &m(), 5_000), None);
         assert_eq!(c.denied_until("a", &h(), 10), None, "per limit");
         assert_eq!(c.denied_until("b", &m(), 10), None, "per subject");
+    }
+
+    /// Quota may come back before the deadline (a live override raised in
+    /// meshlimitd): a deny is trusted for a second, then meshlimitd is
+    /// asked again; the deadline it reports is still the true one.
+    #[test]
+    fn a_deny_is_trusted_for_one_second_at_most() {
+        let s = FakeStore::default();
+        let c = DenyCache {
+            slots: 64,
+            seed: (1, 2),
+            store: &s,
+        };
+        c.remember("a", &m(), 30_000, 1_000);
+        assert_eq!(c.denied_until("a", &m(), 1_999), Some(30_000));
+        assert_eq!(c.denied_until("a", &m(), 2_000), None);
     }
 
     #[test]

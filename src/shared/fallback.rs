@@ -55,17 +55,17 @@ impl LocalLimiter {
         }
     }
 
-    /// Decides every limit for `subject`, all or nothing: nothing is
-    /// charged unless every enforced limit admits the request. Shadow limits
-    /// are decided and charged like the others but never deny.
+    /// Decides every limit (each for its own subject), all or nothing:
+    /// nothing is charged unless every enforced limit admits the request.
+    /// Shadow limits are decided and charged like the others but never
+    /// deny.
     pub fn check(
         &self,
         store: &impl SharedStore,
-        subject: &str,
         limits: &[Applied],
         now_ms: u64,
     ) -> LocalDecision {
-        if let Ok(result) = retry_on_conflict(|| self.try_check(store, subject, limits, now_ms)) {
+        if let Ok(result) = retry_on_conflict(|| self.try_check(store, limits, now_ms)) {
             return LocalDecision {
                 result,
                 degraded: false,
@@ -95,7 +95,6 @@ impl LocalLimiter {
     fn try_check(
         &self,
         store: &impl SharedStore,
-        subject: &str,
         limits: &[Applied],
         now_ms: u64,
     ) -> Result<CheckResult, StoreError> {
@@ -114,7 +113,8 @@ impl LocalLimiter {
         let mut allowed = true;
         for applied in limits {
             let limit = &applied.limit;
-            let fingerprint = store::fingerprint(self.seed, Purpose::Fallback, &**limit, subject);
+            let fingerprint =
+                store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
             let key = keys::fallback_slot(store::slot(fingerprint, self.slots));
             let index = match slots.iter().position(|s| s.key == key) {
                 Some(index) => index,
@@ -270,6 +270,24 @@ mod tests {
         limits.iter().map(|l| testing::applied(l)).collect()
     }
 
+    /// `limits` checked for `subject`.
+    fn check_as(
+        l: &LocalLimiter,
+        s: &impl SharedStore,
+        subject: &str,
+        limits: &[Applied],
+        now: u64,
+    ) -> LocalDecision {
+        let mine: Vec<Applied> = limits
+            .iter()
+            .map(|a| Applied {
+                subject: subject.to_string(),
+                ..a.clone()
+            })
+            .collect();
+        l.check(s, &mine, now)
+    }
+
     fn admitted(
         l: &LocalLimiter,
         s: &FakeStore,
@@ -280,7 +298,7 @@ mod tests {
     ) -> u32 {
         let a = applied(limits);
         (0..n)
-            .filter(|_| l.check(s, subject, &a, now).result.allowed)
+            .filter(|_| check_as(l, s, subject, &a, now).result.allowed)
             .count() as u32
     }
 
@@ -289,7 +307,7 @@ mod tests {
         let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
         let m = limit("m", 5, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&m], 9, 1_000), 5);
-        let denied = l.check(&s, "a", &applied(&[&m]), 1_000);
+        let denied = check_as(&l, &s, "a", &applied(&[&m]), 1_000);
         assert!(!denied.result.allowed);
         assert_eq!(denied.result.limits[0].retry_after_ms, 59_000);
         assert_eq!(denied.result.limits[0].remaining, 0);
@@ -329,7 +347,7 @@ mod tests {
         let big = limit("big", 10, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&small, &big], 5, 0), 2);
         // Three denials above must not have charged `big`.
-        let d = l.check(&s, "a", &applied(&[&big]), 0);
+        let d = check_as(&l, &s, "a", &applied(&[&big]), 0);
         assert_eq!(d.result.limits[0].remaining, 7);
     }
 
@@ -339,7 +357,9 @@ mod tests {
         let m = limit("m", 2, 60_000);
         let mut a = applied(&[&m]);
         a[0].shadow = true;
-        let results: Vec<_> = (0..4).map(|_| l.check(&s, "a", &a, 0).result).collect();
+        let results: Vec<_> = (0..4)
+            .map(|_| check_as(&l, &s, "a", &a, 0).result)
+            .collect();
         assert!(results.iter().all(|r| r.allowed));
         assert_eq!(results.iter().filter(|r| !r.limits[0].allowed).count(), 2);
     }
@@ -350,7 +370,7 @@ mod tests {
         let m = limit("m", 1, 60_000);
         let a = applied(&[&m]);
         for i in 0..5_000 {
-            l.check(&s, &format!("client-{i}"), &a, 1 + i);
+            check_as(&l, &s, &format!("client-{i}"), &a, 1 + i);
         }
         let data = s.data.borrow();
         assert!(data.len() <= 16);
@@ -362,7 +382,7 @@ mod tests {
         let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
         *s.conflicts_left.borrow_mut() = 3;
         let m = limit("m", 2, 60_000);
-        let d = l.check(&s, "a", &applied(&[&m]), 0);
+        let d = check_as(&l, &s, "a", &applied(&[&m]), 0);
         assert!(d.result.allowed && !d.degraded);
         assert_eq!(d.result.limits[0].remaining, 1);
     }
@@ -372,13 +392,13 @@ mod tests {
         let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
         *s.conflicts_left.borrow_mut() = 1_000;
         let m = limit("m", 2, 60_000);
-        let d = l.check(&s, "a", &applied(&[&m]), 0);
+        let d = check_as(&l, &s, "a", &applied(&[&m]), 0);
         assert!(d.result.allowed && d.degraded);
         let broken = FakeStore {
             broken: std::cell::Cell::new(true),
             ..FakeStore::default()
         };
-        assert!(l.check(&broken, "a", &applied(&[&m]), 0).degraded);
+        assert!(check_as(&l, &broken, "a", &applied(&[&m]), 0).degraded);
     }
 
     #[test]
@@ -391,12 +411,12 @@ mod tests {
             let subject = format!("c{i}");
             // Each new client is admitted once: no one else's count is theirs.
             assert!(
-                l.check(&s, &subject, &a, 100 + i).result.allowed,
+                check_as(&l, &s, &subject, &a, 100 + i).result.allowed,
                 "{subject}"
             );
         }
         // The most recent client is still remembered.
-        assert!(!l.check(&s, "c9", &a, 200).result.allowed);
+        assert!(!check_as(&l, &s, "c9", &a, 200).result.allowed);
     }
 
     /// Two limits whose entries share a slot are charged once each: the
@@ -409,7 +429,7 @@ mod tests {
         let minute = limit("m", 100, 60_000);
         let big = limit("b", 1000, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&minute, &big], 300, 0), 100);
-        let d = l.check(&s, "a", &applied(&[&big]), 0);
+        let d = check_as(&l, &s, "a", &applied(&[&big]), 0);
         assert_eq!(
             d.result.limits[0].remaining, 899,
             "big was charged 100 times"
@@ -433,6 +453,6 @@ mod tests {
             .borrow_mut()
             .insert("meshlimit.fb.0".into(), (vec![1, 2, 3], 1));
         let m = limit("m", 1, 60_000);
-        assert!(l.check(&s, "a", &applied(&[&m]), 0).result.allowed);
+        assert!(check_as(&l, &s, "a", &applied(&[&m]), 0).result.allowed);
     }
 }

@@ -40,6 +40,13 @@ impl Host for WasmHost {
             .map(|b| String::from_utf8_lossy(&b).into_owned())
     }
 
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.to_vec())
+            .ok()
+            .flatten()
+            .filter(|v| !v.is_empty())
+    }
+
     fn now_ms(&self) -> u64 {
         hostcalls::get_current_time()
             .ok()
