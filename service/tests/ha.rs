@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use meshlimit_testbed::http;
 use meshlimit_testbed::procs::{wait_until, Proc, TempDir};
 use meshlimit_testbed::services::{unique_host, Meshlimitd, RedisServer};
+use meshlimit_testbed::tls::Pki;
 use meshlimit_testbed::tools;
 
 const CHECK: &[u8] = br#"{"checks":[{"subject":"s","limits":[{"name":"a/m","requests":1000,"window_ms":60000,"algorithm":"fixed_window"}]}]}"#;
@@ -87,19 +88,6 @@ fn a_wrong_password_is_a_clear_error_and_a_failing_readyz_not_a_crash() {
     );
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("openssl runs");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A redis-server on `host:port` that speaks TLS only, with the
 /// certificates of [`private_ca`] in `d`, and `extra` settings.
 fn tls_redis(d: &Path, host: &str, port: u16, extra: &[&str]) -> Proc {
@@ -148,69 +136,10 @@ fn spawn_listening(name: &str, cmd: &mut Command, dir: &Path, addr: &str, what: 
 
 /// A CA (ca.pem, ca.key) and a server certificate it signed for `host`
 /// (redis.pem, redis.key), in `d`.
-fn private_ca(d: &Path, host: &str) {
-    openssl(
-        d,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=meshlimit test CA",
-        ],
-    );
-    issue(d, "redis", &format!("subjectAltName=IP:{host}"));
-}
-
-/// `<name>.pem` and `<name>.key`: a certificate signed by [`private_ca`]'s
-/// CA, with extension `ext` (which also makes it X.509 v3, the only
-/// version rustls takes).
-fn issue(d: &Path, name: &str, ext: &str) {
-    let file = |suffix: &str| format!("{name}.{suffix}");
-    std::fs::write(d.join(file("ext")), format!("{ext}\n")).unwrap();
-    openssl(
-        d,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            &file("key"),
-            "-out",
-            &file("csr"),
-            "-subj",
-            &format!("/CN={name}"),
-        ],
-    );
-    openssl(
-        d,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &file("csr"),
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            &file("pem"),
-            "-days",
-            "2",
-            "-extfile",
-            &file("ext"),
-        ],
-    );
+fn private_ca(d: &Path, host: &str) -> Pki {
+    let pki = Pki::new(d);
+    pki.issue("redis", &format!("subjectAltName=IP:{host}"));
+    pki
 }
 
 #[test]
@@ -218,7 +147,7 @@ fn tls_with_a_private_ca_and_a_client_certificate() {
     let dir = TempDir::new("tls");
     let host = unique_host();
     let d = dir.path();
-    private_ca(d, &host);
+    let pki = private_ca(d, &host);
     let _redis = tls_redis(d, &host, 16380, &["--tls-auth-clients", "no"]);
     let ca = d.join("ca.pem");
     let service = Meshlimitd::start_binary(
@@ -246,7 +175,7 @@ fn tls_with_a_private_ca_and_a_client_certificate() {
     drop(untrusting);
 
     // Mutual TLS: a Redis that demands a client certificate signed by the CA.
-    issue(d, "client", "extendedKeyUsage=clientAuth");
+    pki.issue("client", "extendedKeyUsage=clientAuth");
     let _mtls = tls_redis(d, &host, 16381, &["--tls-auth-clients", "yes"]);
     let mtls_addr = format!("{host}:16381");
     let url = format!("rediss://{mtls_addr}");

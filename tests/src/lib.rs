@@ -12,6 +12,7 @@ pub mod plugin;
 pub mod procs;
 pub mod render;
 pub mod services;
+pub mod tls;
 pub mod tools;
 pub mod topology;
 

@@ -249,6 +249,21 @@ impl Topology {
         proc
     }
 
+    /// Starts replica `i` from `config` (a variant of
+    /// [`Topology::replica_config`]: another listener, more filters) and
+    /// waits until it sees meshlimitd healthy. The caller keeps the process.
+    pub fn start_replica(&self, i: usize, config: &str) -> Proc {
+        let mut replica = self.start_envoy(&format!("replica-{i}"), config, 1);
+        let admin = self.replica_admin(i);
+        wait_until(
+            &mut replica,
+            "seeing meshlimitd healthy",
+            Duration::from_secs(15),
+            || meshlimitd_healthy(&admin),
+        );
+        replica
+    }
+
     pub fn start_redis(&mut self) {
         self.redis = Some(RedisServer::start(&self.host, self.dir.path()));
     }
