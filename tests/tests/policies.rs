@@ -286,3 +286,244 @@ fn a_calendar_month_resets_at_the_real_month_end() {
     assert!(ratelimit.contains(";r=2;"), "{ratelimit}");
     assert_no_vm_panics(&t);
 }
+
+/// Replica `i`'s usual config with its listener behind TLS: a server
+/// certificate from `pki`, client certificates asked for (not required, so
+/// that a caller without one reaches the filter) and checked against the CA.
+fn mtls_replica_config(t: &Topology, i: usize, pki: &meshlimit_testbed::tls::Pki) -> String {
+    let tls = format!(
+        r#"    filter_chains:
+    - transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          require_client_certificate: false
+          common_tls_context:
+            tls_certificates:
+            - certificate_chain: {{ filename: {cert} }}
+              private_key: {{ filename: {key} }}
+            validation_context:
+              trusted_ca: {{ filename: {ca} }}
+      filters:"#,
+        cert = pki.path("replica.pem"),
+        key = pki.path("replica.key"),
+        ca = pki.path("ca.pem"),
+    );
+    let config = t.replica_config(i);
+    assert!(config.contains("    filter_chains:\n    - filters:"));
+    config.replacen("    filter_chains:\n    - filters:", &tls, 1)
+}
+
+/// A request over TLS with curl: the status, presenting client
+/// certificate `cert` (`<cert>.pem`/`.key`) if given, with `headers`.
+fn curl_status(
+    t: &Topology,
+    pki: &meshlimit_testbed::tls::Pki,
+    path: &str,
+    cert: Option<&str>,
+    headers: &[&str],
+) -> u16 {
+    let addr = t.replica_addr(1);
+    let mut cmd = std::process::Command::new("curl");
+    cmd.args(["-sS", "-o", "/dev/null", "-w", "%{http_code}"])
+        .args(["--cacert", &pki.path("ca.pem")])
+        .arg(format!("https://{addr}{path}"));
+    if let Some(name) = cert {
+        cmd.args(["--cert", &pki.path(&format!("{name}.pem"))])
+            .args(["--key", &pki.path(&format!("{name}.key"))]);
+    }
+    for h in headers {
+        cmd.args(["-H", h]);
+    }
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run curl (scripts/setup.sh installs it): {e}"));
+    let code = String::from_utf8_lossy(&out.stdout);
+    code.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("curl: {code} {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// Service-to-service limits keyed by the caller's mesh identity: the URI
+/// SAN of its client certificate. Two callers get their own counters; a
+/// header claiming an identity changes nothing; a caller without a
+/// certificate is not counted on a limit that skips it and is refused by
+/// one configured to refuse.
+#[test]
+fn peer_identity_counts_per_calling_workload() {
+    let plugin = PluginConfig::new()
+        .rules(json!([
+            {"name": "per-caller", "match": {"path": {"prefix": "/pay"}},
+             "limits": [{"name": "per-second", "requests": 3, "window": "60s", "by": ["peer_identity"]}]},
+            {"name": "strict", "match": {"path": {"prefix": "/strict"}},
+             "limits": [{"name": "per-second", "requests": 3, "window": "60s", "by": ["peer_identity"],
+                         "missing": "reject"}]}
+        ]))
+        .build();
+    let t = Topology::start(TopologyOptions {
+        plugin_config: plugin,
+        replicas: 0,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    let pki = meshlimit_testbed::tls::Pki::new(t.dir.path());
+    pki.issue("replica", &format!("subjectAltName=IP:{}", t.host));
+    for sa in ["checkout", "cart"] {
+        pki.issue(
+            sa,
+            &format!("subjectAltName=URI:spiffe://cluster.local/ns/shop/sa/{sa}\nextendedKeyUsage=clientAuth"),
+        );
+    }
+    let _replica = t.start_replica(1, &mtls_replica_config(&t, 1, &pki));
+    wait_for_fresh_window(Duration::from_secs(15));
+    let calls = |cert: Option<&str>, path: &str, headers: &[&str]| -> Vec<u16> {
+        (0..4)
+            .map(|_| curl_status(&t, &pki, path, cert, headers))
+            .collect()
+    };
+    assert_eq!(calls(Some("checkout"), "/pay", &[]), [200, 200, 200, 429]);
+    // Claiming checkout's identity in headers does not borrow its counter.
+    let claims = [
+        "x-forwarded-client-cert: By=spiffe://x;URI=spiffe://cluster.local/ns/shop/sa/cart",
+        "x-spiffe-id: spiffe://cluster.local/ns/shop/sa/cart",
+    ];
+    assert_eq!(calls(Some("cart"), "/pay", &claims), [200, 200, 200, 429]);
+    assert_eq!(
+        calls(None, "/pay", &claims),
+        [200, 200, 200, 200],
+        "no certificate: not counted"
+    );
+    assert_eq!(t.stat(1, "meshlimit.skipped_missing_attribute"), 4);
+    assert_eq!(
+        calls(None, "/strict", &[])[0],
+        403,
+        "refused where configured"
+    );
+    assert_eq!(t.stat(1, "meshlimit.rejected_missing_attribute"), 4);
+    let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
+    assert!(
+        keys.contains("peer:spiffe://cluster.local/ns/shop/sa/checkout")
+            && keys.contains("sa/cart}"),
+        "{keys}"
+    );
+}
+
+/// Base64url without padding (JWT segments).
+fn b64url(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// An HS256 JWT for `claims`, signed with `secret` by the openssl command.
+fn hs256_jwt(secret: &[u8], claims: &Value) -> String {
+    use std::io::Write;
+    let signing_input = format!(
+        "{}.{}",
+        b64url(br#"{"alg":"HS256","typ":"JWT","kid":"k1"}"#),
+        b64url(claims.to_string().as_bytes())
+    );
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let mut child = std::process::Command::new("openssl")
+        .args([
+            "dgst",
+            "-sha256",
+            "-mac",
+            "HMAC",
+            "-macopt",
+            &format!("hexkey:{hex}"),
+            "-binary",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("openssl runs (scripts/setup.sh installs it)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(signing_input.as_bytes())
+        .unwrap();
+    let mac = child.wait_with_output().unwrap().stdout;
+    assert_eq!(mac.len(), 32, "openssl HMAC-SHA256");
+    format!("{signing_input}.{}", b64url(&mac))
+}
+
+/// Limits keyed by a verified JWT claim: Envoy's `jwt_authn` (local JWKS,
+/// HS256 tokens signed here) writes the payload to metadata, the filter
+/// counts by `jwt:sub`. Two subjects get their own counters; a token with
+/// a bad signature is refused by `jwt_authn` and never counted.
+#[test]
+fn a_verified_jwt_claim_keys_the_counter() {
+    let secret = b"meshlimit-test-hmac-key-32-bytes";
+    let jwks = json!({"keys": [{"kty": "oct", "kid": "k1", "alg": "HS256", "k": b64url(secret)}]});
+    let plugin = PluginConfig::new()
+        .limit_field("requests", json!(3))
+        .limit_field("by", json!(["jwt:sub"]))
+        .build();
+    let t = Topology::start(TopologyOptions {
+        plugin_config: plugin,
+        replicas: 0,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    let jwt_filter = format!(
+        r#"          http_filters:
+          - name: envoy.filters.http.jwt_authn
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication
+              providers:
+                test:
+                  issuer: meshlimit-test
+                  local_jwks: {{ inline_string: '{jwks}' }}
+                  payload_in_metadata: jwt_payload
+              rules:
+              - match: {{ prefix: "/" }}
+                requires: {{ provider_name: test }}
+"#
+    );
+    let config = t
+        .replica_config(1)
+        .replacen("          http_filters:\n", &jwt_filter, 1);
+    let _replica = t.start_replica(1, &config);
+    wait_for_fresh_window(Duration::from_secs(15));
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3_600;
+    let token = |sub: &str, key: &[u8]| {
+        hs256_jwt(
+            key,
+            &json!({"iss": "meshlimit-test", "sub": sub, "exp": exp}),
+        )
+    };
+    let calls = |token: &str| -> Vec<u16> {
+        let auth = format!("Bearer {token}");
+        (0..4)
+            .map(|_| status(&t, "/api", &[("authorization", auth.as_bytes())]))
+            .collect()
+    };
+    assert_eq!(calls(&token("alice", secret)), [200, 200, 200, 429]);
+    assert_eq!(calls(&token("bob", secret)), [200, 200, 200, 429]);
+    assert_eq!(
+        calls(&token("mallory", b"not-the-key-at-all-not-the-key!!")),
+        [401, 401, 401, 401],
+        "a forged token stops at jwt_authn"
+    );
+    let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
+    assert!(
+        keys.contains("{e:jwt:sub:alice}") && keys.contains("{e:jwt:sub:bob}"),
+        "{keys}"
+    );
+    assert!(!keys.contains("mallory"), "{keys}");
+}
