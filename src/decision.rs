@@ -864,4 +864,102 @@ mod tests {
         assert_eq!((d.status, d.body.as_str()), (503, "busy\n"));
         assert!(d.headers.contains(&("retry-after".into(), "1".into())));
     }
+
+    /// Rules with limits counted by other attributes than the client.
+    fn by_cfg() -> Config {
+        config::parse(
+            br#"{"client_id":{"headers":["x-api-key"],"when_missing":"reject"},"rules":[
+              {"name":"route","limits":[{"name":"cap","requests":100,"window":"1s","by":[]}]},
+              {"name":"tenant","limits":[
+                {"name":"m","requests":10,"window":"60s","by":["header:x-tenant"],
+                 "overrides":[{"subjects":["big"],"requests":1000}]},
+                {"name":"strict","requests":5,"window":"60s","by":["header:x-region"],"missing":"reject"}]}]}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn each_limit_carries_its_own_subject_and_the_wire_names_only_the_others() {
+        let c = by_cfg();
+        let req = FakeRequest::default()
+            .with_header("x-tenant", b"big")
+            .with_header("x-region", b"eu");
+        let Plan::Check(p) = plan(&c, &req, "GET", "/") else {
+            panic!("expected a check")
+        };
+        let subjects: Vec<&str> = p.global.iter().map(|a| a.subject.as_str()).collect();
+        assert_eq!(subjects, ["*", "hdr:x-tenant:big", "hdr:x-region:eu"]);
+        // No limit counts by the client: no client id was needed (and
+        // `when_missing: reject` did not refuse the request).
+        assert_eq!(p.subject, "*");
+        let wire = p.to_request();
+        let limits = &wire.checks[0].limits;
+        assert_eq!(wire.checks[0].subject, "*");
+        assert_eq!(limits[0].subject, None, "the check's own subject");
+        assert_eq!(limits[1].subject.as_deref(), Some("hdr:x-tenant:big"));
+        assert_eq!(limits[1].requests, 1000, "the static override, by value");
+        assert_eq!(limits[2].requests, 5);
+    }
+
+    #[test]
+    fn a_missing_attribute_skips_or_refuses_as_configured() {
+        let c = by_cfg();
+        // No tenant: `m` is skipped; the region limit still applies.
+        let req = FakeRequest::default().with_header("x-region", b"eu");
+        let Plan::Check(p) = plan(&c, &req, "GET", "/") else {
+            panic!("expected a check")
+        };
+        assert_eq!(p.skipped, 1);
+        assert_eq!(p.global.len(), 2);
+        // No region: refused, naming the attribute and the limit.
+        let req = FakeRequest::default().with_header("x-tenant", b"t");
+        let Plan::Reject(d, RejectReason::MissingAttribute) = plan(&c, &req, "GET", "/") else {
+            panic!("expected a refusal")
+        };
+        assert_eq!(d.status, 403);
+        assert_eq!(d.body, "missing header:x-region for limit tenant/strict\n");
+        // A header sent twice is no value at all.
+        let twice = FakeRequest::default()
+            .with_header("x-region", b"eu")
+            .with_header("x-region", b"us");
+        assert!(matches!(
+            plan(&c, &twice, "GET", "/"),
+            Plan::Reject(_, RejectReason::MissingAttribute)
+        ));
+    }
+
+    #[test]
+    fn every_limit_skipped_means_nothing_to_check() {
+        let c = config::parse(
+            br#"{"rules":[{"name":"t","limits":[{"name":"m","requests":1,"window":"1s","by":["jwt:sub"]}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            plan(&c, &FakeRequest::default(), "GET", "/"),
+            Plan::Pass { skipped: 1 }
+        );
+    }
+
+    #[test]
+    fn the_client_id_is_the_checks_subject_when_a_limit_counts_by_it() {
+        let c = config::parse(
+            br#"{"client_id":{"headers":["x-api-key"]},"rules":[
+              {"name":"route","limits":[{"name":"cap","requests":100,"window":"1s","by":[]}]},
+              {"name":"api","limits":[{"name":"m","requests":10,"window":"60s",
+                "overrides":[{"subjects":["vip"],"requests":99}]}]}]}"#,
+        )
+        .unwrap();
+        let req = FakeRequest::default().with_header("x-api-key", b"vip");
+        let Plan::Check(p) = plan(&c, &req, "GET", "/") else {
+            panic!("expected a check")
+        };
+        assert_eq!(p.subject, "hdr:x-api-key:vip");
+        let wire = p.to_request();
+        assert_eq!(wire.checks[0].limits[0].subject.as_deref(), Some("*"));
+        assert_eq!(wire.checks[0].limits[1].subject, None);
+        assert_eq!(
+            wire.checks[0].limits[1].requests, 99,
+            "an override by the id's value"
+        );
+    }
 }

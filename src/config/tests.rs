@@ -543,3 +543,159 @@ fn match_conditions_are_read_and_checked() {
         "unknown field",
     );
 }
+
+/// A config with one limit whose extra fields are `fields` (JSON members).
+fn with_limit(fields: &str) -> String {
+    format!(r#"{{"rules":[{{"name":"api","limits":[{{"name":"m","requests":10{fields}}}]}}]}}"#)
+}
+
+#[test]
+fn by_lists_attributes_and_names_the_bad_one() {
+    let c = parse_str(&with_limit(
+        r#","window":"1m","by":["client","header:X-Tenant","query:t","host","path","method","peer_identity","jwt:sub"]"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        c.rules[0].limits[0].by,
+        [
+            Attribute::Client,
+            Attribute::Header("x-tenant".into()),
+            Attribute::Query("t".into()),
+            Attribute::Host,
+            Attribute::Path,
+            Attribute::Method,
+            Attribute::PeerIdentity,
+            Attribute::Jwt("sub".into()),
+        ]
+    );
+    let default = parse_str(MINIMAL).unwrap();
+    assert_eq!(default.rules[0].limits[0].by, [Attribute::Client]);
+    assert_eq!(default.rules[0].limits[0].missing, MissingAttribute::Skip);
+    let empty = parse_str(&with_limit(r#","window":"1m","by":[]"#)).unwrap();
+    assert!(empty.rules[0].limits[0].by.is_empty());
+    let at = "rules[0].limits[0].by[1]";
+    rejects(
+        &with_limit(r#","window":"1m","by":["client","cookie:x"]"#),
+        at,
+        "unknown attribute \"cookie:x\"",
+    );
+    rejects(
+        &with_limit(r#","window":"1m","by":["host","host"]"#),
+        at,
+        "listed twice",
+    );
+    rejects(
+        &with_limit(r#","window":"1m","by":["host","header:a b"]"#),
+        at,
+        "not a valid header name",
+    );
+    rejects(
+        &with_limit(r#","window":"1m","by":["host","jwt:"]"#),
+        at,
+        "unknown attribute",
+    );
+    rejects(
+        &with_limit(r#","window":"1m","by":["a","b","c","d","e","f","g","h","i"]"#),
+        "rules[0].limits[0].by",
+        "at most 8",
+    );
+    rejects(
+        &with_limit(r#","window":"1m","missing":"ignore""#),
+        "rules[0].limits[0].missing",
+        "skip",
+    );
+}
+
+#[test]
+fn calendar_limits_take_a_unit_and_an_offset() {
+    let c = parse_str(&with_limit(r#","calendar":"month","utc_offset":"+02:00""#)).unwrap();
+    let l = &c.rules[0].limits[0];
+    assert_eq!(
+        l.calendar,
+        Some(meshlimit_protocol::Calendar {
+            unit: meshlimit_protocol::CalendarUnit::Month,
+            utc_offset_minutes: 120
+        })
+    );
+    assert_eq!(l.window_ms, 31 * 86_400_000);
+    let minus = parse_str(&with_limit(r#","calendar":"day","utc_offset":"-05:30""#)).unwrap();
+    assert_eq!(
+        minus.rules[0].limits[0]
+            .calendar
+            .map(|c| c.utc_offset_minutes),
+        Some(-330)
+    );
+    let at = |f: &str| format!("rules[0].limits[0].{f}");
+    rejects(
+        &with_limit(r#","calendar":"day","window":"1d""#),
+        &at("window"),
+        "remove `window`",
+    );
+    rejects(&with_limit(""), &at("window"), "missing");
+    for bad in ["+2:00", "02:00", "+15:00", "+01:60", "UTC"] {
+        rejects(
+            &with_limit(&format!(r#","calendar":"week","utc_offset":"{bad}""#)),
+            &at("utc_offset"),
+            "+HH:MM",
+        );
+    }
+    rejects(
+        &with_limit(r#","window":"1m","utc_offset":"+01:00""#),
+        &at("utc_offset"),
+        "only a calendar",
+    );
+    rejects(
+        &with_limit(r#","calendar":"day","algorithm":"token_bucket""#),
+        &at("calendar"),
+        "fixed windows",
+    );
+    rejects(
+        &with_limit(r#","calendar":"year""#),
+        &at("calendar"),
+        "month",
+    );
+}
+
+#[test]
+fn static_overrides_are_checked_like_the_limit() {
+    let c = parse_str(&with_limit(
+        r#","window":"1m","overrides":[{"subjects":["partner-a","hdr:x-api-key:b"],"requests":500}]"#,
+    ))
+    .unwrap();
+    let l = &c.rules[0].limits[0];
+    assert_eq!(
+        l.override_for("hdr:x-api-key:partner-a", Some("partner-a")),
+        Some(500)
+    );
+    assert_eq!(l.override_for("hdr:x-api-key:b", Some("b")), Some(500));
+    assert_eq!(l.override_for("hdr:x-api-key:c", Some("c")), None);
+    let raised = l.with_requests(500);
+    assert_eq!((raised.requests, raised.fallback_requests), (500, 500));
+    rejects(
+        &with_limit(r#","window":"1m","overrides":[{"subjects":["a"],"requests":0}]"#),
+        "rules[0].limits[0].overrides[0].requests",
+        "at least 1",
+    );
+    rejects(
+        &with_limit(r#","window":"1m","overrides":[{"subjects":[],"requests":5}]"#),
+        "rules[0].limits[0].overrides[0].subjects",
+        "at least one",
+    );
+    rejects(
+        &with_limit(r#","window":"1m","overrides":[{"subject":"a","requests":5}]"#),
+        "rules[0].limits[0].overrides[0].subject",
+        "unknown field",
+    );
+}
+
+#[test]
+fn the_jwt_source_has_envoys_defaults() {
+    let c = parse_str(MINIMAL).unwrap();
+    assert_eq!(c.jwt.filter, "envoy.filters.http.jwt_authn");
+    assert_eq!(c.jwt.payload_in_metadata, "jwt_payload");
+    rejects(
+        r#"{"jwt":{"payload_in_metadata":""},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
+        "jwt.payload_in_metadata",
+        "1 to 256",
+    );
+}

@@ -1158,3 +1158,43 @@ fn repeated_id_or_cost_headers_are_ambiguous() {
     // x-forwarded-for headers are one list.
     let _ = h.request("a");
 }
+
+/// Limits counted by a peer identity: a caller without one is not counted
+/// (and says so in a stat), or refused with 403 where configured; the
+/// identity is read from the host only for the limits that need it.
+#[test]
+fn a_missing_attribute_is_counted_in_a_stat_and_never_called_for() {
+    let config = crate::config::parse(
+        br#"{"group_commit": {"enabled": false}, "rules": [
+          {"name": "mesh", "match": {"path_prefix": "/svc/"},
+           "limits": [{"name": "per-caller", "requests": 5, "window": "1s", "by": ["peer_identity"]}]},
+          {"name": "strict", "match": {"path_prefix": "/strict/"},
+           "limits": [{"name": "per-caller", "requests": 5, "window": "1s", "by": ["peer_identity"],
+                       "missing": "reject"}]}]}"#,
+    )
+    .unwrap();
+    let mut h = harness_with(config);
+    assert_eq!(h.request_to("/svc/x", "").1, Step::Continue);
+    assert_eq!(h.stat("skipped_missing_attribute"), 1);
+    assert_eq!(h.calls(), 0);
+    let (_, step) = h.request_to("/strict/x", "");
+    assert_eq!(reply_status(&step), Some(403));
+    assert_eq!(h.stat("rejected_missing_attribute"), 1);
+    // With a certificate's identity, the limit is checked for it.
+    h.next_context += 1;
+    let mut stream = h.worker.stream(h.next_context);
+    *h.host.request.borrow_mut() = FakeRequest::default()
+        .with_header(":path", b"/svc/x")
+        .with_property(
+            &["connection", "uri_san_peer_certificate"],
+            b"spiffe://td/sa/a",
+        );
+    h.host.context.set(stream.context_id);
+    assert_eq!(
+        h.worker.on_request_headers(&h.host, &mut stream),
+        Step::Pause
+    );
+    let sent = h.host.sent.borrow();
+    let body: serde_json::Value = serde_json::from_slice(&sent[0].body).unwrap();
+    assert_eq!(body["checks"][0]["subject"], "peer:spiffe://td/sa/a");
+}
