@@ -26,6 +26,8 @@ pub struct Params {
     pub window_ms: u64,
     /// Token bucket capacity (`requests` when the limit sets no burst).
     pub burst: u64,
+    /// Fixed window only: calendar edges instead of `window_ms` ones.
+    pub calendar: Option<meshlimit_protocol::Calendar>,
 }
 
 /// The decision for one limit, and the state to store if it is charged.
@@ -43,10 +45,17 @@ pub fn evaluate(p: &Params, state: State, cost: u64, now_ms: u64) -> Outcome {
     let window = p.window_ms.max(1);
     match p.algorithm {
         Algorithm::FixedWindow => {
-            let idx = now_ms / window;
+            // A window is named by its start: its number, or for a
+            // calendar window the millisecond it starts.
+            let (idx, reset) = match &p.calendar {
+                Some(calendar) => {
+                    let (start, end) = calendar.window(now_ms);
+                    (start, end.saturating_sub(now_ms).max(1))
+                }
+                None => (now_ms / window, window - now_ms % window),
+            };
             let used = if state.a == idx { state.b } else { 0 };
             let fits = used.saturating_add(cost) <= p.requests;
-            let reset = window - now_ms % window;
             let after = if fits { used + cost } else { used };
             Outcome {
                 fits,
@@ -158,6 +167,7 @@ mod tests {
             requests,
             window_ms,
             burst,
+            calendar: None,
         }
     }
 
@@ -174,6 +184,28 @@ mod tests {
                 o.fits
             })
             .collect()
+    }
+
+    /// During a fallback a calendar window still ends on its calendar edge
+    /// (here 2028-03-01T00:00+02:00), as meshlimitd's script has it.
+    #[test]
+    fn calendar_windows_reset_on_the_calendar_edge() {
+        let calendar = meshlimit_protocol::Calendar {
+            unit: meshlimit_protocol::CalendarUnit::Month,
+            utc_offset_minutes: 120,
+        };
+        let p = Params {
+            calendar: Some(calendar),
+            ..params(Algorithm::FixedWindow, 2, 31 * 86_400_000, 2)
+        };
+        let march: u64 = 1_835_474_400_000;
+        let admitted = run(
+            &p,
+            &[march - 2_000, march - 1_000, march - 1, march, march + 1],
+        );
+        assert_eq!(admitted, [true, true, false, true, true]);
+        let o = evaluate(&p, State::default(), 1, march - 1_000);
+        assert_eq!(o.reset_after_ms, 1_000);
     }
 
     #[test]

@@ -143,6 +143,7 @@ impl LocalLimiter {
                 requests: limit.requests,
                 window_ms: limit.window_ms,
                 burst: limit.capacity(),
+                calendar: limit.calendar,
             };
             let outcome = algorithms::evaluate(&params, state, applied.cost, now_ms);
             if !outcome.fits && !applied.shadow {
