@@ -43,16 +43,31 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
             ),
         ],
         HeaderStyle::Draft => {
+            // The configured quota, or a higher one meshlimitd applied (a
+            // live override raising it; a fallback's share is lower and
+            // leaves the policy as configured, a lowered override shows in
+            // `r`); and the window, except for calendar windows, whose
+            // length varies (a month): `w` is optional in the draft.
             let policy = limits
                 .iter()
-                .filter(|a| !a.shadow)
-                .map(|a| {
-                    format!(
-                        "\"{}\";q={};w={}",
-                        a.limit.qualified_name,
-                        a.limit.requests,
-                        ceil_secs(a.limit.window_ms)
-                    )
+                .zip(
+                    result
+                        .limits
+                        .iter()
+                        .map(Some)
+                        .chain(std::iter::repeat(None)),
+                )
+                .filter(|(a, _)| !a.shadow)
+                .map(|(a, status)| {
+                    let quota = status.map_or(a.limit.requests, |s| s.limit.max(a.limit.requests));
+                    match a.limit.calendar {
+                        Some(_) => format!("\"{}\";q={quota}", a.limit.qualified_name),
+                        None => format!(
+                            "\"{}\";q={quota};w={}",
+                            a.limit.qualified_name,
+                            ceil_secs(a.limit.window_ms)
+                        ),
+                    }
                 })
                 .collect::<Vec<_>>()
                 .join(", ");
@@ -98,6 +113,27 @@ mod tests {
 
     fn st(allowed: bool, limit: u64, remaining: u64, reset: u64, retry: u64) -> LimitStatus {
         testing::status(allowed, limit, remaining, reset, retry)
+    }
+
+    /// A live override that raised the quota shows in the policy; a
+    /// calendar window has no fixed length, so no `w`.
+    #[test]
+    fn the_policy_shows_a_raised_quota_and_no_window_for_a_calendar() {
+        let mut monthly = limit("monthly", 100, 31 * 86_400_000);
+        monthly.calendar = Some(meshlimit_protocol::Calendar {
+            unit: meshlimit_protocol::CalendarUnit::Month,
+            utc_offset_minutes: 0,
+        });
+        let raised = limit("per-minute", 20, 60_000);
+        let result = CheckResult {
+            allowed: true,
+            limits: vec![st(true, 100, 50, 90_000_000, 0), st(true, 40, 30, 1_000, 0)],
+        };
+        let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&monthly), ap(&raised)], &result);
+        assert_eq!(
+            h[0].1,
+            "\"api/monthly\";q=100, \"api/per-minute\";q=40;w=60"
+        );
     }
 
     #[test]
