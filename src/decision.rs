@@ -57,7 +57,7 @@ pub enum Verdict {
 }
 
 pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> Plan {
-    let matched = rules::matching(&cfg.rules, req, method, path);
+    let matched = rules::matching(&cfg.rules, &cfg.jwt, req, method, path);
     if matched.is_empty() {
         return Plan::Pass { skipped: 0 };
     }

@@ -1,6 +1,6 @@
 //! Which rules apply to a request.
 
-use crate::config::{HeaderTest, HostPattern, Match, PathMatch, Rule};
+use crate::config::{HeaderCondition, HeaderTest, HostPattern, JwtSource, Match, PathMatch, Rule};
 use crate::host::{HeaderValue, RequestView};
 
 /// Rules whose every condition `req` meets (query string ignored, the path
@@ -8,6 +8,7 @@ use crate::host::{HeaderValue, RequestView};
 /// request may match several; every limit of each applies.
 pub fn matching<'a>(
     rules: &'a [Rule],
+    jwt: &JwtSource,
     req: &impl RequestView,
     method: &str,
     path: &str,
@@ -26,6 +27,7 @@ pub fn matching<'a>(
             }
         })
         .filter(|r| headers_match(&r.matcher, req))
+        .filter(|r| claims_match(&r.matcher, jwt, req))
         .collect()
 }
 
@@ -70,15 +72,34 @@ fn headers_match(m: &Match, req: &impl RequestView) -> bool {
             HeaderValue::Once(v) => Some(v),
             HeaderValue::Absent | HeaderValue::Repeated => None,
         };
-        match (&c.test, value) {
-            (HeaderTest::Absent, v) => v.is_none(),
-            (HeaderTest::Present, v) => v.is_some(),
-            (_, None) => false,
-            (HeaderTest::Exact(want), Some(v)) => v == want.as_bytes(),
-            (HeaderTest::Prefix(want), Some(v)) => v.starts_with(want.as_bytes()),
-            (HeaderTest::In(wants), Some(v)) => wants.iter().any(|w| v == w.as_bytes()),
-        }
+        holds(c, value)
     })
+}
+
+/// Every claim condition of `m`, on the payload `jwt_authn` verified (read
+/// from the host only for rules that have claim conditions).
+fn claims_match(m: &Match, jwt: &JwtSource, req: &impl RequestView) -> bool {
+    m.claims.iter().all(|c| {
+        let path = [
+            "metadata",
+            "filter_metadata",
+            jwt.filter.as_str(),
+            jwt.payload_in_metadata.as_str(),
+            c.name.as_str(),
+        ];
+        holds(c, req.property(&path))
+    })
+}
+
+fn holds(c: &HeaderCondition, value: Option<Vec<u8>>) -> bool {
+    match (&c.test, value) {
+        (HeaderTest::Absent, v) => v.is_none(),
+        (HeaderTest::Present, v) => v.is_some(),
+        (_, None) => false,
+        (HeaderTest::Exact(want), Some(v)) => v == want.as_bytes(),
+        (HeaderTest::Prefix(want), Some(v)) => v.starts_with(want.as_bytes()),
+        (HeaderTest::In(wants), Some(v)) => wants.iter().any(|w| v == w.as_bytes()),
+    }
 }
 
 /// The path as an upstream reads it, so that no spelling of it slips past
@@ -161,12 +182,52 @@ mod tests {
                 path: PathMatch::Prefix(prefix.into()),
                 methods: methods.iter().map(|m| m.to_string()).collect(),
                 headers: Vec::new(),
+                claims: Vec::new(),
             },
             limits: Vec::new(),
             cost: crate::config::Cost::Fixed(1),
             shadow: false,
             scope: crate::config::Scope::Global,
         }
+    }
+
+    fn jwt() -> JwtSource {
+        JwtSource {
+            filter: "envoy.filters.http.jwt_authn".into(),
+            payload_in_metadata: "payload".into(),
+        }
+    }
+
+    /// Plans chosen by a claim of the verified token: absent without a
+    /// token (or without the claim), and never read from a header.
+    #[test]
+    fn claim_conditions_read_the_verified_payload() {
+        let plan = |name: &str, test: HeaderTest| {
+            let mut r = rule(name, "/", &[]);
+            r.matcher.claims = vec![HeaderCondition {
+                name: "plan".into(),
+                test,
+            }];
+            r
+        };
+        let rules = vec![
+            plan("pro", HeaderTest::Exact("pro".into())),
+            plan("none", HeaderTest::Absent),
+        ];
+        let claim = [
+            "metadata",
+            "filter_metadata",
+            "envoy.filters.http.jwt_authn",
+            "payload",
+            "plan",
+        ];
+        let pro = FakeRequest::default().with_property(&claim, b"pro");
+        assert_eq!(names(&matching(&rules, &jwt(), &pro, "GET", "/")), ["pro"]);
+        let forged = FakeRequest::default().with_header("plan", b"pro");
+        assert_eq!(
+            names(&matching(&rules, &jwt(), &forged, "GET", "/")),
+            ["none"]
+        );
     }
 
     fn names(rules: &[&Rule]) -> Vec<String> {
@@ -181,20 +242,39 @@ mod tests {
             rule("admin", "/admin", &["DELETE"]),
         ];
         assert_eq!(
-            names(&matching(&rules, &FakeRequest::default(), "GET", "/api/x")),
+            names(&matching(
+                &rules,
+                &jwt(),
+                &FakeRequest::default(),
+                "GET",
+                "/api/x"
+            )),
             ["api", "all"]
         );
         assert_eq!(
-            names(&matching(&rules, &FakeRequest::default(), "PUT", "/api/x")),
-            ["all"]
-        );
-        assert_eq!(
-            names(&matching(&rules, &FakeRequest::default(), "GET", "/admin")),
+            names(&matching(
+                &rules,
+                &jwt(),
+                &FakeRequest::default(),
+                "PUT",
+                "/api/x"
+            )),
             ["all"]
         );
         assert_eq!(
             names(&matching(
                 &rules,
+                &jwt(),
+                &FakeRequest::default(),
+                "GET",
+                "/admin"
+            )),
+            ["all"]
+        );
+        assert_eq!(
+            names(&matching(
+                &rules,
+                &jwt(),
                 &FakeRequest::default(),
                 "DELETE",
                 "/admin/1"
@@ -218,14 +298,20 @@ mod tests {
             "/api/./x?q=1",
         ] {
             assert_eq!(
-                names(&matching(&rules, &FakeRequest::default(), "GET", path)),
+                names(&matching(
+                    &rules,
+                    &jwt(),
+                    &FakeRequest::default(),
+                    "GET",
+                    path
+                )),
                 ["api"],
                 "{path}"
             );
         }
         for path in ["/apix", "/ap%69", "/../", "/%2Fapi/x"] {
             assert!(
-                matching(&rules, &FakeRequest::default(), "GET", path).is_empty(),
+                matching(&rules, &jwt(), &FakeRequest::default(), "GET", path).is_empty(),
                 "{path}"
             );
         }
@@ -240,13 +326,21 @@ mod tests {
         assert_eq!(
             names(&matching(
                 &rules,
+                &jwt(),
                 &FakeRequest::default(),
                 "GET",
                 "/api/v1?x=/other"
             )),
             ["exact"]
         );
-        assert!(matching(&rules, &FakeRequest::default(), "GET", "/?p=/api/v1").is_empty());
+        assert!(matching(
+            &rules,
+            &jwt(),
+            &FakeRequest::default(),
+            "GET",
+            "/?p=/api/v1"
+        )
+        .is_empty());
     }
 
     fn with(rule_: Rule, f: impl FnOnce(&mut Match)) -> Rule {
@@ -267,14 +361,21 @@ mod tests {
         ];
         let at = |host: &[u8]| {
             let req = FakeRequest::default().with_header(":authority", host);
-            names(&matching(&rules, &req, "GET", "/"))
+            names(&matching(&rules, &jwt(), &req, "GET", "/"))
         };
         assert_eq!(at(b"api.example.com"), ["exact", "subs"]);
         assert_eq!(at(b"API.Example.com:8443"), ["exact", "subs"]);
         assert_eq!(at(b"www.example.com"), ["subs"]);
         assert!(at(b"example.com").is_empty(), "not the domain itself");
         assert!(at(b"evil-example.com").is_empty());
-        assert!(names(&matching(&rules, &FakeRequest::default(), "GET", "/")).is_empty());
+        assert!(names(&matching(
+            &rules,
+            &jwt(),
+            &FakeRequest::default(),
+            "GET",
+            "/"
+        ))
+        .is_empty());
     }
 
     #[test]
@@ -282,7 +383,15 @@ mod tests {
         let rules = vec![with(rule("login", "/", &[]), |m| {
             m.path = PathMatch::Exact("/login".into())
         })];
-        let at = |p: &str| names(&matching(&rules, &FakeRequest::default(), "POST", p));
+        let at = |p: &str| {
+            names(&matching(
+                &rules,
+                &jwt(),
+                &FakeRequest::default(),
+                "POST",
+                p,
+            ))
+        };
         assert_eq!(at("/login"), ["login"]);
         assert_eq!(at("/login?next=/"), ["login"]);
         assert_eq!(at("//login"), ["login"], "normalised first");
@@ -320,7 +429,7 @@ mod tests {
             for v in values {
                 req = req.with_header("x-plan", v);
             }
-            names(&matching(&rules, &req, "GET", "/"))
+            names(&matching(&rules, &jwt(), &req, "GET", "/"))
         };
         assert_eq!(plan(&[b"free"]), ["free"]);
         assert_eq!(plan(&[b"team"]), ["paid"]);
@@ -333,7 +442,7 @@ mod tests {
             .with_header("user-agent", b"curl/8.0")
             .with_header("x-plan", b"free");
         assert_eq!(
-            names(&matching(&rules, &beta, "GET", "/")),
+            names(&matching(&rules, &jwt(), &beta, "GET", "/")),
             ["free", "beta"]
         );
     }

@@ -68,7 +68,8 @@ pub struct Config {
 
 /// The verified JWT payload in the request's dynamic metadata, as Envoy's
 /// `jwt_authn` filter writes it with `payload_in_metadata` (Istio's
-/// `RequestAuthentication` uses the token's issuer as that name).
+/// `RequestAuthentication` writes it as `payload`; releases before 1.22
+/// used the token's issuer).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JwtSource {
     /// The metadata namespace: the filter's name.
@@ -140,6 +141,9 @@ pub struct Match {
     /// Upper-case methods; empty means any.
     pub methods: Vec<String>,
     pub headers: Vec<HeaderCondition>,
+    /// Conditions on claims of the verified JWT (see [`JwtSource`]): a
+    /// plan chosen by a claim the client cannot forge.
+    pub claims: Vec<HeaderCondition>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -156,8 +160,8 @@ pub enum PathMatch {
     Exact(String),
 }
 
-/// A condition on one request header (lower-case name). A header sent
-/// more than once counts as absent: an upstream may read either copy, so
+/// A condition on one request header (lower-case name), or on one claim
+/// of the verified JWT. A header sent more than once counts as absent: an upstream may read either copy, so
 /// no copy may select a rule (a client sending `x-plan: free` and
 /// `x-plan: pro` gets the rules for no plan).
 #[derive(Debug, Clone, PartialEq, Eq)]

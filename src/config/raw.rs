@@ -199,6 +199,7 @@ pub(super) struct RawMatch {
     pub(super) methods: Vec<String>,
     pub(super) hosts: Vec<String>,
     pub(super) headers: Vec<RawHeaderMatch>,
+    pub(super) claims: Vec<RawHeaderMatch>,
 }
 
 #[derive(Deserialize)]

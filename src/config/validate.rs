@@ -579,43 +579,60 @@ fn validate_match(i: usize, raw: RawMatch) -> Result<Match, ConfigError> {
     }
     let mut headers = Vec::with_capacity(raw.headers.len());
     for (j, h) in raw.headers.into_iter().enumerate() {
-        let field = |f: &str| at(&format!("headers[{j}].{f}"));
         let name = h.name.trim().to_ascii_lowercase();
         if name.is_empty() || !name.bytes().all(is_header_name_byte) {
             return Err(err(
-                field("name"),
+                at(&format!("headers[{j}].name")),
                 format!("\"{}\" is not a valid header name", h.name),
             ));
         }
-        let test = match (h.exact, h.prefix, h.one_of, h.present, h.absent) {
-            (Some(v), None, None, None, None) => HeaderTest::Exact(v),
-            (None, Some(v), None, None, None) => HeaderTest::Prefix(v),
-            (None, None, Some(vs), None, None) if !vs.is_empty() => HeaderTest::In(vs),
-            (None, None, Some(_), None, None) => {
-                return Err(err(field("in"), "must list at least one value"));
-            }
-            (None, None, None, Some(true), None) => HeaderTest::Present,
-            (None, None, None, None, Some(true)) => HeaderTest::Absent,
-            (None, None, None, Some(false), None) | (None, None, None, None, Some(false)) => {
-                return Err(err(
-                    at(&format!("headers[{j}]")),
-                    "present and absent take true (use the other one for false)",
-                ));
-            }
-            _ => {
-                return Err(err(
-                    at(&format!("headers[{j}]")),
-                    "needs exactly one of exact, prefix, in, present, absent",
-                ));
-            }
-        };
+        let test = condition_test(&at(&format!("headers[{j}]")), h)?;
         headers.push(HeaderCondition { name, test });
+    }
+    let mut claims = Vec::with_capacity(raw.claims.len());
+    for (j, c) in raw.claims.into_iter().enumerate() {
+        let name = c.name.trim().to_string();
+        if name.is_empty() || name.len() > 256 {
+            return Err(err(
+                at(&format!("claims[{j}].name")),
+                "a claim name of 1 to 256 characters",
+            ));
+        }
+        let test = condition_test(&at(&format!("claims[{j}]")), c)?;
+        claims.push(HeaderCondition { name, test });
     }
     Ok(Match {
         hosts,
         path,
         methods,
         headers,
+        claims,
+    })
+}
+
+/// The one test of a header or claim condition at `at`.
+fn condition_test(at: &str, c: RawHeaderMatch) -> Result<HeaderTest, ConfigError> {
+    Ok(match (c.exact, c.prefix, c.one_of, c.present, c.absent) {
+        (Some(v), None, None, None, None) => HeaderTest::Exact(v),
+        (None, Some(v), None, None, None) => HeaderTest::Prefix(v),
+        (None, None, Some(vs), None, None) if !vs.is_empty() => HeaderTest::In(vs),
+        (None, None, Some(_), None, None) => {
+            return Err(err(format!("{at}.in"), "must list at least one value"));
+        }
+        (None, None, None, Some(true), None) => HeaderTest::Present,
+        (None, None, None, None, Some(true)) => HeaderTest::Absent,
+        (None, None, None, Some(false), None) | (None, None, None, None, Some(false)) => {
+            return Err(err(
+                at,
+                "present and absent take true (use the other one for false)",
+            ));
+        }
+        _ => {
+            return Err(err(
+                at,
+                "needs exactly one of exact, prefix, in, present, absent",
+            ));
+        }
     })
 }
 

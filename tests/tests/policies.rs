@@ -458,17 +458,25 @@ fn hs256_jwt(secret: &[u8], claims: &Value) -> String {
     format!("{signing_input}.{}", b64url(&mac))
 }
 
-/// Limits keyed by a verified JWT claim: Envoy's `jwt_authn` (local JWKS,
-/// HS256 tokens signed here) writes the payload to metadata, the filter
-/// counts by `jwt:sub`. Two subjects get their own counters; a token with
-/// a bad signature is refused by `jwt_authn` and never counted.
+/// Limits keyed by a verified JWT claim, plans chosen by another: Envoy's
+/// `jwt_authn` (local JWKS, HS256 tokens signed here) writes the payload
+/// to metadata; the filter counts by `jwt:sub` and picks the plan from the
+/// `plan` claim. Two subjects get their own counters and plans; a header
+/// named like the claim changes nothing; a token with a bad signature is
+/// refused by `jwt_authn` and never counted.
 #[test]
 fn a_verified_jwt_claim_keys_the_counter() {
     let secret = b"meshlimit-test-hmac-key-32-bytes";
     let jwks = json!({"keys": [{"kty": "oct", "kid": "k1", "alg": "HS256", "k": b64url(secret)}]});
+    let plan = |name: &str, condition: Value, requests: u64| {
+        json!({"name": name, "match": {"claims": [condition]},
+               "limits": [{"name": "per-sub", "requests": requests, "window": "60s", "by": ["jwt:sub"]}]})
+    };
     let plugin = PluginConfig::new()
-        .limit_field("requests", json!(3))
-        .limit_field("by", json!(["jwt:sub"]))
+        .rules(json!([
+            plan("pro", json!({"name": "plan", "exact": "pro"}), 5),
+            plan("api", json!({"name": "plan", "absent": true}), 3),
+        ]))
         .build();
     let t = Topology::start(TopologyOptions {
         plugin_config: plugin,
