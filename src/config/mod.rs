@@ -68,8 +68,8 @@ pub struct Config {
 
 /// The verified JWT payload in the request's dynamic metadata, as Envoy's
 /// `jwt_authn` filter writes it with `payload_in_metadata` (Istio's
-/// `RequestAuthentication` writes it as `payload`; releases before 1.22
-/// used the token's issuer).
+/// `RequestAuthentication` writes it as `payload` in current releases, as
+/// the token's issuer in older ones).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JwtSource {
     /// The metadata namespace: the filter's name.
