@@ -7,6 +7,9 @@
   CRD): a misspelt, unknown or mistyped field fails.
 - Every pluginConfig is accepted by the filter's own parser, and points at
   the meshlimitd Service that deploy/kubernetes defines.
+- RequestAuthentications are checked against security.istio.io/v1
+  (AUTHN_SPEC below), and a WasmPlugin beside one reads its claims where
+  Istio keeps them.
 - The AuthorizationPolicy is checked against security.istio.io/v1
   (AUTHZ_SPEC below) and must select meshlimitd's pods; the NetworkPolicies
   must select the pods they protect.
@@ -40,6 +43,7 @@ K8S = docs("deploy/kubernetes/*.yaml")
 ISTIO = docs("deploy/istio/*.yaml")
 WASMPLUGINS = [(p, d) for p, d in ISTIO if d["kind"] == "WasmPlugin"]
 AUTHZ = [(p, d) for p, d in ISTIO if d["kind"] == "AuthorizationPolicy"]
+AUTHN = [(p, d) for p, d in ISTIO if d["kind"] == "RequestAuthentication"]
 
 
 @pytest.mark.parametrize("path,doc", K8S, ids=[f"{p}:{d['kind']}/{d['metadata']['name']}" for p, d in K8S])
@@ -231,6 +235,34 @@ def test_authorization_policy_matches_the_istio_api_and_guards_meshlimitd(path, 
     assert check_rule["from"][0]["source"]["principals"], "the check API needs an identity"
     open_rules = [r for r in doc["spec"]["rules"] if "from" not in r]
     assert all("/v1/check" not in r["to"][0]["operation"]["paths"] for r in open_rules)
+
+
+# security.istio.io/v1 RequestAuthentication spec (Istio 1.27 CRD).
+AUTHN_SPEC = {
+    "selector": {"matchLabels": {str: str}},
+    "targetRef": {"group": str, "kind": str, "name": str, "namespace": str},
+    "targetRefs": [{"group": str, "kind": str, "name": str, "namespace": str}],
+    "jwtRules": [{
+        "issuer": str, "audiences": [str], "jwksUri": str, "jwks": str,
+        "fromHeaders": [{"name": str, "prefix": str}], "fromParams": [str], "fromCookies": [str],
+        "outputPayloadToHeader": str, "forwardOriginalToken": bool,
+        "outputClaimToHeaders": [{"header": str, "claim": str}], "timeout": str,
+        "spaceDelimitedClaims": [str],
+    }],
+}
+
+
+@pytest.mark.parametrize("path,doc", AUTHN, ids=[p for p, _ in AUTHN])
+def test_request_authentication_matches_the_istio_api(path, doc):
+    assert doc["apiVersion"] == "security.istio.io/v1"
+    problems = [p for p in check(doc["spec"], AUTHN_SPEC, "spec") if not p.endswith("expected bool")]
+    assert not problems, "\n".join(problems)
+    assert isinstance(doc["spec"]["jwtRules"][0]["forwardOriginalToken"], bool)
+    # The WasmPlugin of the same file reads the payload Istio's jwt_authn keeps.
+    (plugin,) = [d for p, d in WASMPLUGINS if p == path]
+    assert plugin["spec"]["selector"] == doc["spec"]["selector"]
+    jwt = plugin["spec"]["pluginConfig"]["jwt"]
+    assert jwt == {"filter": "envoy.filters.http.jwt_authn", "payload_in_metadata": "payload"}
 
 
 def test_network_policies_select_the_pods_they_protect():
