@@ -158,11 +158,42 @@ pub struct CheckResponse {
 }
 
 /// The answer for one check: its decision, or why it has none.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// On the wire the two are told apart by their fields (`allowed` and
+/// `limits`, or `error` and `kind`), as `#[serde(untagged)]` would, but
+/// read in one pass: an untagged enum buffers every result and tries each
+/// variant in turn, which made reading a batch's answer the filter's most
+/// expensive step per request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum CheckOutcome {
     Decided(CheckResult),
     Failed(CheckFailure),
+}
+
+impl<'de> Deserialize<'de> for CheckOutcome {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        /// Every field either variant has; others are ignored.
+        #[derive(Deserialize)]
+        struct Either {
+            allowed: Option<bool>,
+            limits: Option<Vec<LimitStatus>>,
+            error: Option<String>,
+            kind: Option<FailureKind>,
+        }
+        let e = Either::deserialize(de)?;
+        match (e.allowed, e.limits, e.error, e.kind) {
+            (Some(allowed), Some(limits), _, _) => {
+                Ok(CheckOutcome::Decided(CheckResult { allowed, limits }))
+            }
+            (_, _, Some(error), Some(kind)) => {
+                Ok(CheckOutcome::Failed(CheckFailure { error, kind }))
+            }
+            _ => Err(serde::de::Error::custom(
+                "a result needs `allowed` and `limits`, or `error` and `kind`",
+            )),
+        }
+    }
 }
 
 /// Why meshlimitd did not decide one check of a batch (the others were
@@ -292,6 +323,28 @@ mod tests {
         );
         assert_eq!(serde_json::to_string(&answer).unwrap(), json);
         assert!(serde_json::from_str::<CheckResponse>(r#"{"results":[{"error":"x"}]}"#).is_err());
+    }
+
+    /// Read in one pass (not untagged), with the same verdicts.
+    #[test]
+    fn results_are_told_apart_by_their_fields() {
+        let read = |json: &str| serde_json::from_str::<CheckOutcome>(json);
+        assert!(
+            matches!(read(r#"{"allowed":false,"limits":[],"x":[1,{"y":2}]}"#), Ok(CheckOutcome::Decided(r)) if !r.allowed)
+        );
+        assert!(matches!(
+            read(r#"{"kind":"invalid","error":"e"}"#),
+            Ok(CheckOutcome::Failed(_))
+        ));
+        for bad in [
+            r#"{"allowed":true}"#,
+            r#"{"limits":[]}"#,
+            r#"{"error":"e"}"#,
+            "[]",
+            r#"{"kind":"other","error":"e"}"#,
+        ] {
+            assert!(read(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -5,6 +5,8 @@
 pub(crate) const SEED: &str = "meshlimit.seed";
 /// The circuit breaker's state.
 pub(crate) const BREAKER: &str = "meshlimit.breaker";
+/// When the deny cache last learnt a deny (see `DenyCache::quiet`).
+pub(crate) const DENY_RECENT: &str = "meshlimit.denied-at";
 
 /// A slot of the fallback counters.
 pub(crate) fn fallback_slot(slot: u64) -> String {
@@ -31,6 +33,7 @@ mod tests {
         let keys = [
             SEED.to_string(),
             BREAKER.to_string(),
+            DENY_RECENT.to_string(),
             fallback_slot(0),
             deny_slot(0),
             wake_queue(0),

@@ -314,16 +314,18 @@ fn mtls_replica_config(t: &Topology, i: usize, pki: &meshlimit_testbed::tls::Pki
     config.replacen("    filter_chains:\n    - filters:", &tls, 1)
 }
 
-/// A request over TLS with curl: the status, presenting client
-/// certificate `cert` (`<cert>.pem`/`.key`) if given, with `headers`.
+/// A request over TLS with curl to replica `replica`: the status,
+/// presenting client certificate `cert` (`<cert>.pem`/`.key`) if given,
+/// with `headers`.
 fn curl_status(
     t: &Topology,
+    replica: usize,
     pki: &meshlimit_testbed::tls::Pki,
     path: &str,
     cert: Option<&str>,
     headers: &[&str],
 ) -> u16 {
-    let addr = t.replica_addr(1);
+    let addr = t.replica_addr(replica);
     let mut cmd = std::process::Command::new("curl");
     cmd.args(["-sS", "-o", "/dev/null", "-w", "%{http_code}"])
         .args(["--cacert", &pki.path("ca.pem")])
@@ -345,10 +347,11 @@ fn curl_status(
 }
 
 /// Service-to-service limits keyed by the caller's mesh identity: the URI
-/// SAN of its client certificate. Two callers get their own counters; a
-/// header claiming an identity changes nothing; a caller without a
-/// certificate is not counted on a limit that skips it and is refused by
-/// one configured to refuse.
+/// SAN of its client certificate, through two replicas with mutual TLS
+/// (calls alternate between them, so the counts are global). Two callers
+/// get their own counters; a header claiming an identity changes nothing;
+/// a caller without a certificate is not counted on a limit that skips it
+/// and is refused by one configured to refuse.
 #[test]
 fn peer_identity_counts_per_calling_workload() {
     let plugin = PluginConfig::new()
@@ -374,11 +377,14 @@ fn peer_identity_counts_per_calling_workload() {
             &format!("subjectAltName=URI:spiffe://cluster.local/ns/shop/sa/{sa}\nextendedKeyUsage=clientAuth"),
         );
     }
-    let _replica = t.start_replica(1, &mtls_replica_config(&t, 1, &pki));
+    let _replicas: Vec<_> = (1..=2)
+        .map(|i| t.start_replica(i, &mtls_replica_config(&t, i, &pki)))
+        .collect();
     wait_for_fresh_window(Duration::from_secs(15));
+    // Calls alternate between the two replicas: the counts are global.
     let calls = |cert: Option<&str>, path: &str, headers: &[&str]| -> Vec<u16> {
         (0..4)
-            .map(|_| curl_status(&t, &pki, path, cert, headers))
+            .map(|i| curl_status(&t, 1 + i % 2, &pki, path, cert, headers))
             .collect()
     };
     assert_eq!(calls(Some("checkout"), "/pay", &[]), [200, 200, 200, 429]);
@@ -393,13 +399,14 @@ fn peer_identity_counts_per_calling_workload() {
         [200, 200, 200, 200],
         "no certificate: not counted"
     );
-    assert_eq!(t.stat(1, "meshlimit.skipped_missing_attribute"), 4);
+    let both = |stat: &str| t.stat(1, stat) + t.stat(2, stat);
+    assert_eq!(both("meshlimit.skipped_missing_attribute"), 4);
     assert_eq!(
         calls(None, "/strict", &[])[0],
         403,
         "refused where configured"
     );
-    assert_eq!(t.stat(1, "meshlimit.rejected_missing_attribute"), 4);
+    assert_eq!(both("meshlimit.rejected_missing_attribute"), 4);
     let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
     assert!(
         keys.contains("peer:spiffe://cluster.local/ns/shop/sa/checkout")
