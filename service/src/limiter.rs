@@ -62,18 +62,25 @@ impl LimiterError {
     }
 }
 
-/// Shared, cheap-to-clone handle on Redis and the scripts.
-#[derive(Clone)]
-pub struct Limiter {
-    backend: Backend,
-    script: Script,
+/// The scripts, compiled once and shared: a `Script` holds its source, so
+/// a copy per request (axum clones the state for each) would copy tens of
+/// kilobytes each time.
+struct Scripts {
+    check: Script,
     /// Several checks per run (see [`Limiter::check_batch`]).
     many: Script,
     /// A check spread over several Cluster slots, one slot at a time
     /// (see [`Limiter::check_across_slots`]), and its refund.
     charge: Script,
     refund: Script,
-    override_script: Script,
+    overrides: Script,
+}
+
+/// Shared, cheap-to-clone handle on Redis and the scripts.
+#[derive(Clone)]
+pub struct Limiter {
+    backend: Backend,
+    scripts: Arc<Scripts>,
     /// Live overrides are read by every decision (admin API on).
     overrides: bool,
     /// Test hook: the key whose value (ms) shifts the scripts' clock; ""
@@ -139,11 +146,13 @@ impl Limiter {
         let timeout = options.timeout;
         Ok(Limiter {
             backend,
-            script: Script::new(script::CHECK),
-            many: Script::new(script::CHECK_MANY),
-            charge: Script::new(script::CHARGE),
-            refund: Script::new(script::REFUND),
-            override_script: Script::new(script::OVERRIDE),
+            scripts: Arc::new(Scripts {
+                check: Script::new(script::CHECK),
+                many: Script::new(script::CHECK_MANY),
+                charge: Script::new(script::CHARGE),
+                refund: Script::new(script::REFUND),
+                overrides: Script::new(script::OVERRIDE),
+            }),
             overrides: false,
             clock_key: String::new(),
             nonce: Arc::new((instance_id(), AtomicU64::new(0))),
@@ -187,7 +196,7 @@ impl Limiter {
         let Some(slot) = self.slot_of(check) else {
             return self.check_across_slots(check).await;
         };
-        let mut invocation = self.script.prepare_invoke();
+        let mut invocation = self.scripts.check.prepare_invoke();
         self.add_fixed_args(&mut invocation);
         self.add_limits(&mut invocation, check, &check.limits);
         let values = self.run(slot, &invocation).await?;
@@ -225,7 +234,7 @@ impl Limiter {
                 .collect();
             async move {
                 let nonce = self.next_nonce();
-                let mut invocation = self.charge.prepare_invoke();
+                let mut invocation = self.scripts.charge.prepare_invoke();
                 invocation
                     .arg(&nonce)
                     .arg(u8::from(self.overrides))
@@ -321,7 +330,7 @@ impl Limiter {
         args: &[&str],
     ) -> Result<Vec<i64>, LimiterError> {
         let tag = keys::subject_tag(subject);
-        let mut invocation = self.override_script.prepare_invoke();
+        let mut invocation = self.scripts.overrides.prepare_invoke();
         invocation.key(keys::override_key(&self.prefix, &tag, name));
         for arg in args {
             invocation.arg(*arg);
@@ -338,7 +347,7 @@ impl Limiter {
         limits: &[Limit],
         result: &CheckResult,
     ) -> Result<(), LimiterError> {
-        let mut invocation = self.refund.prepare_invoke();
+        let mut invocation = self.scripts.refund.prepare_invoke();
         invocation.arg(nonce).arg(clock).arg(&self.clock_key);
         for (place, (limit, status)) in limits.iter().zip(&result.limits).enumerate() {
             if !status.allowed {
@@ -432,7 +441,7 @@ impl Limiter {
         if let [one] = checks {
             return Ok(vec![self.check(one).await?]);
         }
-        let mut invocation = self.many.prepare_invoke();
+        let mut invocation = self.scripts.many.prepare_invoke();
         self.add_fixed_args(&mut invocation);
         invocation.arg(checks.len());
         for check in checks {
@@ -576,8 +585,8 @@ impl Limiter {
         let this = self.clone();
         tokio::spawn(async move {
             let load = async {
-                this.backend.load(&this.script).await?;
-                this.backend.load(&this.many).await
+                this.backend.load(&this.scripts.check).await?;
+                this.backend.load(&this.scripts.many).await
             };
             if let Ok(Ok(())) = tokio::time::timeout(this.timeout, load).await {
                 this.script_loaded.store(true, Ordering::Relaxed);
