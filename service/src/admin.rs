@@ -135,6 +135,19 @@ fn subject_of(subject: Option<&String>) -> Result<String, Refusal> {
     }
 }
 
+/// The override a `GET` or `DELETE` addresses (`rule/limit`, and the
+/// `subject` query parameter), once the caller is authorized.
+fn addressed(
+    state: &AppState,
+    headers: &HeaderMap,
+    rule: &str,
+    limit: &str,
+    query: &HashMap<String, String>,
+) -> Result<(String, String), Refusal> {
+    authorize(state, headers)?;
+    Ok((limit_name(rule, limit)?, subject_of(query.get("subject"))?))
+}
+
 fn unavailable(e: impl std::fmt::Display) -> Response {
     error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {e}"))
 }
@@ -145,12 +158,9 @@ async fn get_override(
     Path((rule, limit)): Path<(String, String)>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
-    if let Err(r) = authorize(&state, &headers) {
-        return r.into_response();
-    }
-    let (name, subject) = match (limit_name(&rule, &limit), subject_of(query.get("subject"))) {
-        (Ok(n), Ok(s)) => (n, s),
-        (Err(r), _) | (_, Err(r)) => return r.into_response(),
+    let (name, subject) = match addressed(&state, &headers, &rule, &limit, &query) {
+        Ok(target) => target,
+        Err(r) => return r.into_response(),
     };
     match state.limiter.get_override(&name, &subject).await {
         Ok(Some(o)) => Json(OverrideView::new(name, subject, o)).into_response(),
@@ -221,12 +231,9 @@ async fn delete_override(
     Path((rule, limit)): Path<(String, String)>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
-    if let Err(r) = authorize(&state, &headers) {
-        return r.into_response();
-    }
-    let (name, subject) = match (limit_name(&rule, &limit), subject_of(query.get("subject"))) {
-        (Ok(n), Ok(s)) => (n, s),
-        (Err(r), _) | (_, Err(r)) => return r.into_response(),
+    let (name, subject) = match addressed(&state, &headers, &rule, &limit, &query) {
+        Ok(target) => target,
+        Err(r) => return r.into_response(),
     };
     match state.limiter.delete_override(&name, &subject).await {
         Ok(true) => {

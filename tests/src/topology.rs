@@ -112,15 +112,7 @@ impl Topology {
             let mut replica =
                 t.start_envoy(&format!("replica-{i}"), &config, t.options.replica_workers);
             if wait_healthy {
-                // Envoy counts meshlimitd unhealthy until its first health
-                // check passes; calls made before then are fallbacks.
-                let admin = t.replica_admin(i);
-                wait_until(
-                    &mut replica,
-                    "seeing meshlimitd healthy",
-                    Duration::from_secs(15),
-                    || meshlimitd_healthy(&admin),
-                );
+                t.wait_sees_meshlimitd(i, &mut replica);
             }
             t.replicas.push(replica);
         }
@@ -254,14 +246,20 @@ impl Topology {
     /// waits until it sees meshlimitd healthy. The caller keeps the process.
     pub fn start_replica(&self, i: usize, config: &str) -> Proc {
         let mut replica = self.start_envoy(&format!("replica-{i}"), config, 1);
+        self.wait_sees_meshlimitd(i, &mut replica);
+        replica
+    }
+
+    /// Envoy counts meshlimitd unhealthy until its first health check
+    /// passes; calls made before then are fallbacks.
+    fn wait_sees_meshlimitd(&self, i: usize, replica: &mut Proc) {
         let admin = self.replica_admin(i);
         wait_until(
-            &mut replica,
+            replica,
             "seeing meshlimitd healthy",
             Duration::from_secs(15),
             || meshlimitd_healthy(&admin),
         );
-        replica
     }
 
     pub fn start_redis(&mut self) {
