@@ -174,12 +174,10 @@ impl Limiter {
     /// Test hook: shifts the scripts' clock by the value (milliseconds) of
     /// Redis key `key`, so that tests can cross calendar edges without
     /// waiting. Refused on a Cluster (the key would live in another slot).
-    pub fn with_test_clock(mut self, key: Option<String>) -> Result<Self, LimiterError> {
+    pub fn with_test_clock(mut self, key: Option<String>) -> Result<Self, &'static str> {
         if let Some(key) = key {
             if self.backend.is_cluster() {
-                return Err(LimiterError::Reply(
-                    "the test clock hook is not available on a Cluster".into(),
-                ));
+                return Err("the test clock hook is not available on a Cluster");
             }
             self.clock_key = key;
         }

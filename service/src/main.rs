@@ -152,8 +152,9 @@ async fn run(args: Args) -> Result<(), String> {
         timeout: Duration::from_millis(args.redis_timeout_ms.max(1)),
     };
     let limiter = Limiter::new(&options, args.key_prefix.clone(), metrics.clone())
-        .and_then(|l| l.with_test_clock(args.test_clock_offset_key.clone()))
-        .map_err(|e| format!("invalid Redis settings: {e}"))?;
+        .map_err(|e| format!("invalid Redis settings: {e}"))?
+        .with_test_clock(args.test_clock_offset_key.clone())
+        .map_err(|e| format!("--test-clock-offset-key: {e}"))?;
     if let Some(key) = &args.test_clock_offset_key {
         warn!("test clock hook on: the scripts' clock is shifted by Redis key {key}");
     }
