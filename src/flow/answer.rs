@@ -168,7 +168,7 @@ impl Worker {
         let decided = match outcome {
             Ok(result) => {
                 tally.decided(result.allowed);
-                self.count_shadow(host, now, &check.subject, &result);
+                self.count_shadow(host, now, &check.global, &result);
                 if let Some(cache) = self.deny_cache(host, now) {
                     let evicted = decision::remember_denials(check, &result, &cache, now);
                     self.metrics.add(host, Stat::DenyCacheEvictions, evicted);
@@ -213,7 +213,7 @@ impl Worker {
                 if decided.degraded {
                     self.metrics.bump(host, Stat::FallbackUncounted);
                 }
-                self.count_shadow(host, now, &check.subject, &decided.result);
+                self.count_shadow(host, now, &scaled, &decided.result);
                 Ok(decided.result)
             }
         };

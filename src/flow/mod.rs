@@ -35,7 +35,7 @@ use log::{info, warn};
 use meshlimit_protocol::CheckResult;
 
 use crate::batch::{Batcher, Enqueued};
-use crate::check::Check;
+use crate::check::{Applied, Check};
 use crate::config::Config;
 use crate::decision::{self, DenyResponse, Plan, RejectReason, ServiceError, Verdict};
 use crate::headers::Headers;
@@ -236,7 +236,7 @@ impl Worker {
                 &check.local,
                 now,
             );
-            self.count_shadow(host, now, &check.subject, &decided.result);
+            self.count_shadow(host, now, &check.local, &decided.result);
             self.metrics.bump(
                 host,
                 if decided.result.allowed {
@@ -524,16 +524,25 @@ impl Worker {
 
     /// Shadow rules: what they would have denied is counted and logged,
     /// never enforced.
-    fn count_shadow(&self, host: &impl Host, now: u64, subject: &str, result: &CheckResult) {
+    /// Counts (and logs, at a bounded rate) a result's shadow denials;
+    /// `limits` are the result's limits, in order.
+    fn count_shadow(&self, host: &impl Host, now: u64, limits: &[Applied], result: &CheckResult) {
         if decision::shadow_denials(result) == 0 {
             return;
         }
         self.metrics.bump(host, Stat::ShadowDenied);
         if let Some(skipped) = self.shadow_log.allow(now) {
-            let shown: String = subject.chars().take(64).collect();
-            info!(
-                "shadow rule would deny {shown:?} ({skipped} more shadow denials since the last line)"
-            );
+            let denied = limits
+                .iter()
+                .zip(&result.limits)
+                .find(|(_, s)| s.shadow && !s.allowed);
+            if let Some((applied, _)) = denied {
+                let shown: String = applied.subject.chars().take(64).collect();
+                info!(
+                    "shadow rule would deny {shown:?} on {} ({skipped} more shadow denials since the last line)",
+                    applied.limit.qualified_name
+                );
+            }
         }
     }
 }
