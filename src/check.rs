@@ -79,6 +79,7 @@ impl Check {
                 .iter()
                 .map(|a| a.to_wire(&self.subject))
                 .collect(),
+            receipt: false,
         }
     }
 
@@ -86,6 +87,7 @@ impl Check {
     pub fn to_request(&self) -> CheckRequest {
         CheckRequest {
             checks: vec![self.to_wire()],
+            settlements: Vec::new(),
         }
     }
 

@@ -387,6 +387,7 @@ pub fn cached_deny<S: SharedStore>(
                 shadow: false,
                 reason: None,
             }],
+            receipts: None,
         };
         Some(verdict(cfg, std::slice::from_ref(a), &result))
     })
@@ -438,6 +439,7 @@ pub fn combine(
             .chain(&global.1.limits)
             .cloned()
             .collect(),
+        receipts: None,
     };
     (applied, result)
 }
@@ -661,6 +663,7 @@ mod tests {
         let result = CheckResult {
             allowed: false,
             limits: vec![status(false, 20, 0, 41_200)],
+            receipts: None,
         };
         let Verdict::Deny(d) = verdict(&c, &limits, &result) else {
             panic!("expected deny")
@@ -691,6 +694,7 @@ mod tests {
         let result = CheckResult {
             allowed: true,
             limits: vec![status(true, 20, 5, 1000), status(true, 100, 2, 2000)],
+            receipts: None,
         };
         let Verdict::Allow { headers } = verdict(&c, &limits, &result) else {
             panic!("expected allow")
@@ -798,6 +802,7 @@ mod tests {
                 status(true, 100, 50, 1000),
                 status(true, 50, 3, 10),
             ],
+            receipts: None,
         };
         remember_denials(&p, &result, &cache, 1_000);
         let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 1_500) else {
@@ -839,10 +844,12 @@ mod tests {
         let l = CheckResult {
             allowed: true,
             limits: vec![status(true, 5, 1, 300)],
+            receipts: None,
         };
         let g = CheckResult {
             allowed: true,
             limits: vec![status(true, 100, 40, 9000)],
+            receipts: None,
         };
         let (applied, result) = combine((local, &l), (global, &g));
         let Verdict::Allow { headers } = verdict(&c, &applied, &result) else {
@@ -852,6 +859,7 @@ mod tests {
         let denied = CheckResult {
             allowed: false,
             limits: vec![status(false, 100, 0, 9000)],
+            receipts: None,
         };
         let (_, result) = combine((local, &l), (global, &denied));
         assert!(!result.allowed);

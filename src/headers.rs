@@ -128,6 +128,7 @@ mod tests {
         let result = CheckResult {
             allowed: true,
             limits: vec![st(true, 100, 50, 90_000_000, 0), st(true, 40, 30, 1_000, 0)],
+            receipts: None,
         };
         let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&monthly), ap(&raised)], &result);
         assert_eq!(
@@ -145,6 +146,7 @@ mod tests {
         let result = CheckResult {
             allowed: true,
             limits: vec![st(true, 10, 9, 400, 0), st(true, 1000, 3, 1_800_001, 0)],
+            receipts: None,
         };
         let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&a), ap(&b)], &result);
         assert_eq!(
@@ -168,6 +170,7 @@ mod tests {
         let result = CheckResult {
             allowed: false,
             limits: vec![st(false, 20, 0, 12_500, 12_500)],
+            receipts: None,
         };
         let h = rate_limit_headers(HeaderStyle::XRatelimit, &[ap(&a)], &result);
         assert_eq!(
@@ -186,11 +189,13 @@ mod tests {
         let result = CheckResult {
             allowed: true,
             limits: vec![st(true, 20, 1, 1, 0)],
+            receipts: None,
         };
         assert!(rate_limit_headers(HeaderStyle::None, &[ap(&a)], &result).is_empty());
         let empty = CheckResult {
             allowed: true,
             limits: vec![],
+            receipts: None,
         };
         assert!(rate_limit_headers(HeaderStyle::Draft, &[ap(&a)], &empty).is_empty());
     }
@@ -205,6 +210,7 @@ mod tests {
         let result = CheckResult {
             allowed: true,
             limits: vec![st(true, 10, 8, 900, 0), trial],
+            receipts: None,
         };
         let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&a), shadow], &result);
         assert_eq!(h[0].1, "\"api/real\";q=10;w=1");
@@ -240,7 +246,7 @@ mod proptests {
             let applied = crate::testing::applied(&limit);
             let result = CheckResult {
                 allowed,
-                limits: vec![crate::testing::status(allowed, requests, remaining, reset, reset)],
+                limits: vec![crate::testing::status(allowed, requests, remaining, reset, reset)], receipts: None,
             };
             for (k, v) in rate_limit_headers(style, &[applied], &result) {
                 prop_assert!(k.bytes().all(|b| b.is_ascii_lowercase() || b == b'-'));

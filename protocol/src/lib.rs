@@ -43,10 +43,44 @@ pub const CHECK_PATH: &str = "/v1/check";
 /// meshlimitd starts no work the caller will not wait for.
 pub const TIMEOUT_HEADER: &str = "x-meshlimit-timeout-ms";
 
-/// A batch of checks, decided independently of each other.
+/// A batch of checks, decided independently of each other, and of
+/// settlements of earlier reservations.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckRequest {
     pub checks: Vec<Check>,
+    /// Settlements of earlier checks whose cost was a reservation (token
+    /// budgets: the cost is known only after the response). They travel in
+    /// the same calls as checks; answered in [`CheckResponse::settled`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub settlements: Vec<Settlement>,
+}
+
+/// The actual cost of a check admitted earlier with a reserved one: the
+/// difference is charged or given back, in the very counters (and windows)
+/// the reservation was charged to, whatever the limit's state now. A
+/// settlement is never refused for the limit being exhausted: the units
+/// were spent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settlement {
+    /// The reserved check's subject.
+    pub subject: String,
+    /// The reserved check's limits, each with its reserved units as `cost`.
+    pub limits: Vec<Limit>,
+    /// Units actually used, one per limit.
+    pub actual: Vec<u64>,
+    /// Where the reservation was charged, one per limit (the check's
+    /// [`CheckResult::receipts`]).
+    pub receipts: Vec<Receipt>,
+}
+
+/// Where one limit of an admitted check was charged: the run's clock, its
+/// nonce and the limit's place in the run. A settlement finds the window,
+/// or the sliding log's members, from it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Receipt {
+    pub clock_us: u64,
+    pub nonce: String,
+    pub place: u32,
 }
 
 /// One HTTP request's worth of limits.
@@ -59,6 +93,10 @@ pub struct Check {
     pub subject: String,
     /// Every limit that applies to the request; all are decided together.
     pub limits: Vec<Limit>,
+    /// Ask for [`CheckResult::receipts`]: the check's cost is a
+    /// reservation that a [`Settlement`] will adjust.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub receipt: bool,
 }
 
 fn default_cost() -> u64 {
@@ -155,6 +193,20 @@ impl Algorithm {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckResponse {
     pub results: Vec<CheckOutcome>,
+    /// One per [`CheckRequest::settlements`], in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub settled: Vec<SettleOutcome>,
+}
+
+/// What became of one settlement.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SettleOutcome {
+    /// Applied; what each limit has left now.
+    Settled {
+        remaining: Vec<u64>,
+    },
+    Failed(CheckFailure),
 }
 
 /// The answer for one check: its decision, or why it has none.
@@ -180,12 +232,15 @@ impl<'de> Deserialize<'de> for CheckOutcome {
             limits: Option<Vec<LimitStatus>>,
             error: Option<String>,
             kind: Option<FailureKind>,
+            receipts: Option<Vec<Receipt>>,
         }
         let e = Either::deserialize(de)?;
         match (e.allowed, e.limits, e.error, e.kind) {
-            (Some(allowed), Some(limits), _, _) => {
-                Ok(CheckOutcome::Decided(CheckResult { allowed, limits }))
-            }
+            (Some(allowed), Some(limits), _, _) => Ok(CheckOutcome::Decided(CheckResult {
+                allowed,
+                limits,
+                receipts: e.receipts,
+            })),
             (_, _, Some(error), Some(kind)) => {
                 Ok(CheckOutcome::Failed(CheckFailure { error, kind }))
             }
@@ -222,6 +277,9 @@ pub struct CheckResult {
     pub allowed: bool,
     /// One status per limit of the check, in the same order.
     pub limits: Vec<LimitStatus>,
+    /// With [`Check::receipt`], when admitted: where each limit was charged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipts: Option<Vec<Receipt>>,
 }
 
 /// State of one limit after the decision.
@@ -365,6 +423,7 @@ mod tests {
         let r = CheckResult {
             allowed: true,
             limits: vec![status(true, 7, 1000, 0), status(true, 2, 60000, 0)],
+            receipts: None,
         };
         assert_eq!(r.most_constraining().unwrap().remaining, 2);
     }
@@ -376,6 +435,7 @@ mod tests {
         let r = CheckResult {
             allowed: true,
             limits: vec![shadow, status(true, 4, 1000, 0)],
+            receipts: None,
         };
         assert_eq!(r.most_constraining().unwrap().remaining, 4);
     }
@@ -400,6 +460,7 @@ mod tests {
                 status(false, 0, 5000, 5000),
                 status(false, 0, 900, 900),
             ],
+            receipts: None,
         };
         assert_eq!(r.most_constraining().unwrap().retry_after_ms, 5000);
     }

@@ -14,7 +14,7 @@ use axum::{Json, Router};
 use meshlimit_protocol::bounds::{self, LimitField};
 use meshlimit_protocol::{
     Check, CheckFailure, CheckOutcome, CheckRequest, CheckResponse, CheckResult, ErrorBody,
-    FailureKind, CHECK_PATH, TIMEOUT_HEADER,
+    FailureKind, SettleOutcome, Settlement, CHECK_PATH, TIMEOUT_HEADER,
 };
 use std::time::Duration;
 use tracing::{debug, warn};
@@ -234,11 +234,88 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
     if let Err(reason) = validate_batch(&request) {
         return error(StatusCode::BAD_REQUEST, reason);
     }
+    if request.settlements.is_empty() {
+        return match decide_checks(state, &request.checks).await {
+            Answer::Decided(results) => Json(CheckResponse {
+                results,
+                settled: Vec::new(),
+            })
+            .into_response(),
+            Answer::Refused(reason) => error(StatusCode::BAD_REQUEST, reason),
+            Answer::Unavailable(e) => error(StatusCode::SERVICE_UNAVAILABLE, e),
+        };
+    }
+    // With settlements, the call is answered whatever became of its
+    // checks: a settlement applied must be reported, so checks that could
+    // not be decided get their own errors instead of failing the call.
+    let (checks, settled) = tokio::join!(
+        async {
+            if request.checks.is_empty() {
+                return Answer::Decided(Vec::new());
+            }
+            decide_checks(state, &request.checks).await
+        },
+        settle_all(state, &request.settlements)
+    );
+    let failed = |error: String, kind: FailureKind| {
+        request
+            .checks
+            .iter()
+            .map(|_| {
+                CheckOutcome::Failed(CheckFailure {
+                    error: error.clone(),
+                    kind,
+                })
+            })
+            .collect()
+    };
+    let results = match checks {
+        Answer::Decided(results) => results,
+        Answer::Refused(reason) => failed(reason, FailureKind::Invalid),
+        Answer::Unavailable(e) => failed(e, FailureKind::Unavailable),
+    };
+    Json(CheckResponse { results, settled }).into_response()
+}
+
+/// What became of a call's checks.
+enum Answer {
+    Decided(Vec<CheckOutcome>),
+    /// No check was valid: the caller's mistake (400).
+    Refused(String),
+    /// Redis could decide none of them (503: the caller falls back).
+    Unavailable(String),
+}
+
+/// Applies each settlement on its own (an invalid one, or one whose Redis
+/// node fails, gets its own error).
+async fn settle_all(state: &AppState, settlements: &[Settlement]) -> Vec<SettleOutcome> {
+    futures_util::future::join_all(settlements.iter().enumerate().map(|(i, s)| async move {
+        if let Err(reason) = validate_settlement(i, s) {
+            state.metrics.check_failure("invalid");
+            return SettleOutcome::Failed(CheckFailure {
+                error: reason,
+                kind: FailureKind::Invalid,
+            });
+        }
+        match state.limiter.settle(s).await {
+            Ok(remaining) => SettleOutcome::Settled { remaining },
+            Err(e) => {
+                state.metrics.check_failure("unavailable");
+                SettleOutcome::Failed(CheckFailure {
+                    error: e.to_string(),
+                    kind: FailureKind::Unavailable,
+                })
+            }
+        }
+    }))
+    .await
+}
+
+async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
     // One check's bad input must not cost the others their decision: an
     // invalid check gets its own error in the answer. Only a call with no
     // valid check at all is the caller's mistake as a whole.
-    let checked: Vec<Result<&Check, String>> = request
-        .checks
+    let checked: Vec<Result<&Check, String>> = checks
         .iter()
         .enumerate()
         .map(|(i, check)| validate_check(i, check).map(|()| check))
@@ -246,7 +323,7 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
     // Usually every check is valid: decide them as they came, uncopied.
     let some_invalid: Vec<Check>;
     let valid: &[Check] = if checked.iter().all(Result::is_ok) {
-        &request.checks
+        checks
     } else {
         some_invalid = checked
             .iter()
@@ -259,7 +336,7 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
             .into_iter()
             .find_map(Result::err)
             .unwrap_or_default();
-        return error(StatusCode::BAD_REQUEST, first);
+        return Answer::Refused(first);
     }
     // Each check is decided on its own and atomically; a batch's checks
     // share script runs (one per Redis node), pipelined.
@@ -279,7 +356,7 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
         if let Some(suppressed) = state.error_log.allow() {
             warn!(error = %e, suppressed, "cannot decide: answering 503 so the caller falls back");
         }
-        return error(StatusCode::SERVICE_UNAVAILABLE, e);
+        return Answer::Unavailable(e);
     }
     let mut decided = decided.into_iter();
     let mut results = Vec::with_capacity(checked.len());
@@ -320,7 +397,7 @@ async fn decide(state: &AppState, body: &[u8]) -> Response {
         results.push(outcome);
     }
     debug!(checks = results.len(), "decided");
-    Json(CheckResponse { results }).into_response()
+    Answer::Decided(results)
 }
 
 /// Checks what serde cannot, for a whole call and each of its checks: the
@@ -335,11 +412,46 @@ pub fn validate(request: &CheckRequest) -> Result<(), String> {
 
 /// The bounds of a call as a whole.
 fn validate_batch(request: &CheckRequest) -> Result<(), String> {
-    if request.checks.is_empty() {
-        return Err("checks: must contain at least one check".into());
+    if request.checks.is_empty() && request.settlements.is_empty() {
+        return Err("checks: must contain at least one check (or settlement)".into());
     }
     if request.checks.len() > MAX_CHECKS {
         return Err(format!("checks: at most {MAX_CHECKS} per call"));
+    }
+    if request.settlements.len() > MAX_CHECKS {
+        return Err(format!("settlements: at most {MAX_CHECKS} per call"));
+    }
+    Ok(())
+}
+
+/// What makes one settlement applicable; `i` is its place in the call.
+fn validate_settlement(i: usize, s: &Settlement) -> Result<(), String> {
+    let at = format!("settlements[{i}]");
+    let as_check = Check {
+        subject: s.subject.clone(),
+        limits: s.limits.clone(),
+        receipt: false,
+    };
+    validate_check(i, &as_check).map_err(|e| e.replacen(&format!("checks[{i}]"), &at, 1))?;
+    if s.actual.len() != s.limits.len() || s.receipts.len() != s.limits.len() {
+        return Err(format!(
+            "{at}: one `actual` and one `receipts` entry per limit"
+        ));
+    }
+    for (j, (limit, actual)) in s.limits.iter().zip(&s.actual).enumerate() {
+        let most = if limit.algorithm == meshlimit_protocol::Algorithm::SlidingWindowLog {
+            bounds::MAX_SLIDING_LOG_REQUESTS
+        } else {
+            bounds::MAX_COST
+        };
+        if *actual > most {
+            return Err(format!("{at}.actual[{j}]: at most {most}"));
+        }
+    }
+    for (j, r) in s.receipts.iter().enumerate() {
+        if r.nonce.is_empty() || r.nonce.len() > 64 || r.place == 0 {
+            return Err(format!("{at}.receipts[{j}]: not a receipt meshlimitd gave"));
+        }
     }
     Ok(())
 }
@@ -441,7 +553,9 @@ mod tests {
                     subject: None,
                     calendar: None,
                 }],
+                receipt: false,
             }],
+            settlements: Vec::new(),
         }
     }
 
@@ -461,6 +575,10 @@ mod tests {
         let e = validate(&burst).unwrap_err();
         assert!(e.contains("only token_bucket has a burst"), "{e}");
         assert!(validate(&request(Algorithm::TokenBucket, "s", 1)).is_ok());
-        assert!(validate(&CheckRequest { checks: vec![] }).is_err());
+        assert!(validate(&CheckRequest {
+            checks: vec![],
+            settlements: Vec::new(),
+        })
+        .is_err());
     }
 }

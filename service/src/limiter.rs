@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus};
+use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus, Receipt, Settlement};
 use redis::Script;
 
 use crate::backend::{self, Backend};
@@ -73,6 +73,7 @@ struct Scripts {
     /// (see [`Limiter::check_across_slots`]), and its refund.
     charge: Script,
     refund: Script,
+    settle: Script,
     overrides: Script,
 }
 
@@ -151,6 +152,7 @@ impl Limiter {
                 many: Script::new(script::CHECK_MANY),
                 charge: Script::new(script::CHARGE),
                 refund: Script::new(script::REFUND),
+                settle: Script::new(script::SETTLE),
                 overrides: Script::new(script::OVERRIDE),
             }),
             overrides: false,
@@ -194,11 +196,99 @@ impl Limiter {
         let Some(slot) = self.slot_of(check) else {
             return self.check_across_slots(check).await;
         };
+        if check.receipt {
+            // The charge script also returns its clock, for the receipt.
+            let mut invocation = self.scripts.charge.prepare_invoke();
+            let nonce = self.add_fixed_args(&mut invocation);
+            self.add_limits(&mut invocation, check, &check.limits);
+            let values = self.run(slot, &invocation).await?;
+            let (clock, reply) = values
+                .split_last()
+                .ok_or_else(|| LimiterError::Reply("empty reply".into()))?;
+            let mut result = parse_reply(check, reply)?;
+            result.receipts = receipts(&result, *clock, &nonce);
+            return Ok(result);
+        }
         let mut invocation = self.scripts.check.prepare_invoke();
         self.add_fixed_args(&mut invocation);
         self.add_limits(&mut invocation, check, &check.limits);
         let values = self.run(slot, &invocation).await?;
         parse_reply(check, &values)
+    }
+
+    /// Applies a settlement (see [`meshlimit_protocol::Settlement`]): one
+    /// run per Cluster slot of its limits (one run off a Cluster). Returns
+    /// what each limit has left.
+    pub async fn settle(&self, settlement: &Settlement) -> Result<Vec<u64>, LimiterError> {
+        let n = settlement.limits.len();
+        if settlement.actual.len() != n || settlement.receipts.len() != n {
+            return Err(LimiterError::Reply(
+                "a settlement needs one actual and one receipt per limit".into(),
+            ));
+        }
+        fn subject_of<'a>(l: &'a Limit, s: &'a Settlement) -> &'a str {
+            l.subject.as_deref().unwrap_or(&s.subject)
+        }
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, limit) in settlement.limits.iter().enumerate() {
+            let slot = if self.backend.is_cluster() {
+                keys::tag_slot(&keys::subject_tag(subject_of(limit, settlement)))
+            } else {
+                0
+            };
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
+            let mut invocation = self.scripts.settle.prepare_invoke();
+            invocation.arg(&self.clock_key);
+            for &i in members {
+                let (Some(limit), Some(actual), Some(receipt)) = (
+                    settlement.limits.get(i),
+                    settlement.actual.get(i),
+                    settlement.receipts.get(i),
+                ) else {
+                    continue;
+                };
+                invocation
+                    .key(keys::limit_key(
+                        &self.prefix,
+                        &keys::subject_tag(subject_of(limit, settlement)),
+                        limit,
+                    ))
+                    .arg(limit.algorithm.short_name())
+                    .arg(limit.requests)
+                    .arg(limit.window_ms)
+                    .arg(limit.cost)
+                    .arg(*actual)
+                    .arg(limit.capacity())
+                    .arg(calendar_arg(limit))
+                    .arg(receipt.clock_us)
+                    .arg(&receipt.nonce)
+                    .arg(receipt.place);
+            }
+            async move { self.run(*slot, &invocation).await }
+        }))
+        .await;
+        let mut remaining = vec![0u64; n];
+        for (run, (_, members)) in runs.into_iter().zip(&groups) {
+            let values = run?;
+            if values.len() != members.len() {
+                return Err(LimiterError::Reply(format!(
+                    "{} values, expected {}",
+                    values.len(),
+                    members.len()
+                )));
+            }
+            for (&i, v) in members.iter().zip(values) {
+                if let Some(slot) = remaining.get_mut(i) {
+                    *slot = v.max(0) as u64;
+                }
+            }
+        }
+        Ok(remaining)
     }
 
     /// A check whose limits live in different Cluster slots (a route cap
@@ -245,8 +335,12 @@ impl Limiter {
                 let part = Check {
                     subject: check.subject.clone(),
                     limits: limits.clone(),
+                    receipt: check.receipt,
                 };
-                let result = parse_reply(&part, reply)?;
+                let mut result = parse_reply(&part, reply)?;
+                if check.receipt {
+                    result.receipts = receipts(&result, *clock, &nonce);
+                }
                 Ok::<_, LimiterError>((nonce, *clock, limits, result))
             }
         }))
@@ -269,8 +363,14 @@ impl Limiter {
             }
         }
         let mut statuses: Vec<Option<LimitStatus>> = vec![None; check.limits.len()];
+        let mut receipts_of: Vec<Option<Receipt>> = vec![None; check.limits.len()];
         for (run, (_, members)) in runs.into_iter().zip(&groups) {
             let (_, _, limits, result) = run?;
+            for (&i, receipt) in members.iter().zip(result.receipts.into_iter().flatten()) {
+                if let Some(slot) = receipts_of.get_mut(i) {
+                    *slot = Some(receipt);
+                }
+            }
             for ((&i, mut status), limit) in members.iter().zip(result.limits).zip(&limits) {
                 if !allowed && result.allowed && status.allowed {
                     // Refunded: what remains is as before the charge.
@@ -285,7 +385,14 @@ impl Limiter {
         if limits.len() != check.limits.len() {
             return Err(LimiterError::Reply("a limit was not decided".into()));
         }
-        Ok(CheckResult { allowed, limits })
+        let receipts = (check.receipt && allowed)
+            .then(|| receipts_of.into_iter().collect::<Option<Vec<_>>>())
+            .flatten();
+        Ok(CheckResult {
+            allowed,
+            limits,
+            receipts,
+        })
     }
 
     /// The live override of limit `name` (`rule/limit`) for `subject`.
@@ -440,7 +547,7 @@ impl Limiter {
             return Ok(vec![self.check(one).await?]);
         }
         let mut invocation = self.scripts.many.prepare_invoke();
-        self.add_fixed_args(&mut invocation);
+        let nonce = self.add_fixed_args(&mut invocation);
         invocation.arg(checks.len());
         for check in checks {
             invocation.arg(check.limits.len());
@@ -452,12 +559,18 @@ impl Limiter {
             .and_then(|c| self.slot_of(c))
             .unwrap_or_default();
         let values = self.run(slot, &invocation).await?;
-        let mut rest = values.as_slice();
+        let (clock, mut rest) = values
+            .split_last()
+            .ok_or_else(|| LimiterError::Reply("empty reply".into()))?;
         let mut results = Vec::with_capacity(checks.len());
-        for check in checks {
+        for (c, check) in checks.iter().enumerate() {
             let n = (1 + script::REPLY_PER_LIMIT * check.limits.len()).min(rest.len());
             let (mine, after) = rest.split_at(n);
-            results.push(parse_reply(check, mine)?);
+            let mut result = parse_reply(check, mine)?;
+            if check.receipt {
+                result.receipts = receipts(&result, *clock, &format!("{nonce}.{}", c + 1));
+            }
+            results.push(result);
             rest = after;
         }
         if !rest.is_empty() {
@@ -475,12 +588,15 @@ impl Limiter {
         format!("{:x}.{seq:x}", self.nonce.0)
     }
 
-    /// The arguments before the limits: nonce, overrides, test clock.
-    fn add_fixed_args(&self, invocation: &mut redis::ScriptInvocation<'_>) {
+    /// The arguments before the limits: nonce, overrides, test clock. The
+    /// nonce, for receipts.
+    fn add_fixed_args(&self, invocation: &mut redis::ScriptInvocation<'_>) -> String {
+        let nonce = self.next_nonce();
         invocation
-            .arg(self.next_nonce())
+            .arg(&nonce)
             .arg(u8::from(self.overrides))
             .arg(&self.clock_key);
+        nonce
     }
 
     /// Keys and per-limit arguments of `limits` (of `check`), as the
@@ -607,6 +723,21 @@ impl Limiter {
     }
 }
 
+/// Where an admitted check's limits were charged (a reservation's
+/// receipt): the run's clock and nonce, each limit's place in the run.
+/// None for a denied check (it charged nothing).
+fn receipts(result: &CheckResult, clock: i64, nonce: &str) -> Option<Vec<Receipt>> {
+    result.allowed.then(|| {
+        (1..=result.limits.len())
+            .map(|place| Receipt {
+                clock_us: clock.max(0) as u64,
+                nonce: nonce.to_string(),
+                place: place as u32,
+            })
+            .collect()
+    })
+}
+
 /// A live override as stored in Redis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Override {
@@ -689,7 +820,11 @@ fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterErro
             }
         })
         .collect();
-    Ok(CheckResult { allowed, limits })
+    Ok(CheckResult {
+        allowed,
+        limits,
+        receipts: None,
+    })
 }
 
 #[cfg(test)]
@@ -715,6 +850,7 @@ mod tests {
                     calendar: None,
                 })
                 .collect(),
+            receipt: false,
         }
     }
 

@@ -59,6 +59,8 @@ pub const ARGS_PER_LIMIT: usize = 7;
 pub const REPLY_PER_LIMIT: usize = 5;
 /// Arguments per limit of [`REFUND`] (`REFUND_ARGS` in `refund.lua`).
 pub const REFUND_ARGS: usize = 6;
+/// Arguments per limit of [`SETTLE`] (`SETTLE_ARGS` in `settle.lua`).
+pub const SETTLE_ARGS: usize = 10;
 
 /// One check per run.
 pub const CHECK: &str = concat!(
@@ -69,9 +71,11 @@ pub const CHECK: &str = concat!(
 /// Several checks in one run, decided one after the other, each on its own
 /// and all or nothing exactly as [`CHECK`] decides it; one `TIME` for all.
 ///
-/// ARGV: nonce, number of checks, then per check: its number of limits and
-/// their arguments as for [`CHECK`]. KEYS: every check's keys, in order.
-/// Returns every check's reply, concatenated in order.
+/// ARGV: nonce, overrides, test clock key, number of checks, then per
+/// check: its number of limits and their arguments as for [`CHECK`]. KEYS:
+/// every check's keys, in order. Returns every check's reply, concatenated
+/// in order, then the run's clock (a reservation's receipt; check `c` of
+/// the run used nonce `<nonce>.<c>`).
 pub const CHECK_MANY: &str = concat!(
     include_str!("lua/decide.lua"),
     include_str!("lua/check_many.lua")
@@ -91,6 +95,14 @@ pub const REFUND: &str = concat!(
     include_str!("lua/refund.lua")
 );
 
+/// Settles reservations: charges or gives back the difference between
+/// the units reserved and used, in the counters and windows the
+/// reservations were charged to (token budgets).
+pub const SETTLE: &str = concat!(
+    include_str!("lua/decide.lua"),
+    include_str!("lua/settle.lua")
+);
+
 /// Reads, sets or deletes a live override (the admin API).
 pub const OVERRIDE: &str = include_str!("lua/override.lua");
 
@@ -107,5 +119,7 @@ mod tests {
         assert!(!CHECK_MANY.contains("* 7") && !CHECK.contains("* 7"));
         let refund = include_str!("lua/refund.lua");
         assert!(refund.contains(&format!("local REFUND_ARGS = {REFUND_ARGS}\n")));
+        let settle = include_str!("lua/settle.lua");
+        assert!(settle.contains(&format!("local SETTLE_ARGS = {SETTLE_ARGS}\n")));
     }
 }

@@ -299,4 +299,34 @@ fn a_check_across_cluster_slots_charges_nothing_when_denied() {
         let alone = decide(addr, c(3), std::slice::from_ref(&per));
         assert!(allowed(&alone), "{algorithm}: {alone}");
     }
+    // A reservation across slots gets a receipt per limit (one per run),
+    // and its settlement finds each counter in its own slot.
+    let cap = json!({"name": "budget/cap", "requests": 100, "window_ms": 60_000,
+                     "algorithm": "fixed_window", "subject": "*", "cost": 50});
+    let per = json!({"name": "budget/client", "requests": 100, "window_ms": 60_000,
+                     "algorithm": "fixed_window", "cost": 50});
+    let body = json!({"checks": [{"subject": clients[0], "limits": [cap, per], "receipt": true}]});
+    let r = http::request(
+        addr,
+        "POST",
+        "/v1/check",
+        &[],
+        &serde_json::to_vec(&body).unwrap(),
+    )
+    .unwrap();
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let receipts = v["results"][0]["receipts"].clone();
+    assert_ne!(receipts[0]["nonce"], receipts[1]["nonce"], "{v}");
+    let settle = json!({"checks": [], "settlements": [{"subject": clients[0], "limits": [cap, per],
+                                                      "actual": [10, 10], "receipts": receipts}]});
+    let r = http::request(
+        addr,
+        "POST",
+        "/v1/check",
+        &[],
+        &serde_json::to_vec(&settle).unwrap(),
+    )
+    .unwrap();
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(v["settled"][0]["remaining"], json!([90, 90]), "{v}");
 }

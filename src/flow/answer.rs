@@ -203,6 +203,7 @@ impl Worker {
             FailureMode::Allow => Ok(CheckResult {
                 allowed: true,
                 limits: Vec::new(),
+                receipts: None,
             }),
             FailureMode::Deny => Err(decision::failure_deny(config)),
             FailureMode::Local => {

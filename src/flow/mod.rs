@@ -400,6 +400,7 @@ impl Worker {
             host.set_effective_context(self.root_context_id);
             let request = meshlimit_protocol::CheckRequest {
                 checks: batch.iter().map(|q| q.check.to_wire()).collect(),
+                settlements: Vec::new(),
             };
             let dispatched = serde_json::to_vec(&request)
                 .map_err(|e| ServiceError::BadBody(e.to_string()))

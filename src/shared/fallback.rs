@@ -87,6 +87,7 @@ impl LocalLimiter {
                         reason: None,
                     })
                     .collect(),
+                receipts: None,
             },
             degraded: true,
         }
@@ -187,6 +188,7 @@ impl LocalLimiter {
         Ok(CheckResult {
             allowed,
             limits: statuses,
+            receipts: None,
         })
     }
 }

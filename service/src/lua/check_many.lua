@@ -1,7 +1,9 @@
 -- Several checks per run, decided one after the other, each all or
 -- nothing on its own; one clock for all. ARGV: nonce, overrides (0/1),
 -- test clock key, number of checks, then per check its number of limits
--- and their arguments. Follows decide.lua.
+-- and their arguments. Returns every check's reply, then the run's clock
+-- (microseconds: with the nonce, the receipt of a reservation). Follows
+-- decide.lua.
 local ovr = tonumber(ARGV[2])
 local now_us = clock(ARGV[3])
 local out, k, a = {}, 0, 4
@@ -12,4 +14,5 @@ for c = 1, tonumber(ARGV[4]) do
   k = k + n * (1 + ovr)
   a = a + 1 + ARGS_PER_LIMIT * n
 end
+out[#out + 1] = now_us
 return out

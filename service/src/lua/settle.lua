@@ -1,0 +1,95 @@
+-- Settles reservations (token budgets): the difference between the units a
+-- check reserved and those it used is charged, or given back, in the very
+-- counter and window the reservation was charged to, whatever the limit's
+-- state now (the units were spent: a settlement is never refused). A
+-- window that has ended since is left alone. Follows decide.lua.
+--
+-- KEYS: one counter per limit. ARGV: the test clock key, then SETTLE_ARGS
+-- per limit: algorithm, limit (as the reservation applied it), window_ms,
+-- reserved, actual, burst, calendar, and the reservation's receipt: its
+-- run's clock (microseconds), nonce, and the limit's place in that run.
+-- Returns the units each limit has left now.
+--
+-- Per algorithm: fixed window and sliding counter move the count of the
+-- window that was charged (a sliding counter's next window holds it as
+-- `p`); the sliding log removes the reservation's last members, or adds
+-- members beside them; the token bucket moves its arrival time by the
+-- difference (back, never before now).
+local SETTLE_ARGS = 10
+local now_us = clock(ARGV[1])
+local now = math.floor(now_us / 1000)
+local out = {}
+for i = 1, #KEYS do
+  local b = 1 + (i - 1) * SETTLE_ARGS
+  local alg, limit, window = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
+  local reserved, actual, burst = tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
+  local cal, at_us, nonce, place = ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9], ARGV[b + 10]
+  local at = math.floor(at_us / 1000)
+  local delta = actual - reserved
+  local key = KEYS[i]
+  local remaining = 0
+  if alg == 'fw' then
+    local reset
+    if cal ~= '' then reset = calendar_reset(at, cal) else reset = window - (at % window) end
+    local used = tonumber(redis.call('GET', key) or '0')
+    if delta ~= 0 and redis.call('PEXPIRETIME', key) == at + reset - 1 then
+      used = redis.call('INCRBY', key, delta)
+      if used <= 0 then redis.call('DEL', key); used = 0 end
+    end
+    remaining = limit - used
+  elseif alg == 'swl' then
+    local score = num(at_us)
+    local function member(j) return score .. ':' .. nonce .. ':' .. place .. ':' .. j end
+    local batch = {}
+    if delta < 0 then
+      for j = actual + 1, reserved do
+        batch[#batch + 1] = member(j)
+        if #batch >= ZADD_CHUNK or j == reserved then
+          redis.call('ZREM', key, unpack(batch))
+          batch = {}
+        end
+      end
+    elseif delta > 0 and at_us > now_us - window * 1000 then
+      for j = reserved + 1, actual do
+        batch[#batch + 1] = score
+        batch[#batch + 1] = member(j)
+        if #batch >= 2 * ZADD_CHUNK or j == actual then
+          redis.call('ZADD', key, unpack(batch))
+          batch = {}
+        end
+      end
+      redis.call('PEXPIRE', key, window)
+    end
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', num(now_us - window * 1000))
+    remaining = limit - redis.call('ZCARD', key)
+  elseif alg == 'swc' then
+    local idx = math.floor(at / window)
+    local h = redis.call('HMGET', key, 'w', 'c', 'p')
+    local w, c, p = tonumber(h[1]), tonumber(h[2]) or 0, tonumber(h[3]) or 0
+    if delta ~= 0 and w == idx then
+      c = math.max(0, c + delta)
+      redis.call('HSET', key, 'c', num(c))
+    elseif delta ~= 0 and w == idx + 1 then
+      p = math.max(0, p + delta)
+      redis.call('HSET', key, 'p', num(p))
+    end
+    local cur_idx = math.floor(now / window)
+    local cur, prev = 0, 0
+    if w == cur_idx then cur, prev = c, p elseif w == cur_idx - 1 then prev = c end
+    remaining = math.floor(limit - (prev * (window - now % window) / window + cur))
+  elseif alg == 'tb' then
+    local T = window * 1000 / limit
+    local tat = tonumber(redis.call('GET', key) or '0')
+    if tat < now_us then tat = now_us end
+    tat = tat + T * delta
+    if tat <= now_us then
+      redis.call('DEL', key)
+      tat = now_us
+    else
+      redis.call('SET', key, num(math.ceil(tat)), 'PX', num(math.ceil((tat - now_us) / 1000) + 1))
+    end
+    remaining = math.floor((T * burst - (tat - now_us)) / T)
+  end
+  out[i] = math.max(0, remaining)
+end
+return out

@@ -1,0 +1,157 @@
+//! Reservations and settlements (the service side of token budgets),
+//! against a real redis-server: a check may ask for receipts; a later
+//! settlement charges or gives back the difference between reserved and
+//! used units, in the counter and window that were charged, for every
+//! algorithm.
+
+use std::path::Path;
+
+use meshlimit_testbed::http;
+use meshlimit_testbed::services::Standalone;
+use serde_json::{json, Value};
+
+fn start() -> Standalone {
+    Standalone::start(Path::new(env!("CARGO_BIN_EXE_meshlimitd")), &[])
+}
+
+fn call(f: &Standalone, body: &Value) -> Value {
+    let r = http::request(
+        &f.service.addr,
+        "POST",
+        "/v1/check",
+        &[],
+        &serde_json::to_vec(body).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    serde_json::from_str(&r.body).unwrap()
+}
+
+fn limit(algorithm: &str, cost: u64) -> Value {
+    json!({"name": format!("llm/{algorithm}"), "requests": 1000, "window_ms": 60_000,
+           "algorithm": algorithm, "cost": cost})
+}
+
+/// A reservation of `cost`: the result (with its receipts when admitted).
+fn reserve(f: &Standalone, subject: &str, algorithm: &str, cost: u64) -> Value {
+    let v = call(
+        f,
+        &json!({"checks": [{"subject": subject, "limits": [limit(algorithm, cost)], "receipt": true}]}),
+    );
+    v["results"][0].clone()
+}
+
+/// Settles a reservation of `reserved` at `actual`; what remains.
+fn settle(
+    f: &Standalone,
+    subject: &str,
+    algorithm: &str,
+    reserved: u64,
+    actual: u64,
+    receipts: &Value,
+) -> i64 {
+    let v = call(
+        f,
+        &json!({"checks": [], "settlements": [{"subject": subject, "limits": [limit(algorithm, reserved)],
+                                                "actual": [actual], "receipts": receipts}]}),
+    );
+    assert!(v["results"].as_array().unwrap().is_empty());
+    v["settled"][0]["remaining"][0]
+        .as_i64()
+        .unwrap_or_else(|| panic!("{v}"))
+}
+
+fn remaining(result: &Value) -> i64 {
+    result["limits"][0]["remaining"].as_i64().unwrap()
+}
+
+#[test]
+fn refunds_and_extra_charges_land_in_the_charged_counter_for_every_algorithm() {
+    let f = start();
+    for algorithm in [
+        "fixed_window",
+        "sliding_window_counter",
+        "sliding_window_log",
+        "token_bucket",
+    ] {
+        let subject = format!("tenant-{algorithm}");
+        // Reserve 500 of 1000, use 100: 900 left at once.
+        let r = reserve(&f, &subject, algorithm, 500);
+        assert_eq!(r["allowed"], json!(true), "{algorithm}: {r}");
+        assert!((499..=500).contains(&remaining(&r)), "{algorithm}: {r}");
+        let receipts = r["receipts"].clone();
+        assert_eq!(receipts.as_array().unwrap().len(), 1, "{algorithm}");
+        let left = settle(&f, &subject, algorithm, 500, 100, &receipts);
+        assert!((898..=900).contains(&left), "{algorithm}: {left}");
+        // Reserve 500 more, use 700: 200 more charged, 200 left.
+        let r = reserve(&f, &subject, algorithm, 500);
+        assert!(r["allowed"] == json!(true), "{algorithm}: {r}");
+        let left = settle(&f, &subject, algorithm, 500, 700, &r["receipts"]);
+        assert!((198..=201).contains(&left), "{algorithm}: {left}");
+        // What the next check sees agrees.
+        let next = reserve(&f, &subject, algorithm, 1);
+        assert!(
+            (197..=200).contains(&remaining(&next)),
+            "{algorithm}: {next}"
+        );
+        // A reservation that does not fit is denied and has no receipt.
+        let denied = reserve(&f, &subject, algorithm, 500);
+        assert_eq!(denied["allowed"], json!(false), "{algorithm}");
+        assert!(denied.get("receipts").is_none(), "{algorithm}: {denied}");
+    }
+    // The sliding log holds exactly the units used: 100 + 700 + 1.
+    let members = f.redis.cli(&[
+        "ZCARD",
+        "ml:{e:tenant-sliding_window_log}:llm/sliding_window_log:swl:60000",
+    ]);
+    assert_eq!(members.trim(), "801");
+}
+
+/// Checks of one call share a run: each gets its own nonce in its receipt;
+/// a settlement that breaks a rule gets its own error, and the call's
+/// checks are decided.
+#[test]
+fn receipts_in_batches_and_bad_settlements_alone() {
+    let f = start();
+    let v = call(
+        &f,
+        &json!({"checks": [
+            {"subject": "a", "limits": [limit("fixed_window", 10)], "receipt": true},
+            {"subject": "b", "limits": [limit("fixed_window", 10)], "receipt": true},
+            {"subject": "c", "limits": [limit("fixed_window", 10)]}
+        ]}),
+    );
+    let nonce = |i: usize| {
+        v["results"][i]["receipts"][0]["nonce"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_ne!(nonce(0), nonce(1));
+    assert!(v["results"][2].get("receipts").is_none(), "not asked for");
+    let receipts = v["results"][1]["receipts"].clone();
+    let v = call(
+        &f,
+        &json!({"checks": [{"subject": "d", "limits": [limit("fixed_window", 1)]}],
+        "settlements": [
+            {"subject": "b", "limits": [limit("fixed_window", 10)], "actual": [4], "receipts": receipts},
+            {"subject": "b", "limits": [limit("fixed_window", 10)], "actual": [4, 5], "receipts": receipts},
+            {"subject": "b", "limits": [limit("sliding_window_log", 10)], "actual": [1_000_000], "receipts": receipts}
+        ]}),
+    );
+    assert_eq!(v["results"][0]["allowed"], json!(true));
+    assert_eq!(v["settled"][0]["remaining"][0], json!(996));
+    assert_eq!(v["settled"][1]["kind"], json!("invalid"), "{v}");
+    assert!(
+        v["settled"][2]["error"]
+            .as_str()
+            .unwrap()
+            .contains("actual[0]"),
+        "{v}"
+    );
+    let b = call(
+        &f,
+        &json!({"checks": [{"subject": "b", "limits": [limit("fixed_window", 1)]}]}),
+    );
+    assert_eq!(b["results"][0]["limits"][0]["remaining"], json!(995));
+}
