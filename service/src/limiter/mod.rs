@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus, Receipt, Settlement};
+use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus};
 use redis::Script;
 
 use crate::backend::{self, Backend};
@@ -13,6 +13,13 @@ use crate::keys;
 use crate::metrics::Metrics;
 use crate::script;
 use crate::throttle::AtMostEvery;
+
+mod overrides;
+mod settle;
+mod slots;
+
+pub use overrides::Override;
+use settle::receipts;
 
 /// Why Redis could not decide a check. Every variant becomes a 503, which
 /// tells the filter to fall back.
@@ -62,9 +69,9 @@ impl LimiterError {
     }
 }
 
-/// The scripts, compiled once and shared: a `Script` holds its source, so
-/// a copy per request (axum clones the state for each) would copy tens of
-/// kilobytes each time.
+/// The scripts, each made (source and SHA-1) once and shared: a `Script`
+/// holds its source, so a copy per request (axum clones the state for
+/// each) would copy tens of kilobytes each time.
 struct Scripts {
     check: Script,
     /// Several checks per run (see [`Limiter::check_batch`]).
@@ -214,264 +221,6 @@ impl Limiter {
         self.add_limits(&mut invocation, check, &check.limits);
         let values = self.run(slot, &invocation).await?;
         parse_reply(check, &values)
-    }
-
-    /// Applies a settlement (see [`meshlimit_protocol::Settlement`]): one
-    /// run per Cluster slot of its limits (one run off a Cluster). Returns
-    /// what each limit has left.
-    pub async fn settle(&self, settlement: &Settlement) -> Result<Vec<u64>, LimiterError> {
-        let n = settlement.limits.len();
-        if settlement.actual.len() != n || settlement.receipts.len() != n {
-            return Err(LimiterError::Reply(
-                "a settlement needs one actual and one receipt per limit".into(),
-            ));
-        }
-        fn subject_of<'a>(l: &'a Limit, s: &'a Settlement) -> &'a str {
-            l.subject.as_deref().unwrap_or(&s.subject)
-        }
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, limit) in settlement.limits.iter().enumerate() {
-            let slot = if self.backend.is_cluster() {
-                keys::tag_slot(&keys::subject_tag(subject_of(limit, settlement)))
-            } else {
-                0
-            };
-            match groups.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((slot, vec![i])),
-            }
-        }
-        let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
-            let mut invocation = self.scripts.settle.prepare_invoke();
-            invocation.arg(&self.clock_key);
-            for &i in members {
-                let (Some(limit), Some(actual), Some(receipt)) = (
-                    settlement.limits.get(i),
-                    settlement.actual.get(i),
-                    settlement.receipts.get(i),
-                ) else {
-                    continue;
-                };
-                invocation
-                    .key(keys::limit_key(
-                        &self.prefix,
-                        &keys::subject_tag(subject_of(limit, settlement)),
-                        limit,
-                    ))
-                    .arg(limit.algorithm.short_name())
-                    .arg(limit.requests)
-                    .arg(limit.window_ms)
-                    .arg(limit.cost)
-                    .arg(*actual)
-                    .arg(limit.capacity())
-                    .arg(calendar_arg(limit))
-                    .arg(receipt.clock_us)
-                    .arg(&receipt.nonce)
-                    .arg(receipt.place);
-            }
-            async move { self.run(*slot, &invocation).await }
-        }))
-        .await;
-        let mut remaining = vec![0u64; n];
-        for (run, (_, members)) in runs.into_iter().zip(&groups) {
-            let values = run?;
-            if values.len() != members.len() {
-                return Err(LimiterError::Reply(format!(
-                    "{} values, expected {}",
-                    values.len(),
-                    members.len()
-                )));
-            }
-            for (&i, v) in members.iter().zip(values) {
-                if let Some(slot) = remaining.get_mut(i) {
-                    *slot = v.max(0) as u64;
-                }
-            }
-        }
-        Ok(remaining)
-    }
-
-    /// A check whose limits live in different Cluster slots (a route cap
-    /// `by: []` and a per-client limit, say) cannot be one script run. Each
-    /// slot's limits are decided by their own run, all at once; if any run
-    /// denies, the runs that charged are refunded, so a denied request
-    /// still charges nothing. What is lost is only the atomicity between
-    /// the slots: for the time of one round trip, a request that is then
-    /// denied holds units of the other slots' counters, which can make a
-    /// concurrent request on those counters be denied (never admitted over
-    /// the limit). On one Redis or behind Sentinel every check is one run.
-    async fn check_across_slots(&self, check: &Check) -> Result<CheckResult, LimiterError> {
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, limit) in check.limits.iter().enumerate() {
-            let slot = keys::tag_slot(&keys::subject_tag(limit.subject_in(check)));
-            match groups.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((slot, vec![i])),
-            }
-        }
-        let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
-            // Each limit carries its own subject from here on (the refund
-            // needs it without the check).
-            let limits: Vec<Limit> = members
-                .iter()
-                .filter_map(|&i| check.limits.get(i))
-                .map(|limit| Limit {
-                    subject: Some(limit.subject_in(check).to_string()),
-                    ..limit.clone()
-                })
-                .collect();
-            async move {
-                let nonce = self.next_nonce();
-                let mut invocation = self.scripts.charge.prepare_invoke();
-                invocation
-                    .arg(&nonce)
-                    .arg(u8::from(self.overrides))
-                    .arg(&self.clock_key);
-                self.add_limits(&mut invocation, check, &limits);
-                let values = self.run(*slot, &invocation).await?;
-                let (clock, reply) = values
-                    .split_last()
-                    .ok_or_else(|| LimiterError::Reply("empty reply".into()))?;
-                let part = Check {
-                    subject: check.subject.clone(),
-                    limits: limits.clone(),
-                    receipt: check.receipt,
-                };
-                let mut result = parse_reply(&part, reply)?;
-                if check.receipt {
-                    result.receipts = receipts(&result, *clock, &nonce);
-                }
-                Ok::<_, LimiterError>((nonce, *clock, limits, result))
-            }
-        }))
-        .await;
-        let allowed = runs
-            .iter()
-            .all(|r| matches!(r, Ok((_, _, _, result)) if result.allowed));
-        if !allowed {
-            // Give back what the runs that admitted charged.
-            let refunds = runs.iter().zip(&groups).filter_map(|(run, (slot, _))| {
-                let (nonce, clock, limits, result) = run.as_ref().ok()?;
-                result
-                    .allowed
-                    .then(|| self.refund(*slot, nonce, *clock, limits, result))
-            });
-            for refund in futures_util::future::join_all(refunds).await {
-                if let Err(e) = refund {
-                    tracing::warn!(error = %e, "could not refund a check denied in another slot");
-                }
-            }
-        }
-        let mut statuses: Vec<Option<LimitStatus>> = vec![None; check.limits.len()];
-        let mut receipts_of: Vec<Option<Receipt>> = vec![None; check.limits.len()];
-        for (run, (_, members)) in runs.into_iter().zip(&groups) {
-            let (_, _, limits, result) = run?;
-            for (&i, receipt) in members.iter().zip(result.receipts.into_iter().flatten()) {
-                if let Some(slot) = receipts_of.get_mut(i) {
-                    *slot = Some(receipt);
-                }
-            }
-            for ((&i, mut status), limit) in members.iter().zip(result.limits).zip(&limits) {
-                if !allowed && result.allowed && status.allowed {
-                    // Refunded: what remains is as before the charge.
-                    status.remaining = (status.remaining + limit.cost).min(status.limit);
-                }
-                if let Some(slot) = statuses.get_mut(i) {
-                    *slot = Some(status);
-                }
-            }
-        }
-        let limits = statuses.into_iter().flatten().collect::<Vec<_>>();
-        if limits.len() != check.limits.len() {
-            return Err(LimiterError::Reply("a limit was not decided".into()));
-        }
-        let receipts = (check.receipt && allowed)
-            .then(|| receipts_of.into_iter().collect::<Option<Vec<_>>>())
-            .flatten();
-        Ok(CheckResult {
-            allowed,
-            limits,
-            receipts,
-        })
-    }
-
-    /// The live override of limit `name` (`rule/limit`) for `subject`.
-    pub async fn get_override(
-        &self,
-        name: &str,
-        subject: &str,
-    ) -> Result<Option<Override>, LimiterError> {
-        let values = self.override_op(name, subject, &["get"]).await?;
-        Ok(Override::from_reply(&values))
-    }
-
-    /// Sets (or replaces) a live override; `expires_at_ms` in Unix
-    /// milliseconds, none for an override that lasts until deleted.
-    pub async fn set_override(
-        &self,
-        name: &str,
-        subject: &str,
-        requests: u64,
-        expires_at_ms: Option<u64>,
-    ) -> Result<Option<Override>, LimiterError> {
-        let requests = requests.to_string();
-        let expiry = expires_at_ms.map(|t| t.to_string()).unwrap_or_default();
-        let values = self
-            .override_op(name, subject, &["set", &requests, &expiry])
-            .await?;
-        Ok(Override::from_reply(&values))
-    }
-
-    /// Removes a live override; whether there was one.
-    pub async fn delete_override(&self, name: &str, subject: &str) -> Result<bool, LimiterError> {
-        let values = self.override_op(name, subject, &["del"]).await?;
-        Ok(values.first().is_some_and(|&n| n > 0))
-    }
-
-    async fn override_op(
-        &self,
-        name: &str,
-        subject: &str,
-        args: &[&str],
-    ) -> Result<Vec<i64>, LimiterError> {
-        let tag = keys::subject_tag(subject);
-        let mut invocation = self.scripts.overrides.prepare_invoke();
-        invocation.key(keys::override_key(&self.prefix, &tag, name));
-        for arg in args {
-            invocation.arg(*arg);
-        }
-        self.run(keys::tag_slot(&tag), &invocation).await
-    }
-
-    /// Undoes the charge of one [`Limiter::check_across_slots`] run.
-    async fn refund(
-        &self,
-        slot: u16,
-        nonce: &str,
-        clock: i64,
-        limits: &[Limit],
-        result: &CheckResult,
-    ) -> Result<(), LimiterError> {
-        let mut invocation = self.scripts.refund.prepare_invoke();
-        invocation.arg(nonce).arg(clock).arg(&self.clock_key);
-        for (place, (limit, status)) in limits.iter().zip(&result.limits).enumerate() {
-            if !status.allowed {
-                continue; // a shadow limit that did not fit was not charged
-            }
-            invocation
-                .key(keys::limit_key(
-                    &self.prefix,
-                    &keys::subject_tag(limit.subject.as_deref().unwrap_or_default()),
-                    limit,
-                ))
-                .arg(limit.algorithm.short_name())
-                .arg(status.limit)
-                .arg(limit.window_ms)
-                .arg(limit.cost)
-                .arg(calendar_arg(limit))
-                .arg(place + 1);
-        }
-        self.run(slot, &invocation).await.map(drop)
     }
 
     /// Decides a batch of checks, answers in order. Each check is decided
@@ -719,41 +468,6 @@ impl Limiter {
             Err(_) => Err(LimiterError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(e.into()),
             Ok(Ok(_)) => Ok(()),
-        }
-    }
-}
-
-/// Where an admitted check's limits were charged (a reservation's
-/// receipt): the run's clock and nonce, each limit's place in the run.
-/// None for a denied check (it charged nothing).
-fn receipts(result: &CheckResult, clock: i64, nonce: &str) -> Option<Vec<Receipt>> {
-    result.allowed.then(|| {
-        (1..=result.limits.len())
-            .map(|place| Receipt {
-                clock_us: clock.max(0) as u64,
-                nonce: nonce.to_string(),
-                place: place as u32,
-            })
-            .collect()
-    })
-}
-
-/// A live override as stored in Redis.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Override {
-    pub requests: u64,
-    /// Unix milliseconds; none: until deleted.
-    pub expires_at_ms: Option<u64>,
-}
-
-impl Override {
-    fn from_reply(values: &[i64]) -> Option<Override> {
-        match values {
-            [requests, expiry] => Some(Override {
-                requests: (*requests).max(0) as u64,
-                expires_at_ms: (*expiry >= 0).then_some(*expiry as u64),
-            }),
-            _ => None,
         }
     }
 }

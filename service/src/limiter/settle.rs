@@ -1,0 +1,100 @@
+//! Reservations' receipts and their settlements (token budgets): the
+//! difference between reserved and used units, charged or given back where
+//! the reservation was charged.
+
+use meshlimit_protocol::{CheckResult, Limit, Receipt, Settlement};
+
+use super::{calendar_arg, Limiter, LimiterError};
+use crate::keys;
+
+impl Limiter {
+    /// Applies a settlement (see [`meshlimit_protocol::Settlement`]): one
+    /// run per Cluster slot of its limits (one run off a Cluster). Returns
+    /// what each limit has left.
+    pub async fn settle(&self, settlement: &Settlement) -> Result<Vec<u64>, LimiterError> {
+        let n = settlement.limits.len();
+        if settlement.actual.len() != n || settlement.receipts.len() != n {
+            return Err(LimiterError::Reply(
+                "a settlement needs one actual and one receipt per limit".into(),
+            ));
+        }
+        fn subject_of<'a>(l: &'a Limit, s: &'a Settlement) -> &'a str {
+            l.subject.as_deref().unwrap_or(&s.subject)
+        }
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, limit) in settlement.limits.iter().enumerate() {
+            let slot = if self.backend.is_cluster() {
+                keys::tag_slot(&keys::subject_tag(subject_of(limit, settlement)))
+            } else {
+                0
+            };
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
+            let mut invocation = self.scripts.settle.prepare_invoke();
+            invocation.arg(&self.clock_key);
+            for &i in members {
+                let (Some(limit), Some(actual), Some(receipt)) = (
+                    settlement.limits.get(i),
+                    settlement.actual.get(i),
+                    settlement.receipts.get(i),
+                ) else {
+                    continue;
+                };
+                invocation
+                    .key(keys::limit_key(
+                        &self.prefix,
+                        &keys::subject_tag(subject_of(limit, settlement)),
+                        limit,
+                    ))
+                    .arg(limit.algorithm.short_name())
+                    .arg(limit.requests)
+                    .arg(limit.window_ms)
+                    .arg(limit.cost)
+                    .arg(*actual)
+                    .arg(limit.capacity())
+                    .arg(calendar_arg(limit))
+                    .arg(receipt.clock_us)
+                    .arg(&receipt.nonce)
+                    .arg(receipt.place);
+            }
+            async move { self.run(*slot, &invocation).await }
+        }))
+        .await;
+        let mut remaining = vec![0u64; n];
+        for (run, (_, members)) in runs.into_iter().zip(&groups) {
+            let values = run?;
+            if values.len() != members.len() {
+                return Err(LimiterError::Reply(format!(
+                    "{} values, expected {}",
+                    values.len(),
+                    members.len()
+                )));
+            }
+            for (&i, v) in members.iter().zip(values) {
+                if let Some(slot) = remaining.get_mut(i) {
+                    *slot = v.max(0) as u64;
+                }
+            }
+        }
+        Ok(remaining)
+    }
+}
+
+/// Where an admitted check's limits were charged (a reservation's
+/// receipt): the run's clock and nonce, each limit's place in the run.
+/// None for a denied check (it charged nothing).
+pub(super) fn receipts(result: &CheckResult, clock: i64, nonce: &str) -> Option<Vec<Receipt>> {
+    result.allowed.then(|| {
+        (1..=result.limits.len())
+            .map(|place| Receipt {
+                clock_us: clock.max(0) as u64,
+                nonce: nonce.to_string(),
+                place: place as u32,
+            })
+            .collect()
+    })
+}

@@ -1,0 +1,148 @@
+//! Checks whose limits live in several Redis Cluster slots: decided one
+//! slot at a time, and refunded when another slot denies (see
+//! `docs/design-notes.md`, "Subjects per limit").
+
+use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus, Receipt};
+
+use super::{calendar_arg, parse_reply, receipts, Limiter, LimiterError};
+use crate::keys;
+
+impl Limiter {
+    /// A check whose limits live in different Cluster slots (a route cap
+    /// `by: []` and a per-client limit, say) cannot be one script run. Each
+    /// slot's limits are decided by their own run, all at once; if any run
+    /// denies, the runs that charged are refunded, so a denied request
+    /// still charges nothing. What is lost is only the atomicity between
+    /// the slots: for the time of one round trip, a request that is then
+    /// denied holds units of the other slots' counters, which can make a
+    /// concurrent request on those counters be denied (never admitted over
+    /// the limit). On one Redis or behind Sentinel every check is one run.
+    pub(super) async fn check_across_slots(
+        &self,
+        check: &Check,
+    ) -> Result<CheckResult, LimiterError> {
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, limit) in check.limits.iter().enumerate() {
+            let slot = keys::tag_slot(&keys::subject_tag(limit.subject_in(check)));
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
+            // Each limit carries its own subject from here on (the refund
+            // needs it without the check).
+            let limits: Vec<Limit> = members
+                .iter()
+                .filter_map(|&i| check.limits.get(i))
+                .map(|limit| Limit {
+                    subject: Some(limit.subject_in(check).to_string()),
+                    ..limit.clone()
+                })
+                .collect();
+            async move {
+                let nonce = self.next_nonce();
+                let mut invocation = self.scripts.charge.prepare_invoke();
+                invocation
+                    .arg(&nonce)
+                    .arg(u8::from(self.overrides))
+                    .arg(&self.clock_key);
+                self.add_limits(&mut invocation, check, &limits);
+                let values = self.run(*slot, &invocation).await?;
+                let (clock, reply) = values
+                    .split_last()
+                    .ok_or_else(|| LimiterError::Reply("empty reply".into()))?;
+                let part = Check {
+                    subject: check.subject.clone(),
+                    limits: limits.clone(),
+                    receipt: check.receipt,
+                };
+                let mut result = parse_reply(&part, reply)?;
+                if check.receipt {
+                    result.receipts = receipts(&result, *clock, &nonce);
+                }
+                Ok::<_, LimiterError>((nonce, *clock, limits, result))
+            }
+        }))
+        .await;
+        let allowed = runs
+            .iter()
+            .all(|r| matches!(r, Ok((_, _, _, result)) if result.allowed));
+        if !allowed {
+            // Give back what the runs that admitted charged.
+            let refunds = runs.iter().zip(&groups).filter_map(|(run, (slot, _))| {
+                let (nonce, clock, limits, result) = run.as_ref().ok()?;
+                result
+                    .allowed
+                    .then(|| self.refund(*slot, nonce, *clock, limits, result))
+            });
+            for refund in futures_util::future::join_all(refunds).await {
+                if let Err(e) = refund {
+                    tracing::warn!(error = %e, "could not refund a check denied in another slot");
+                }
+            }
+        }
+        let mut statuses: Vec<Option<LimitStatus>> = vec![None; check.limits.len()];
+        let mut receipts_of: Vec<Option<Receipt>> = vec![None; check.limits.len()];
+        for (run, (_, members)) in runs.into_iter().zip(&groups) {
+            let (_, _, limits, result) = run?;
+            for (&i, receipt) in members.iter().zip(result.receipts.into_iter().flatten()) {
+                if let Some(slot) = receipts_of.get_mut(i) {
+                    *slot = Some(receipt);
+                }
+            }
+            for ((&i, mut status), limit) in members.iter().zip(result.limits).zip(&limits) {
+                if !allowed && result.allowed && status.allowed {
+                    // Refunded: what remains is as before the charge.
+                    status.remaining = (status.remaining + limit.cost).min(status.limit);
+                }
+                if let Some(slot) = statuses.get_mut(i) {
+                    *slot = Some(status);
+                }
+            }
+        }
+        let limits = statuses.into_iter().flatten().collect::<Vec<_>>();
+        if limits.len() != check.limits.len() {
+            return Err(LimiterError::Reply("a limit was not decided".into()));
+        }
+        let receipts = (check.receipt && allowed)
+            .then(|| receipts_of.into_iter().collect::<Option<Vec<_>>>())
+            .flatten();
+        Ok(CheckResult {
+            allowed,
+            limits,
+            receipts,
+        })
+    }
+
+    /// Undoes the charge of one [`Limiter::check_across_slots`] run.
+    async fn refund(
+        &self,
+        slot: u16,
+        nonce: &str,
+        clock: i64,
+        limits: &[Limit],
+        result: &CheckResult,
+    ) -> Result<(), LimiterError> {
+        let mut invocation = self.scripts.refund.prepare_invoke();
+        invocation.arg(nonce).arg(clock).arg(&self.clock_key);
+        for (place, (limit, status)) in limits.iter().zip(&result.limits).enumerate() {
+            if !status.allowed {
+                continue; // a shadow limit that did not fit was not charged
+            }
+            invocation
+                .key(keys::limit_key(
+                    &self.prefix,
+                    &keys::subject_tag(limit.subject.as_deref().unwrap_or_default()),
+                    limit,
+                ))
+                .arg(limit.algorithm.short_name())
+                .arg(status.limit)
+                .arg(limit.window_ms)
+                .arg(limit.cost)
+                .arg(calendar_arg(limit))
+                .arg(place + 1);
+        }
+        self.run(slot, &invocation).await.map(drop)
+    }
+}
