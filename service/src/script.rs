@@ -49,7 +49,8 @@
 //!       limit: algorithm, requests, window_ms, cost, burst, shadow (0/1),
 //!       calendar ('' or `month:120`).
 //! Returns: allowed, then per limit: fits, remaining, reset_after_ms,
-//!          retry_after_ms, limit (after any override).
+//!          retry_after_ms, limit (after any override); then the run's
+//!          clock (microseconds), a reservation's receipt with the nonce.
 
 /// Arguments per limit after the fixed ones (`ARGS_PER_LIMIT` in
 /// `decide.lua`).
@@ -57,8 +58,6 @@ pub const ARGS_PER_LIMIT: usize = 7;
 /// Values per limit in the reply after the overall decision
 /// (`REPLY_PER_LIMIT` in `decide.lua`).
 pub const REPLY_PER_LIMIT: usize = 5;
-/// Arguments per limit of [`REFUND`] (`REFUND_ARGS` in `refund.lua`).
-pub const REFUND_ARGS: usize = 6;
 /// Arguments per limit of [`SETTLE`] (`SETTLE_ARGS` in `settle.lua`).
 pub const SETTLE_ARGS: usize = 10;
 
@@ -81,23 +80,11 @@ pub const CHECK_MANY: &str = concat!(
     include_str!("lua/check_many.lua")
 );
 
-/// One check whose limits live in several Cluster slots: [`CHECK`] for
-/// one slot's limits, its reply followed by the run's clock (for a refund).
-pub const CHARGE: &str = concat!(
-    include_str!("lua/decide.lua"),
-    include_str!("lua/charge.lua")
-);
-
-/// Gives back what a [`CHARGE`] run charged, when another slot denied the
-/// same check.
-pub const REFUND: &str = concat!(
-    include_str!("lua/decide.lua"),
-    include_str!("lua/refund.lua")
-);
-
 /// Settles reservations: charges or gives back the difference between
 /// the units reserved and used, in the counters and windows the
-/// reservations were charged to (token budgets).
+/// reservations were charged to (token budgets). A refund is a settlement
+/// at 0 units used: what a check spread over Cluster slots uses when one
+/// slot denies.
 pub const SETTLE: &str = concat!(
     include_str!("lua/decide.lua"),
     include_str!("lua/settle.lua")
@@ -117,8 +104,6 @@ mod tests {
         assert!(lua.contains(&format!("local REPLY_PER_LIMIT = {REPLY_PER_LIMIT}\n")));
         // No stray literal stride left behind.
         assert!(!CHECK_MANY.contains("* 7") && !CHECK.contains("* 7"));
-        let refund = include_str!("lua/refund.lua");
-        assert!(refund.contains(&format!("local REFUND_ARGS = {REFUND_ARGS}\n")));
         let settle = include_str!("lua/settle.lua");
         assert!(settle.contains(&format!("local SETTLE_ARGS = {SETTLE_ARGS}\n")));
     }

@@ -76,10 +76,8 @@ struct Scripts {
     check: Script,
     /// Several checks per run (see [`Limiter::check_batch`]).
     many: Script,
-    /// A check spread over several Cluster slots, one slot at a time
-    /// (see [`Limiter::check_across_slots`]), and its refund.
-    charge: Script,
-    refund: Script,
+    /// Reservations settled, and refunds of checks spread over several
+    /// Cluster slots (see [`Limiter::settle`]).
     settle: Script,
     overrides: Script,
 }
@@ -157,8 +155,6 @@ impl Limiter {
             scripts: Arc::new(Scripts {
                 check: Script::new(script::CHECK),
                 many: Script::new(script::CHECK_MANY),
-                charge: Script::new(script::CHARGE),
-                refund: Script::new(script::REFUND),
                 settle: Script::new(script::SETTLE),
                 overrides: Script::new(script::OVERRIDE),
             }),
@@ -193,34 +189,21 @@ impl Limiter {
         Ok(self)
     }
 
-    /// Whether this limiter reads live overrides.
-    pub fn overrides(&self) -> bool {
-        self.overrides
-    }
-
     /// Decides one check atomically (all of its limits or none).
     pub async fn check(&self, check: &Check) -> Result<CheckResult, LimiterError> {
         let Some(slot) = self.slot_of(check) else {
             return self.check_across_slots(check).await;
         };
-        if check.receipt {
-            // The charge script also returns its clock, for the receipt.
-            let mut invocation = self.scripts.charge.prepare_invoke();
-            let nonce = self.add_fixed_args(&mut invocation);
-            self.add_limits(&mut invocation, check, &check.limits);
-            let values = self.run(slot, &invocation).await?;
-            let (clock, reply) = values
-                .split_last()
-                .ok_or_else(|| LimiterError::Reply("empty reply".into()))?;
-            let mut result = parse_reply(check, reply)?;
-            result.receipts = receipts(&result, *clock, &nonce);
-            return Ok(result);
-        }
         let mut invocation = self.scripts.check.prepare_invoke();
-        self.add_fixed_args(&mut invocation);
+        let nonce = self.add_fixed_args(&mut invocation);
         self.add_limits(&mut invocation, check, &check.limits);
         let values = self.run(slot, &invocation).await?;
-        parse_reply(check, &values)
+        let (clock, reply) = split_clock(&values)?;
+        let mut result = parse_reply(check, reply)?;
+        if check.receipt {
+            result.receipts = receipts(&result, clock, &nonce);
+        }
+        Ok(result)
     }
 
     /// Decides a batch of checks, answers in order. Each check is decided
@@ -308,16 +291,14 @@ impl Limiter {
             .and_then(|c| self.slot_of(c))
             .unwrap_or_default();
         let values = self.run(slot, &invocation).await?;
-        let (clock, mut rest) = values
-            .split_last()
-            .ok_or_else(|| LimiterError::Reply("empty reply".into()))?;
+        let (clock, mut rest) = split_clock(&values)?;
         let mut results = Vec::with_capacity(checks.len());
         for (c, check) in checks.iter().enumerate() {
             let n = (1 + script::REPLY_PER_LIMIT * check.limits.len()).min(rest.len());
             let (mine, after) = rest.split_at(n);
             let mut result = parse_reply(check, mine)?;
             if check.receipt {
-                result.receipts = receipts(&result, *clock, &format!("{nonce}.{}", c + 1));
+                result.receipts = receipts(&result, clock, &format!("{nonce}.{}", c + 1));
             }
             results.push(result);
             rest = after;
@@ -470,6 +451,14 @@ impl Limiter {
             Ok(Ok(_)) => Ok(()),
         }
     }
+}
+
+/// A check script's reply: the run's clock (its last value) and the rest.
+fn split_clock(values: &[i64]) -> Result<(i64, &[i64]), LimiterError> {
+    values
+        .split_last()
+        .map(|(clock, rest)| (*clock, rest))
+        .ok_or_else(|| LimiterError::Reply("empty reply".into()))
 }
 
 /// A limit's calendar as the scripts take it: `month:120`, or "".

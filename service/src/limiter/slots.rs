@@ -2,9 +2,9 @@
 //! slot at a time, and refunded when another slot denies (see
 //! `docs/design-notes.md`, "Subjects per limit").
 
-use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus, Receipt};
+use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus, Receipt, Settlement};
 
-use super::{calendar_arg, parse_reply, receipts, Limiter, LimiterError};
+use super::{parse_reply, receipts, split_clock, Limiter, LimiterError};
 use crate::keys;
 
 impl Limiter {
@@ -41,17 +41,11 @@ impl Limiter {
                 })
                 .collect();
             async move {
-                let nonce = self.next_nonce();
-                let mut invocation = self.scripts.charge.prepare_invoke();
-                invocation
-                    .arg(&nonce)
-                    .arg(u8::from(self.overrides))
-                    .arg(&self.clock_key);
+                let mut invocation = self.scripts.check.prepare_invoke();
+                let nonce = self.add_fixed_args(&mut invocation);
                 self.add_limits(&mut invocation, check, &limits);
                 let values = self.run(*slot, &invocation).await?;
-                let (clock, reply) = values
-                    .split_last()
-                    .ok_or_else(|| LimiterError::Reply("empty reply".into()))?;
+                let (clock, reply) = split_clock(&values)?;
                 let part = Check {
                     subject: check.subject.clone(),
                     limits: limits.clone(),
@@ -59,9 +53,9 @@ impl Limiter {
                 };
                 let mut result = parse_reply(&part, reply)?;
                 if check.receipt {
-                    result.receipts = receipts(&result, *clock, &nonce);
+                    result.receipts = receipts(&result, clock, &nonce);
                 }
-                Ok::<_, LimiterError>((nonce, *clock, limits, result))
+                Ok::<_, LimiterError>((nonce, clock, limits, result))
             }
         }))
         .await;
@@ -70,11 +64,11 @@ impl Limiter {
             .all(|r| matches!(r, Ok((_, _, _, result)) if result.allowed));
         if !allowed {
             // Give back what the runs that admitted charged.
-            let refunds = runs.iter().zip(&groups).filter_map(|(run, (slot, _))| {
+            let refunds = runs.iter().filter_map(|run| {
                 let (nonce, clock, limits, result) = run.as_ref().ok()?;
                 result
                     .allowed
-                    .then(|| self.refund(*slot, nonce, *clock, limits, result))
+                    .then(|| self.refund(nonce, *clock, limits, result))
             });
             for refund in futures_util::future::join_all(refunds).await {
                 if let Err(e) = refund {
@@ -115,34 +109,37 @@ impl Limiter {
         })
     }
 
-    /// Undoes the charge of one [`Limiter::check_across_slots`] run.
+    /// Undoes the charge of one [`Limiter::check_across_slots`] run: a
+    /// settlement of what it charged at 0 units used.
     async fn refund(
         &self,
-        slot: u16,
         nonce: &str,
         clock: i64,
         limits: &[Limit],
         result: &CheckResult,
     ) -> Result<(), LimiterError> {
-        let mut invocation = self.scripts.refund.prepare_invoke();
-        invocation.arg(nonce).arg(clock).arg(&self.clock_key);
+        let mut refund = Settlement {
+            subject: String::new(),
+            limits: Vec::new(),
+            actual: Vec::new(),
+            receipts: Vec::new(),
+        };
         for (place, (limit, status)) in limits.iter().zip(&result.limits).enumerate() {
             if !status.allowed {
                 continue; // a shadow limit that did not fit was not charged
             }
-            invocation
-                .key(keys::limit_key(
-                    &self.prefix,
-                    &keys::subject_tag(limit.subject.as_deref().unwrap_or_default()),
-                    limit,
-                ))
-                .arg(limit.algorithm.short_name())
-                .arg(status.limit)
-                .arg(limit.window_ms)
-                .arg(limit.cost)
-                .arg(calendar_arg(limit))
-                .arg(place + 1);
+            // Settled against the limit the run applied (a live override).
+            refund.limits.push(Limit {
+                requests: status.limit,
+                ..limit.clone()
+            });
+            refund.actual.push(0);
+            refund.receipts.push(Receipt {
+                clock_us: clock.max(0) as u64,
+                nonce: nonce.to_string(),
+                place: place as u32 + 1,
+            });
         }
-        self.run(slot, &invocation).await.map(drop)
+        self.settle(&refund).await.map(drop)
     }
 }
