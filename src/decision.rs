@@ -57,12 +57,11 @@ pub enum Verdict {
 }
 
 pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> Plan {
-    let matched = rules::matching(&cfg.rules, &cfg.jwt, req, method, path);
+    let normalised = rules::request_path(path);
+    let matched = rules::matching_path(&cfg.rules, &cfg.jwt, req, method, &normalised);
     if matched.is_empty() {
         return Plan::Pass { skipped: 0 };
     }
-    let bare_path = path.split(['?', '#']).next().unwrap_or(path);
-    let normalised = rules::normalize(bare_path);
     let facts = Facts::new(cfg, req, method, path, &normalised);
     let (mut local, mut global) = (Vec::new(), Vec::new());
     let mut skipped = 0;

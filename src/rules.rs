@@ -6,6 +6,7 @@ use crate::host::{HeaderValue, RequestView};
 /// Rules whose every condition `req` meets (query string ignored, the path
 /// [normalised](normalize), the host without its port), in config order. A
 /// request may match several; every limit of each applies.
+#[cfg(test)]
 pub fn matching<'a>(
     rules: &'a [Rule],
     jwt: &JwtSource,
@@ -13,12 +14,27 @@ pub fn matching<'a>(
     method: &str,
     path: &str,
 ) -> Vec<&'a Rule> {
-    let path = path.split(['?', '#']).next().unwrap_or(path);
-    let path = normalize(path);
+    matching_path(rules, jwt, req, method, &request_path(path))
+}
+
+/// The path rules match and limits count by: without query or fragment,
+/// [normalised](normalize).
+pub fn request_path(path: &str) -> std::borrow::Cow<'_, str> {
+    normalize(path.split(['?', '#']).next().unwrap_or(path))
+}
+
+/// [`matching`] for a path already made a [`request_path`].
+pub fn matching_path<'a>(
+    rules: &'a [Rule],
+    jwt: &JwtSource,
+    req: &impl RequestView,
+    method: &str,
+    path: &str,
+) -> Vec<&'a Rule> {
     let mut host: Option<String> = None;
     rules
         .iter()
-        .filter(|r| path_matches(&r.matcher, &path))
+        .filter(|r| path_matches(&r.matcher, path))
         .filter(|r| r.matcher.methods.is_empty() || r.matcher.methods.iter().any(|m| m == method))
         .filter(|r| {
             r.matcher.hosts.is_empty() || {

@@ -223,7 +223,7 @@ mod tests {
 
     fn subject(by: &str, req: &FakeRequest, path: &str) -> Result<Subject, Missing> {
         let cfg = config(by);
-        let normalised = crate::rules::normalize(path.split('?').next().unwrap()).into_owned();
+        let normalised = crate::rules::request_path(path).into_owned();
         let facts = Facts::new(&cfg, req, "GET", path, &normalised);
         facts.subject_for(&cfg.rules[0].limits[0])
     }
