@@ -23,7 +23,6 @@ pub(crate) fn limit(qualified_name: &str, requests: u64, window_ms: u64) -> Limi
         window_ms,
         algorithm: Algorithm::FixedWindow,
         burst: None,
-        fallback_requests: requests,
         by: vec![crate::config::Attribute::Client],
         missing: crate::config::MissingAttribute::Skip,
         overrides: Vec::new(),

@@ -255,9 +255,6 @@ pub struct LimitConfig {
     pub algorithm: Algorithm,
     /// `token_bucket` only: units that may be spent at once.
     pub burst: Option<u64>,
-    /// This Envoy's share of the limit while it decides alone (a fallback):
-    /// `requests * fallback_share`, rounded up, at least 1.
-    pub fallback_requests: u64,
     /// What the counter's subject is made of; `[Client]` by default, `[]`
     /// for one counter for everyone the rule matches.
     pub by: Vec<Attribute>,
@@ -266,16 +263,25 @@ pub struct LimitConfig {
     /// `fixed_window` only: calendar-aligned windows (`window_ms` is then
     /// the unit's longest window).
     pub calendar: Option<meshlimit_protocol::Calendar>,
-    /// The fallback share in parts per million (for overridden limits).
+    /// The rule's `fallback_share` in parts per million (see
+    /// [`LimitConfig::fallback_requests`]).
     pub share_ppm: u64,
 }
 
 impl LimitConfig {
+    /// This Envoy's share of the limit while it decides alone (a fallback):
+    /// `requests * fallback_share`, rounded up, from 1 to `requests`.
+    pub fn fallback_requests(&self) -> u64 {
+        (((self.requests as u128 * u128::from(self.share_ppm)) as f64 / 1_000_000.0).ceil() as u64)
+            .clamp(1, self.requests.max(1))
+    }
+
     /// The limit as enforced by one Envoy during a fallback.
     pub fn for_fallback(&self) -> LimitConfig {
-        let share = self.fallback_requests as f64 / self.requests.max(1) as f64;
+        let fallback_requests = self.fallback_requests();
+        let share = fallback_requests as f64 / self.requests.max(1) as f64;
         LimitConfig {
-            requests: self.fallback_requests,
+            requests: fallback_requests,
             burst: self
                 .burst
                 .map(|b| ((b as f64 * share).ceil() as u64).max(1)),
@@ -301,21 +307,14 @@ impl LimitConfig {
             .map(|o| o.requests)
     }
 
-    /// The same limit with `requests` replaced (a static override); the
+    /// The same limit with `requests` replaced (a static override); its
     /// fallback share and a burst that was the default follow.
     pub fn with_requests(&self, requests: u64) -> LimitConfig {
         LimitConfig {
             requests,
-            fallback_requests: fallback_requests(requests, self.share_ppm),
             ..self.clone()
         }
     }
-}
-
-/// `requests * share`, rounded up, from 1 to `requests`.
-pub(crate) fn fallback_requests(requests: u64, share_ppm: u64) -> u64 {
-    (((requests as u128 * u128::from(share_ppm)) as f64 / 1_000_000.0).ceil() as u64)
-        .clamp(1, requests)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

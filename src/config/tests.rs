@@ -294,14 +294,15 @@ fn fallback_share_comes_from_the_rule_or_the_replica_count() {
               {"name":"c","scope":"local","limits":[{"name":"m","requests":3,"window":"1s"}]}]}"#,
         )
         .unwrap();
-    assert_eq!(c.rules[0].limits[0].fallback_requests, 5);
-    assert_eq!(c.rules[1].limits[0].fallback_requests, 11);
+    assert_eq!(c.rules[0].limits[0].fallback_requests(), 5);
+    assert_eq!(c.rules[1].limits[0].fallback_requests(), 11);
     assert_eq!(c.rules[1].limits[0].for_fallback().burst, Some(5));
     assert_eq!(c.rules[2].scope, Scope::Local);
     assert_eq!(c.rules[0].scope, Scope::Global);
     let minimal = parse_str(MINIMAL).unwrap();
     assert_eq!(
-        minimal.rules[0].limits[0].fallback_requests, 100,
+        minimal.rules[0].limits[0].fallback_requests(),
+        100,
         "default share is 1"
     );
     rejects(
@@ -670,7 +671,7 @@ fn static_overrides_are_checked_like_the_limit() {
     assert_eq!(l.override_for("hdr:x-api-key:b", Some("b")), Some(500));
     assert_eq!(l.override_for("hdr:x-api-key:c", Some("c")), None);
     let raised = l.with_requests(500);
-    assert_eq!((raised.requests, raised.fallback_requests), (500, 500));
+    assert_eq!((raised.requests, raised.fallback_requests()), (500, 500));
     rejects(
         &with_limit(r#","window":"1m","overrides":[{"subjects":["a"],"requests":0}]"#),
         "rules[0].limits[0].overrides[0].requests",
