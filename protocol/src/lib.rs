@@ -148,7 +148,13 @@ impl Limit {
 
     /// The subject whose counter this limit spends in `check`.
     pub fn subject_in<'a>(&'a self, check: &'a Check) -> &'a str {
-        self.subject.as_deref().unwrap_or(&check.subject)
+        self.subject_or(&check.subject)
+    }
+
+    /// The limit's own subject, or `default` (the subject of the check or
+    /// settlement it belongs to).
+    pub fn subject_or<'a>(&'a self, default: &'a str) -> &'a str {
+        self.subject.as_deref().unwrap_or(default)
     }
 }
 

@@ -14,7 +14,7 @@ use axum::{Json, Router};
 use meshlimit_protocol::bounds::{self, LimitField};
 use meshlimit_protocol::{
     Check, CheckFailure, CheckOutcome, CheckRequest, CheckResponse, CheckResult, ErrorBody,
-    FailureKind, SettleOutcome, Settlement, CHECK_PATH, TIMEOUT_HEADER,
+    FailureKind, Limit, SettleOutcome, Settlement, CHECK_PATH, TIMEOUT_HEADER,
 };
 use std::time::Duration;
 use tracing::{debug, warn};
@@ -427,12 +427,7 @@ fn validate_batch(request: &CheckRequest) -> Result<(), String> {
 /// What makes one settlement applicable; `i` is its place in the call.
 fn validate_settlement(i: usize, s: &Settlement) -> Result<(), String> {
     let at = format!("settlements[{i}]");
-    let as_check = Check {
-        subject: s.subject.clone(),
-        limits: s.limits.clone(),
-        receipt: false,
-    };
-    validate_check(i, &as_check).map_err(|e| e.replacen(&format!("checks[{i}]"), &at, 1))?;
+    validate_limits(&at, &s.subject, &s.limits)?;
     if s.actual.len() != s.limits.len() || s.receipts.len() != s.limits.len() {
         return Err(format!(
             "{at}: one `actual` and one `receipts` entry per limit"
@@ -458,21 +453,25 @@ fn validate_settlement(i: usize, s: &Settlement) -> Result<(), String> {
 
 /// What makes one check decidable; `i` is its place in the call.
 fn validate_check(i: usize, check: &Check) -> Result<(), String> {
-    if check.subject.is_empty() {
-        return Err(format!("checks[{i}].subject: must not be empty"));
+    validate_limits(&format!("checks[{i}]"), &check.subject, &check.limits)
+}
+
+/// A subject and its limits, of the check or settlement at `at`.
+fn validate_limits(at: &str, subject: &str, limits: &[Limit]) -> Result<(), String> {
+    if subject.is_empty() {
+        return Err(format!("{at}.subject: must not be empty"));
     }
-    if check.subject.len() > MAX_SUBJECT_BYTES {
+    if subject.len() > MAX_SUBJECT_BYTES {
+        return Err(format!("{at}.subject: at most {MAX_SUBJECT_BYTES} bytes"));
+    }
+    if limits.is_empty() || limits.len() > MAX_LIMITS_PER_CHECK {
         return Err(format!(
-            "checks[{i}].subject: at most {MAX_SUBJECT_BYTES} bytes"
+            "{at}.limits: must hold 1 to {MAX_LIMITS_PER_CHECK} limits"
         ));
     }
-    if check.limits.is_empty() || check.limits.len() > MAX_LIMITS_PER_CHECK {
-        return Err(format!(
-            "checks[{i}].limits: must hold 1 to {MAX_LIMITS_PER_CHECK} limits"
-        ));
-    }
-    for (j, limit) in check.limits.iter().enumerate() {
-        let at = format!("checks[{i}].limits[{j}]");
+    let outer = at;
+    for (j, limit) in limits.iter().enumerate() {
+        let at = format!("{outer}.limits[{j}]");
         if !bounds::is_limit_name(&limit.name) {
             return Err(format!(
                 "{at}.name: 1 to {} of letters, digits, '-', '_', '.', '/'",

@@ -477,10 +477,7 @@ fn instance_id() -> u64 {
 /// Why `limit` can never admit a request of its cost, if it cannot;
 /// `effective` is its number of requests after any live override.
 fn impossible(limit: &Limit, effective: u64) -> Option<String> {
-    let capacity = match limit.burst {
-        Some(burst) if limit.algorithm == meshlimit_protocol::Algorithm::TokenBucket => burst,
-        _ => effective,
-    };
+    let capacity = meshlimit_protocol::bounds::capacity(limit.algorithm, effective, limit.burst);
     (limit.cost > capacity).then(|| {
         format!(
             "cost {} exceeds the capacity {capacity} of limit {}",

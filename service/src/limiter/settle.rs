@@ -2,7 +2,7 @@
 //! difference between reserved and used units, charged or given back where
 //! the reservation was charged.
 
-use meshlimit_protocol::{CheckResult, Limit, Receipt, Settlement};
+use meshlimit_protocol::{CheckResult, Receipt, Settlement};
 
 use super::{calendar_arg, Limiter, LimiterError};
 use crate::keys;
@@ -18,13 +18,10 @@ impl Limiter {
                 "a settlement needs one actual and one receipt per limit".into(),
             ));
         }
-        fn subject_of<'a>(l: &'a Limit, s: &'a Settlement) -> &'a str {
-            l.subject.as_deref().unwrap_or(&s.subject)
-        }
         let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
         for (i, limit) in settlement.limits.iter().enumerate() {
             let slot = if self.backend.is_cluster() {
-                keys::tag_slot(&keys::subject_tag(subject_of(limit, settlement)))
+                keys::tag_slot(&keys::subject_tag(limit.subject_or(&settlement.subject)))
             } else {
                 0
             };
@@ -47,7 +44,7 @@ impl Limiter {
                 invocation
                     .key(keys::limit_key(
                         &self.prefix,
-                        &keys::subject_tag(subject_of(limit, settlement)),
+                        &keys::subject_tag(limit.subject_or(&settlement.subject)),
                         limit,
                     ))
                     .arg(limit.algorithm.short_name())
