@@ -95,7 +95,7 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
                     return Plan::Reject(plain(403, body), RejectReason::MissingAttribute);
                 }
             };
-            let limit = match limit.override_for(&subject.encoded, subject.plain.as_deref()) {
+            let limit = match limit.override_for(&subject.encoded, subject.plain()) {
                 Some(requests) => Rc::new(limit.with_requests(requests)),
                 None => limit.clone(),
             };

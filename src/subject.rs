@@ -33,9 +33,17 @@ pub const EVERYONE: &str = "*";
 pub struct Subject {
     /// As keys and overrides spell it.
     pub encoded: String,
-    /// The bare value of a one-attribute `by` (`acme` for
+    /// Where the bare value of a one-attribute `by` starts in `encoded`
+    /// (no copy per request: only static overrides read it).
+    bare_at: Option<usize>,
+}
+
+impl Subject {
+    /// The bare value of a one-attribute `by` sent as text (`acme` for
     /// `hdr:x-tenant:acme`), which static overrides may name instead.
-    pub plain: Option<String>,
+    pub fn plain(&self) -> Option<&str> {
+        self.bare_at.and_then(|i| self.encoded.get(i..))
+    }
 }
 
 /// Why a limit has no subject for a request.
@@ -96,14 +104,11 @@ impl<'r, R: RequestView> Facts<'r, R> {
         match limit.by.as_slice() {
             [] => Ok(Subject {
                 encoded: EVERYONE.to_string(),
-                plain: None,
+                bare_at: None,
             }),
             [one] => {
-                let (encoded, plain) = self.part(one)?;
-                Ok(Subject {
-                    encoded,
-                    plain: Some(plain),
-                })
+                let (encoded, bare_at) = self.part(one)?;
+                Ok(Subject { encoded, bare_at })
             }
             many => {
                 let mut joined = String::new();
@@ -125,25 +130,31 @@ impl<'r, R: RequestView> Facts<'r, R> {
                 }
                 Ok(Subject {
                     encoded: joined,
-                    plain: None,
+                    bare_at: None,
                 })
             }
         }
     }
 
-    /// One attribute as a tagged part, and its bare value.
-    fn part(&self, attribute: &Attribute) -> Result<(String, String), Missing> {
+    /// One attribute as a tagged part, and where its bare value starts
+    /// in it (when the value is spelled as it came, not hex or a digest).
+    fn part(&self, attribute: &Attribute) -> Result<(String, Option<usize>), Missing> {
         let missing = || Missing::Attribute(attribute.clone());
         let tagged = |kind: &str, name: Option<&str>, value: &[u8]| {
             if value.is_empty() {
                 return Err(missing());
             }
-            let plain = String::from_utf8_lossy(value).into_owned();
-            Ok((client_id::tagged(kind, name, value), plain))
+            let part = client_id::tagged(kind, name, value);
+            let bare_at = part.len().checked_sub(value.len());
+            let as_sent = bare_at.is_some_and(|i| part.as_bytes().get(i..) == Some(value));
+            Ok((part, bare_at.filter(|_| as_sent)))
         };
         match attribute {
             Attribute::Client => match self.client() {
-                Identity::Subject(s) => Ok((s.clone(), client_id::bare_value(s).to_string())),
+                Identity::Subject(s) => {
+                    let bare_at = s.len().saturating_sub(client_id::bare_value(s).len());
+                    Ok((s.clone(), Some(bare_at)))
+                }
                 Identity::Reject => Err(Missing::ClientId),
             },
             Attribute::Header(name) => match self.req.header(name) {
@@ -273,9 +284,9 @@ mod tests {
             "hdr:x-tenant:acme|path:/v1/items"
         );
         let s = subject(r#"["header:x-tenant"]"#, &req, p).unwrap();
-        assert_eq!(s.plain.as_deref(), Some("acme"));
+        assert_eq!(s.plain(), Some("acme"));
         let c = subject(r#"["client"]"#, &req, p).unwrap();
-        assert_eq!(c.plain.as_deref(), Some("k1"));
+        assert_eq!(c.plain(), Some("k1"));
     }
 
     #[test]
