@@ -287,6 +287,17 @@ fn a_calendar_month_resets_at_the_real_month_end() {
     assert_no_vm_panics(&t);
 }
 
+/// Redis and meshlimitd, with `plugin` for the replicas a test starts
+/// itself (with a listener or filters of its own).
+fn service_only(plugin: String) -> Topology {
+    Topology::start(TopologyOptions {
+        plugin_config: plugin,
+        replicas: 0,
+        front: false,
+        ..TopologyOptions::default()
+    })
+}
+
 /// Replica `i`'s usual config with its listener behind TLS: a server
 /// certificate from `pki`, client certificates asked for (not required, so
 /// that a caller without one reaches the filter) and checked against the CA.
@@ -363,12 +374,7 @@ fn peer_identity_counts_per_calling_workload() {
                          "missing": "reject"}]}
         ]))
         .build();
-    let t = Topology::start(TopologyOptions {
-        plugin_config: plugin,
-        replicas: 0,
-        front: false,
-        ..TopologyOptions::default()
-    });
+    let t = service_only(plugin);
     let pki = meshlimit_testbed::tls::Pki::new(t.dir.path());
     pki.issue("replica", &format!("subjectAltName=IP:{}", t.host));
     for sa in ["checkout", "cart"] {
@@ -485,12 +491,7 @@ fn a_verified_jwt_claim_keys_the_counter() {
             plan("api", json!({"name": "plan", "absent": true}), 3),
         ]))
         .build();
-    let t = Topology::start(TopologyOptions {
-        plugin_config: plugin,
-        replicas: 0,
-        front: false,
-        ..TopologyOptions::default()
-    });
+    let t = service_only(plugin);
     let jwt_filter = format!(
         r#"          http_filters:
           - name: envoy.filters.http.jwt_authn
