@@ -307,6 +307,19 @@ struct Target {
 /// ids per request, drawn by oha (one load generator, as for the others).
 const MANY_CLIENTS: &str = r"\?key=c[0-9]{3}";
 
+/// The replica of a meshlimit topology as a target, sent `headers` besides
+/// the client id.
+fn replica_target(name: &'static str, t: &Topology, headers: &'static [&'static str]) -> Target {
+    Target {
+        name,
+        url: format!("http://{}/", t.replica_addr(1)),
+        admin: t.replica_admin(1),
+        pid: t.replica_pids().first().copied().unwrap_or(0),
+        many_clients: false,
+        headers,
+    }
+}
+
 fn run(t: &Target, key: &str, rate: Option<u64>) -> Sample {
     // The many-clients run sends no id header: it would win over the
     // query parameter.
@@ -386,38 +399,14 @@ fn main() {
             many_clients: false,
             headers: &[],
         },
-        Target {
-            name: "3. meshlimit, global, one call per request",
-            url: format!("http://{}/", global.replica_addr(1)),
-            admin: global.replica_admin(1),
-            pid: global.replica_pids()[0],
-            many_clients: false,
-            headers: &[],
-        },
-        Target {
-            name: "4. meshlimit, over limit (deny cache)",
-            url: format!("http://{}/", deny.replica_addr(1)),
-            admin: deny.replica_admin(1),
-            pid: deny.replica_pids()[0],
-            many_clients: false,
-            headers: &[],
-        },
-        Target {
-            name: "5. meshlimit, Redis down, breaker open",
-            url: format!("http://{}/", down.replica_addr(1)),
-            admin: down.replica_admin(1),
-            pid: down.replica_pids()[0],
-            many_clients: false,
-            headers: &[],
-        },
-        Target {
-            name: "7. meshlimit, global, group commit, one hot client",
-            url: format!("http://{}/", grouped_hot.replica_addr(1)),
-            admin: grouped_hot.replica_admin(1),
-            pid: grouped_hot.replica_pids()[0],
-            many_clients: false,
-            headers: &[],
-        },
+        replica_target("3. meshlimit, global, one call per request", &global, &[]),
+        replica_target("4. meshlimit, over limit (deny cache)", &deny, &[]),
+        replica_target("5. meshlimit, Redis down, breaker open", &down, &[]),
+        replica_target(
+            "7. meshlimit, global, group commit, one hot client",
+            &grouped_hot,
+            &[],
+        ),
         Target {
             name: "8. meshlimit, global, group commit, 1000 clients",
             url: format!("http://{}/{MANY_CLIENTS}", grouped_many.replica_addr(1)),
@@ -426,27 +415,17 @@ fn main() {
             many_clients: true,
             headers: &[],
         },
-        Target {
-            name: "9. as 7, three rules with header conditions",
-            url: format!("http://{}/", policies.replica_addr(1)),
-            admin: policies.replica_admin(1),
-            pid: policies.replica_pids()[0],
-            many_clients: false,
-            headers: &["x-plan: pro", "x-tenant: acme"],
-        },
+        replica_target(
+            "9. as 7, three rules with header conditions",
+            &policies,
+            &["x-plan: pro", "x-tenant: acme"],
+        ),
     ];
     for (topology, name) in compared.iter().zip([
         "3'. as 3, with the compare build",
         "7'. as 7, with the compare build",
     ]) {
-        targets.push(Target {
-            name,
-            url: format!("http://{}/", topology.replica_addr(1)),
-            admin: topology.replica_admin(1),
-            pid: topology.replica_pids()[0],
-            many_clients: false,
-            headers: &[],
-        });
+        targets.push(replica_target(name, topology, &[]));
     }
     // The Envoy under test gets a core of its own, as a proxy's worker does
     // in production; its upstream, meshlimitd, Redis and the load generator
