@@ -128,6 +128,69 @@ fn sliding_counter(p: &Params, state: State, cost: u64, now_ms: u64, window: u64
     }
 }
 
+/// The state after a reservation of `reserved` units, charged at
+/// `charged_ms`, turned out to cost `actual`: the difference is taken from
+/// (or added to) what that charge wrote, as meshlimitd's `settle.lua`
+/// does. A window that has passed is left alone (its units are spent).
+pub fn settle(
+    p: &Params,
+    state: State,
+    reserved: u64,
+    actual: u64,
+    charged_ms: u64,
+    now_ms: u64,
+) -> State {
+    let window = p.window_ms.max(1);
+    let adjust = |count: u64| count.saturating_add(actual).saturating_sub(reserved);
+    match p.algorithm {
+        Algorithm::FixedWindow => {
+            let idx = match &p.calendar {
+                Some(calendar) => calendar.window(charged_ms).0,
+                None => charged_ms / window,
+            };
+            if state.a == idx {
+                State {
+                    b: adjust(state.b),
+                    ..state
+                }
+            } else {
+                state
+            }
+        }
+        Algorithm::SlidingWindowCounter | Algorithm::SlidingWindowLog => {
+            let idx = charged_ms / window;
+            if state.a == idx {
+                State {
+                    b: adjust(state.b),
+                    ..state
+                }
+            } else if state.a == idx + 1 {
+                State {
+                    c: adjust(state.c),
+                    ..state
+                }
+            } else {
+                state
+            }
+        }
+        Algorithm::TokenBucket => {
+            let now_us = now_ms.saturating_mul(1000);
+            let t = p.window_ms as f64 * 1000.0 / p.requests.max(1) as f64;
+            let tat = state.a as f64 + (actual as f64 - reserved as f64) * t;
+            State {
+                a: if actual >= reserved {
+                    tat.ceil() as u64
+                } else {
+                    // Given back, but never earlier than now: a bucket
+                    // holds no more than its burst.
+                    (tat.ceil() as u64).max(now_us)
+                },
+                ..state
+            }
+        }
+    }
+}
+
 /// GCRA: `T = window / requests`; a request of cost k fits when
 /// `max(TAT, now) + k*T - burst*T <= now`.
 fn token_bucket(p: &Params, state: State, cost: u64, now_ms: u64) -> Outcome {
@@ -280,6 +343,25 @@ mod tests {
         let o = evaluate(&tb, State::default(), 11, 0);
         assert!(!o.fits);
         assert_eq!(o.retry_after_ms, 0, "waiting never makes 11 fit in 10");
+    }
+
+    /// A refund takes back what the reservation charged, in its window;
+    /// a charge beyond it adds the difference; a passed window stays.
+    #[test]
+    fn settling_adjusts_the_window_that_was_charged() {
+        let f = params(Algorithm::FixedWindow, 100, 1000, 100);
+        let charged = evaluate(&f, State::default(), 50, 5_100).charged;
+        assert_eq!(settle(&f, charged, 50, 10, 5_100, 5_200).b, 10);
+        assert_eq!(settle(&f, charged, 50, 70, 5_100, 5_200).b, 70);
+        assert_eq!(settle(&f, charged, 50, 0, 4_100, 5_200), charged);
+        let c = params(Algorithm::SlidingWindowCounter, 100, 1000, 100);
+        let next = State { a: 6, b: 0, c: 50 };
+        assert_eq!(settle(&c, next, 50, 20, 5_100, 6_100).c, 20);
+        let tb = params(Algorithm::TokenBucket, 10, 1000, 10);
+        let charged = evaluate(&tb, State::default(), 5, 50_000).charged;
+        let back = settle(&tb, charged, 5, 1, 50_000, 50_000);
+        assert_eq!(evaluate(&tb, back, 1, 50_000).remaining, 8);
+        assert_eq!(settle(&tb, charged, 5, 0, 50_000, 60_000).a, 60_000_000);
     }
 
     #[test]

@@ -9,9 +9,9 @@
 
 use std::rc::Rc;
 
-use meshlimit_protocol::{CheckRequest, Limit};
+use meshlimit_protocol::{CheckRequest, Limit, Receipt, Settlement};
 
-use crate::config::LimitConfig;
+use crate::config::{LimitConfig, Reserve, TokenCost, TokenMode};
 
 /// A limit that applies to a request, and the request's cost on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +23,9 @@ pub struct Applied {
     pub shadow: bool,
     /// Whose counter it spends (see [`crate::subject`]).
     pub subject: String,
+    /// Priced by a token budget: `cost` is a reservation, settled from the
+    /// response.
+    pub tokens: bool,
 }
 
 impl Applied {
@@ -67,6 +70,9 @@ pub struct Check {
     /// Matched limits not counted: the request lacks an attribute of
     /// their `by`.
     pub skipped: u32,
+    /// How the token-priced limits reserve and settle (the first matching
+    /// token-priced rule's settings), when any limit is.
+    pub tokens: Option<Rc<TokenCost>>,
 }
 
 impl Check {
@@ -79,7 +85,65 @@ impl Check {
                 .iter()
                 .map(|a| a.to_wire(&self.subject))
                 .collect(),
-            receipt: false,
+            receipt: self.tokens.is_some(),
+        }
+    }
+
+    /// The token-priced limits (all global).
+    pub fn token_limits(&self) -> impl Iterator<Item = &Applied> + Clone {
+        self.global.iter().filter(|a| a.tokens)
+    }
+
+    /// Whether the reservation is read from the request's body.
+    pub fn reserves_from_body(&self) -> Option<&TokenCost> {
+        self.tokens.as_deref().filter(|t| {
+            t.mode == TokenMode::Reserve && matches!(t.reserve, Reserve::RequestJson { .. })
+        })
+    }
+
+    /// Sets the units the token-priced limits reserve.
+    pub fn reserve(&mut self, units: u64) {
+        for a in self.global.iter_mut().filter(|a| a.tokens) {
+            a.cost = units;
+        }
+    }
+
+    /// The units the token-priced limits reserve.
+    pub fn reserved(&self) -> u64 {
+        self.token_limits().map(|a| a.cost).next().unwrap_or(0)
+    }
+
+    /// A further reservation of `units` on the token-priced limits only (a
+    /// stream that outgrew what it reserved).
+    pub fn top_up(&self, units: u64) -> Check {
+        let mut global: Vec<Applied> = self.token_limits().cloned().collect();
+        for a in &mut global {
+            a.cost = units;
+        }
+        Check {
+            subject: self.subject.clone(),
+            local: Vec::new(),
+            global,
+            skipped: 0,
+            tokens: self.tokens.clone(),
+        }
+    }
+
+    /// The settlement of a reservation of `units` charged where `receipts`
+    /// say (one per token-priced limit), for `actual` units used.
+    pub fn settlement(&self, units: u64, actual: u64, receipts: &[Receipt]) -> Settlement {
+        let limits: Vec<Limit> = self
+            .token_limits()
+            .map(|a| Limit {
+                cost: units,
+                ..a.to_wire(&self.subject)
+            })
+            .collect();
+        Settlement {
+            subject: self.subject.clone(),
+            actual: vec![actual; limits.len()],
+            limits,
+            receipts: receipts.to_vec(),
         }
     }
 

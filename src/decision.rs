@@ -12,7 +12,7 @@ use crate::check::{Applied, Check};
 use std::rc::Rc;
 
 use crate::client_id::Identity;
-use crate::config::{Config, Cost, MissingAttribute, Rule, Scope};
+use crate::config::{Config, Cost, MissingAttribute, Reserve, Rule, Scope, TokenCost, TokenMode};
 use crate::headers::{self, Headers};
 use crate::host::{HeaderValue, RequestView};
 pub use crate::reply::DenyResponse;
@@ -20,6 +20,7 @@ use crate::rules;
 use crate::shared::deny_cache::DenyCache;
 use crate::shared::SharedStore;
 use crate::subject::{self, Facts, Missing};
+use crate::tokens;
 
 /// What a request needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,7 +66,11 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
     let facts = Facts::new(cfg, req, method, path, &normalised);
     let (mut local, mut global) = (Vec::new(), Vec::new());
     let mut skipped = 0;
+    let mut tokens = None;
     for rule in matched {
+        if let Cost::Tokens(t) = &rule.cost {
+            tokens.get_or_insert_with(|| t.clone());
+        }
         let cost = match request_cost(rule, req) {
             Ok(cost) => cost,
             Err(body) => return Plan::Reject(plain(400, body), RejectReason::InvalidCost),
@@ -99,28 +104,16 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
                 Some(requests) => Rc::new(limit.with_requests(requests)),
                 None => limit.clone(),
             };
-            if cost > limit.capacity() && !rule.shadow {
-                // Waiting would never help: say why instead of a retry time.
-                let mut deny = plain(
-                    cfg.response.status,
-                    format!(
-                        "request cost {cost} exceeds the capacity {} of limit {}\n",
-                        limit.capacity(),
-                        limit.qualified_name
-                    ),
-                );
-                deny.headers.push((
-                    "retry-after".into(),
-                    headers::retry_after_secs(limit.window_ms).to_string(),
-                ));
-                return Plan::Reject(deny, RejectReason::CostAboveCapacity);
-            }
             let applied = Applied {
                 limit,
                 cost,
                 shadow: rule.shadow,
                 subject: subject.encoded,
+                tokens: matches!(rule.cost, Cost::Tokens(_)),
             };
+            if let Some(deny) = above_capacity(cfg, &applied) {
+                return Plan::Reject(deny, RejectReason::CostAboveCapacity);
+            }
             match rule.scope {
                 Scope::Local => local.push(applied),
                 Scope::Global => global.push(applied),
@@ -140,7 +133,58 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         local,
         global,
         skipped,
+        tokens,
     })
+}
+
+/// The deny for a request whose cost exceeds an enforced limit's
+/// capacity: waiting would never help, so it says why instead of a retry
+/// time.
+fn above_capacity(cfg: &Config, a: &Applied) -> Option<DenyResponse> {
+    let limit = &a.limit;
+    if a.cost <= limit.capacity() || a.shadow {
+        return None;
+    }
+    let mut deny = plain(
+        cfg.response.status,
+        format!(
+            "request cost {} exceeds the capacity {} of limit {}\n",
+            a.cost,
+            limit.capacity(),
+            limit.qualified_name
+        ),
+    );
+    deny.headers.push((
+        "retry-after".into(),
+        headers::retry_after_secs(limit.window_ms).to_string(),
+    ));
+    Some(deny)
+}
+
+/// Prices `check`'s token-priced limits from the request's body (the
+/// client's `max_tokens`, bounded by the configuration); `body` is `None`
+/// when the request has none, or more than `max_body_bytes` of it. The
+/// deny when the reservation can never fit.
+pub fn reserve_from_body(
+    cfg: &Config,
+    check: &mut Check,
+    body: Option<&[u8]>,
+) -> Result<(), DenyResponse> {
+    let Some(TokenCost {
+        reserve: Reserve::RequestJson { path, default, max },
+        ..
+    }) = check.reserves_from_body()
+    else {
+        return Ok(());
+    };
+    let units = body
+        .and_then(|b| tokens::json::body_number(b, path))
+        .map_or(*default, |n| n.clamp(1, *max));
+    check.reserve(units);
+    match check.token_limits().find_map(|a| above_capacity(cfg, a)) {
+        Some(deny) => Err(deny),
+        None => Ok(()),
+    }
 }
 
 /// The body of a `when_missing: reject` deny: where to put the id.
@@ -185,6 +229,12 @@ fn request_cost(rule: &Rule, req: &impl RequestView) -> Result<u64, String> {
                     .ok_or_else(invalid),
             }
         }
+        // What is reserved before the response says what was used.
+        Cost::Tokens(t) => Ok(match (t.mode, &t.reserve) {
+            (TokenMode::After, _) => 1,
+            (TokenMode::Reserve, Reserve::Fixed(n)) => *n,
+            (TokenMode::Reserve, Reserve::RequestJson { default, .. }) => *default,
+        }),
     }
 }
 
@@ -246,14 +296,17 @@ pub fn read_answer(
     expected_limits: usize,
     timed_out: bool,
 ) -> Result<CheckResult, ServiceError> {
-    let mut results = read_batch_answer(status, body, &[expected_limits], timed_out)?;
+    let (mut results, _) = read_batch_answer(status, body, &[expected_limits], 0, timed_out)?;
     results
         .pop()
         .ok_or_else(|| ServiceError::BadBody("expected exactly one result".into()))?
 }
 
-/// The answer to each check of a batch call.
-pub type BatchAnswer = Vec<Result<CheckResult, ServiceError>>;
+/// The answer to each check of a batch call, and to each settlement.
+pub type BatchAnswer = (
+    Vec<Result<CheckResult, ServiceError>>,
+    Vec<meshlimit_protocol::SettleOutcome>,
+);
 
 /// Reads the answer to a batch call: one outcome per check, in order, the
 /// i-th decided with `expected_limits[i]` limit statuses, or refused on its
@@ -264,6 +317,7 @@ pub fn read_batch_answer(
     status: Option<u32>,
     body: Option<&[u8]>,
     expected_limits: &[usize],
+    expected_settlements: usize,
     timed_out: bool,
 ) -> Result<BatchAnswer, ServiceError> {
     let body = body.unwrap_or_default();
@@ -286,7 +340,8 @@ pub fn read_batch_answer(
     if body.is_empty() {
         return Err(ServiceError::BadBody("empty body".into()));
     }
-    let max = MAX_ANSWER_BYTES.saturating_mul(expected_limits.len().max(1));
+    let max =
+        MAX_ANSWER_BYTES.saturating_mul((expected_limits.len() + expected_settlements).max(1));
     if body.len() > max {
         return Err(ServiceError::BadBody(format!("{} bytes", body.len())));
     }
@@ -297,6 +352,12 @@ pub fn read_batch_answer(
             "expected {} result(s), got {}",
             expected_limits.len(),
             answer.results.len()
+        )));
+    }
+    if answer.settled.len() != expected_settlements {
+        return Err(ServiceError::BadBody(format!(
+            "expected {expected_settlements} settlement outcome(s), got {}",
+            answer.settled.len()
         )));
     }
     let mut results = Vec::with_capacity(answer.results.len());
@@ -329,7 +390,7 @@ pub fn read_batch_answer(
         }
         results.push(Ok(result));
     }
-    Ok(results)
+    Ok((results, answer.settled))
 }
 
 /// What the client sees for a decided check.
@@ -639,18 +700,18 @@ mod tests {
         let one = r#"{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":500,"retry_after_ms":0}]}"#;
         let denied = r#"{"allowed":false,"limits":[{"allowed":false,"limit":20,"remaining":0,"reset_after_ms":500,"retry_after_ms":500}]}"#;
         let b = body(&format!("{one},{denied}"));
-        let results = read_batch_answer(Some(200), Some(&b), &[1, 1], false).unwrap();
+        let (results, _) = read_batch_answer(Some(200), Some(&b), &[1, 1], 0, false).unwrap();
         assert!(results[0].as_ref().unwrap().allowed && !results[1].as_ref().unwrap().allowed);
         assert!(matches!(
-            read_batch_answer(Some(200), Some(&b), &[1, 1, 1], false),
+            read_batch_answer(Some(200), Some(&b), &[1, 1, 1], 0, false),
             Err(ServiceError::BadBody(_))
         ));
         assert!(matches!(
-            read_batch_answer(Some(200), Some(&b), &[1, 2], false),
+            read_batch_answer(Some(200), Some(&b), &[1, 2], 0, false),
             Err(ServiceError::BadBody(_))
         ));
         assert_eq!(
-            read_batch_answer(None, None, &[1, 1], true),
+            read_batch_answer(None, None, &[1, 1], 0, true),
             Err(ServiceError::Timeout)
         );
     }

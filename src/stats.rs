@@ -51,11 +51,16 @@ pub enum Stat {
     ServiceErrorBadStatus,
     ServiceErrorBadBody,
     ServiceErrorInvalidCheck,
+    TokensReserved,
+    TokensSettled,
+    TokensRefunded,
+    StreamsCut,
+    SettlementsFailed,
 }
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 26] = [
+    pub const ALL: [Stat; 31] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -82,6 +87,11 @@ impl Stat {
         Stat::ServiceErrorBadStatus,
         Stat::ServiceErrorBadBody,
         Stat::ServiceErrorInvalidCheck,
+        Stat::TokensReserved,
+        Stat::TokensSettled,
+        Stat::TokensRefunded,
+        Stat::StreamsCut,
+        Stat::SettlementsFailed,
     ];
 
     /// The stat counting failed calls of this kind.
@@ -229,6 +239,31 @@ impl Stat {
                 "meshlimit.service_errors.invalid_check",
                 Counter,
                 "checks meshlimitd refused on their own (the rest of their batch was decided)",
+            ),
+            Stat::TokensReserved => (
+                "meshlimit.tokens_reserved",
+                Counter,
+                "units token-priced requests reserved before they were forwarded (top-ups included)",
+            ),
+            Stat::TokensSettled => (
+                "meshlimit.tokens_settled",
+                Counter,
+                "units token-priced requests used, as their responses reported (or as settled without a report)",
+            ),
+            Stat::TokensRefunded => (
+                "meshlimit.tokens_refunded",
+                Counter,
+                "reserved units given back at settlement (reserved more than used, upstream errors)",
+            ),
+            Stat::StreamsCut => (
+                "meshlimit.streams_cut",
+                Counter,
+                "event streams ended at their budget with a final rate_limited event and [DONE]",
+            ),
+            Stat::SettlementsFailed => (
+                "meshlimit.settlements_failed",
+                Counter,
+                "settlements meshlimitd could not apply (its reservation stands: never over budget)",
             ),
         };
         StatDef { name, kind, help }

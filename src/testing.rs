@@ -38,6 +38,7 @@ pub(crate) fn applied(limit: &LimitConfig) -> Applied {
         cost: 1,
         shadow: false,
         subject: "s".into(),
+        tokens: false,
     }
 }
 

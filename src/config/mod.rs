@@ -201,6 +201,60 @@ pub enum Cost {
         default: u64,
         max: u64,
     },
+    /// A token budget: the cost is known from the response only (see
+    /// [`TokenCost`]); the request reserves an estimate first.
+    Tokens(Rc<TokenCost>),
+}
+
+/// How a token-priced rule reserves, reads the usage and settles (see
+/// `docs/tokens.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenCost {
+    pub reserve: Reserve,
+    pub usage: UsageSource,
+    pub mode: TokenMode,
+    /// The most bytes of a request or response body read; above it, the
+    /// reservation stands.
+    pub max_body_bytes: usize,
+    /// An upstream 5xx, or no response, gives the reservation back.
+    pub refund_on_error: bool,
+}
+
+/// What a request reserves before it is forwarded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reserve {
+    Fixed(u64),
+    /// A number in the request's JSON body (`max_tokens`), from 1 to
+    /// `max` (clamped); `default` when absent or unreadable.
+    RequestJson {
+        path: Vec<String>,
+        default: u64,
+        max: u64,
+    },
+}
+
+/// Where a response reports the units it used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageSource {
+    /// A dotted path into a JSON body (`usage.total_tokens`).
+    pub json: Option<Vec<String>>,
+    /// The same in a server-sent-events stream: the last event carrying it.
+    pub sse_json: Option<Vec<String>>,
+    /// A response header (lower-case), preferred when present.
+    pub header: Option<String>,
+}
+
+/// When a token-priced request is charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenMode {
+    /// Reserve the estimate before, settle after: never over budget.
+    #[default]
+    Reserve,
+    /// Admit while anything remains (one unit is held), charge the usage
+    /// after: what other gateways do; over budget by up to the usage of
+    /// the requests in flight.
+    After,
 }
 
 /// A request attribute a limit counts by (its `by`).

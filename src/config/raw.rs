@@ -159,7 +159,10 @@ pub(super) struct RawRule {
     pub(super) matcher: RawMatch,
     #[serde(default)]
     pub(super) limits: Vec<RawLimit>,
-    pub(super) cost: Option<RawCost>,
+    /// A number, a header (`RawCostHeader`) or a token cost
+    /// (`RawTokenCost`, told apart by its `response`); read in
+    /// [`super::validate`] so that each shape's errors name their field.
+    pub(super) cost: Option<serde_json::Value>,
     #[serde(default)]
     pub(super) shadow: bool,
     #[serde(default = "default_scope")]
@@ -172,17 +175,58 @@ pub(super) fn default_scope() -> Scope {
 }
 
 #[derive(Deserialize)]
-#[serde(untagged)]
-pub(super) enum RawCost {
-    Fixed(u64),
-    Header(RawCostHeader),
-}
-
-#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawCostHeader {
     pub(super) header: String,
     #[serde(default = "one")]
+    pub(super) default: u64,
+    pub(super) max: u64,
+}
+
+/// A token budget's cost: reserved before the request, settled from the
+/// response.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTokenCost {
+    pub(super) response: RawUsage,
+    #[serde(default)]
+    pub(super) reserve: Option<RawReserve>,
+    #[serde(default)]
+    pub(super) mode: super::TokenMode,
+    #[serde(default = "default_max_body_bytes")]
+    pub(super) max_body_bytes: u64,
+    #[serde(default = "yes")]
+    pub(super) refund_on_error: bool,
+}
+
+fn default_max_body_bytes() -> u64 {
+    1 << 20
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Where a response reports its usage (at least one).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUsage {
+    pub(super) json: Option<String>,
+    pub(super) sse_json: Option<String>,
+    pub(super) header: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawReserve {
+    Fixed(u64),
+    Request(RawReserveRequest),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawReserveRequest {
+    pub(super) request_json: String,
     pub(super) default: u64,
     pub(super) max: u64,
 }

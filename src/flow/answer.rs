@@ -6,7 +6,7 @@ use log::warn;
 use meshlimit_protocol::CheckResult;
 
 use super::metrics::Tally;
-use super::{with_local, Queued, Step, Stream, Worker};
+use super::{with_local, Job, Queued, Step, Stream, Worker};
 use crate::check::{Applied, Check};
 use crate::config::FailureMode;
 use crate::decision::{self, BatchAnswer, ServiceError, Verdict};
@@ -62,8 +62,7 @@ impl Worker {
             host,
             &mut Tally::new(&self.metrics, host),
             now,
-            check,
-            local,
+            (stream.context_id, check, local),
             outcome,
         );
         stream.apply(verdict)
@@ -75,16 +74,22 @@ impl Worker {
         let batch = self
             .group
             .as_ref()
-            .and_then(|g| g.batcher.borrow_mut().answered(token));
+            .and_then(|g| g.batcher.borrow_mut().answered(token))
+            .or_else(|| self.solo_calls.borrow_mut().remove(&token));
         let Some(batch) = batch else {
             return;
         };
         let started = self.batch_started.borrow_mut().remove(&token).unwrap_or(0);
-        let expected: Vec<usize> = batch.iter().map(|q| q.check.global.len()).collect();
+        let expected: Vec<usize> = batch
+            .iter()
+            .filter_map(|q| Some(q.check()?.global.len()))
+            .collect();
+        let settlements: usize = batch.iter().map(|q| q.settlements().len()).sum();
         let (status, body) = read_call_response(host, headers, body_size, batch.len());
         let now = host.now_ms();
         let timed_out = self.timed_out(started, now);
-        let answers = decision::read_batch_answer(status, body.as_deref(), &expected, timed_out);
+        let answers =
+            decision::read_batch_answer(status, body.as_deref(), &expected, settlements, timed_out);
         self.report_call(host, answers.as_ref().err(), now);
         // The checks that queued meanwhile go out before this batch's
         // streams are resumed: meshlimitd and Redis work on the next batch
@@ -104,39 +109,45 @@ impl Worker {
         answers: Result<BatchAnswer, ServiceError>,
     ) {
         let mut tally = Tally::new(&self.metrics, host);
-        for (i, queued) in batch.iter().enumerate() {
+        let (mut checks, mut settled) = (0, 0);
+        for queued in batch {
+            if let Job::Settle { settlements } = &queued.job {
+                let outcomes = match &answers {
+                    Ok((_, outcomes)) => Ok(outcomes
+                        .get(settled..settled + settlements.len())
+                        .unwrap_or_default()
+                        .to_vec()),
+                    Err(e) => Err(e.clone()),
+                };
+                settled += settlements.len();
+                self.on_settled(host, queued.context_id, outcomes);
+                continue;
+            }
             // Each check has its own outcome: one refused check (or one
             // on a Redis node that failed) changes no other's decision.
             let outcome = match &answers {
-                Ok(results) => results
-                    .get(i)
+                Ok((results, _)) => results
+                    .get(checks)
                     .cloned()
                     .unwrap_or_else(|| Err(ServiceError::BadBody("missing result".into()))),
                 Err(e) => Err(e.clone()),
             };
-            self.settle(host, &mut tally, now, queued, outcome);
+            checks += 1;
+            match &queued.job {
+                Job::Admit { check, local } => {
+                    let verdict = self.verdict_after_call(
+                        host,
+                        &mut tally,
+                        now,
+                        (queued.context_id, check, local.as_ref()),
+                        outcome,
+                    );
+                    self.act_for(host, queued.context_id, verdict);
+                }
+                Job::TopUp { check } => self.on_top_up(host, queued.context_id, check, outcome),
+                Job::Settle { .. } => {}
+            }
         }
-    }
-
-    /// Decides a queued check from its outcome and acts for its paused
-    /// stream (a stream reset meanwhile is gone: nothing to act on).
-    fn settle(
-        &self,
-        host: &impl Host,
-        tally: &mut Tally<'_, impl Host>,
-        now: u64,
-        queued: &Queued,
-        outcome: Result<CheckResult, ServiceError>,
-    ) {
-        let verdict = self.verdict_after_call(
-            host,
-            tally,
-            now,
-            &queued.check,
-            queued.local.as_ref(),
-            outcome,
-        );
-        self.act_for(host, queued.context_id, verdict);
     }
 
     /// Tells the breaker how a call went (once per call, not per check).
@@ -161,11 +172,10 @@ impl Worker {
         host: &impl Host,
         tally: &mut Tally<'_, impl Host>,
         now: u64,
-        check: &Check,
-        local: Option<&CheckResult>,
+        (context_id, check, local): (u32, &Check, Option<&CheckResult>),
         outcome: Result<CheckResult, ServiceError>,
     ) -> Verdict {
-        let decided = match outcome {
+        let (decided, place) = match outcome {
             Ok(result) => {
                 tally.decided(result.allowed);
                 self.count_shadow(host, now, &check.global, &result);
@@ -173,14 +183,20 @@ impl Worker {
                     let evicted = decision::remember_denials(check, &result, &cache, now);
                     self.metrics.add(host, Stat::DenyCacheEvictions, evicted);
                 }
-                result
+                let place = super::tokens::global_place(check, &result);
+                (result, place)
             }
             Err(e) => match self.fallback(host, now, check, Some(&e)) {
-                Ok(result) => result,
+                Ok(result) => {
+                    let place = self.fallback_place(now);
+                    (result, place)
+                }
                 Err(verdict) => return verdict,
             },
         };
-        with_local(&self.config, check, local, &decided)
+        let verdict = with_local(&self.config, check, local, &decided);
+        self.on_admitted(host, context_id, check, &decided, &verdict, place);
+        verdict
     }
 
     /// Decides the global limits without meshlimitd, as `failure_mode`

@@ -27,6 +27,7 @@ mod answer;
 mod metrics;
 #[cfg(test)]
 mod tests;
+mod tokens;
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -91,10 +92,14 @@ pub struct Stream {
     in_flight: Option<InFlight>,
     /// RateLimit headers to add to the upstream's response.
     response_headers: Headers,
+    /// A check whose reservation is read from the request body, while the
+    /// body comes in.
+    awaiting_body: Option<Check>,
 }
 
 /// A check a stream sent itself and waits for.
 struct InFlight {
+    token: u32,
     check: Check,
     started_ms: u64,
     /// The admitted decision of the request's `scope: local` rules, to
@@ -102,12 +107,43 @@ struct InFlight {
     local: Option<CheckResult>,
 }
 
-/// A check waiting in (or sent in) a batch, and the paused stream it is for.
+/// Work waiting in (or sent in) a batch, and the stream it is for.
 struct Queued {
     context_id: u32,
-    check: Check,
-    /// The admitted decision of the request's `scope: local` rules.
-    local: Option<CheckResult>,
+    job: Job,
+}
+
+/// What a queued item asks of meshlimitd.
+enum Job {
+    /// Decide a paused request.
+    Admit {
+        check: Check,
+        /// The admitted decision of the request's `scope: local` rules.
+        local: Option<CheckResult>,
+    },
+    /// Reserve more for a stream that outgrew its reservation.
+    TopUp { check: Check },
+    /// Settle a finished request's reservations.
+    Settle {
+        settlements: Vec<meshlimit_protocol::Settlement>,
+    },
+}
+
+impl Queued {
+    /// The check it carries, if any.
+    fn check(&self) -> Option<&Check> {
+        match &self.job {
+            Job::Admit { check, .. } | Job::TopUp { check } => Some(check),
+            Job::Settle { .. } => None,
+        }
+    }
+
+    fn settlements(&self) -> &[meshlimit_protocol::Settlement] {
+        match &self.job {
+            Job::Settle { settlements } => settlements,
+            _ => &[],
+        }
+    }
 }
 
 /// Group commit's state on one worker.
@@ -137,6 +173,12 @@ pub struct Worker {
     batch_started: RefCell<HashMap<u32, u64>>,
     /// RateLimit headers for streams the root admitted, by context id.
     decided_headers: RefCell<HashMap<u32, Headers>>,
+    /// Token-priced streams' reservations and response state, by context
+    /// id (the root's answers update them too).
+    budgets: RefCell<HashMap<u32, tokens::Budget>>,
+    /// Top-ups and settlements sent one per call (group commit off), by
+    /// token.
+    solo_calls: RefCell<HashMap<u32, Vec<Queued>>>,
     /// The millisecond in which this worker last found the breaker closed.
     /// Within that millisecond the shared state is not read again: a
     /// hostcall per request saved, and another worker's opening is seen at
@@ -182,6 +224,8 @@ impl Worker {
             group,
             batch_started: RefCell::new(HashMap::new()),
             decided_headers: RefCell::new(HashMap::new()),
+            budgets: RefCell::new(HashMap::new()),
+            solo_calls: RefCell::new(HashMap::new()),
             breaker_closed_at: Cell::new(None),
         }
     }
@@ -192,11 +236,24 @@ impl Worker {
             context_id,
             in_flight: None,
             response_headers: Vec::new(),
+            awaiting_body: None,
         }
     }
 
+    /// Whether call `token` is the stream's own check (else it is a call
+    /// the stream sent for its worker: a top-up or a settlement).
+    pub fn owns_call(&self, stream: &Stream, token: u32) -> bool {
+        stream.in_flight.as_ref().is_some_and(|f| f.token == token)
+    }
+
     /// The request's headers are in: decide, or start deciding.
-    pub fn on_request_headers(&self, host: &impl Host, stream: &mut Stream) -> Step {
+    /// `end_of_stream`: the request has no body.
+    pub fn on_request_headers(
+        &self,
+        host: &impl Host,
+        stream: &mut Stream,
+        end_of_stream: bool,
+    ) -> Step {
         // Every header in one hostcall: the path, the method, the id and
         // cost headers are then read without crossing into Envoy again,
         // and a repeated header is seen as such.
@@ -224,6 +281,18 @@ impl Worker {
         };
         self.metrics
             .add(host, Stat::SkippedMissingAttribute, check.skipped as usize);
+        if check.reserves_from_body().is_some() && !end_of_stream {
+            // The reservation is in the body: decide once it is in. The
+            // headers go on (a paused stream would get no body callbacks);
+            // the body waits, so the upstream sees nothing it could act on.
+            stream.awaiting_body = Some(check);
+            return Step::Continue;
+        }
+        self.decide(host, stream, check)
+    }
+
+    /// Decides a planned check: local rules, deny cache, breaker, call.
+    fn decide(&self, host: &impl Host, stream: &mut Stream, check: Check) -> Step {
         let now = host.now_ms();
         let config = &self.config;
         // Local rules first: a local deny needs no call at all. (A request
@@ -260,7 +329,12 @@ impl Worker {
         match self.gate(host, now) {
             Gate::Skip => {
                 let verdict = match self.fallback(host, now, &check, None) {
-                    Ok(result) => with_local(config, &check, local.as_ref(), &result),
+                    Ok(result) => {
+                        let verdict = with_local(config, &check, local.as_ref(), &result);
+                        let place = self.fallback_place(now);
+                        self.on_admitted(host, stream.context_id, &check, &result, &verdict, place);
+                        verdict
+                    }
                     Err(verdict) => verdict,
                 };
                 stream.apply(verdict)
@@ -273,26 +347,32 @@ impl Worker {
     }
 
     /// The upstream's response headers are in: add the RateLimit headers.
-    pub fn on_response_headers(&self, host: &impl Host, stream: &mut Stream) {
+    /// False when the response must wait (a token budget settling first).
+    pub fn on_response_headers(&self, host: &impl Host, stream: &mut Stream) -> bool {
         let mut headers = std::mem::take(&mut stream.response_headers);
         if let Some(decided) = self.decided_headers.borrow_mut().remove(&stream.context_id) {
             headers.extend(decided);
         }
+        let go_on = self.token_response_headers(host, stream.context_id, &mut headers);
         for (name, value) in headers {
             host.add_response_header(&name, &value);
         }
+        go_on
     }
 
     /// The stream is gone. A check still queued leaves the batch; one
     /// already sent is skipped when the answer comes (its context is gone).
-    pub fn on_stream_end(&self, stream: &Stream) {
+    /// A reservation not settled yet is settled as the request got
+    /// (`on_stream_gone`).
+    pub fn on_stream_end(&self, host: &impl Host, stream: &Stream) {
         let id = stream.context_id;
         self.decided_headers.borrow_mut().remove(&id);
         if let Some(group) = &self.group {
             if let Ok(mut b) = group.batcher.try_borrow_mut() {
-                let _ = b.withdraw(|q| q.context_id == id);
+                let _ = b.withdraw(|q| q.context_id == id && matches!(q.job, Job::Admit { .. }));
             }
         }
+        self.on_stream_gone(host, id);
     }
 
     /// A stream woke the root: send every batch that is due.
@@ -321,8 +401,9 @@ impl Worker {
             .and_then(|body| self.dispatch(host, &body, now));
         host.set_effective_context(stream.context_id);
         match dispatched {
-            Ok(_token) => {
+            Ok(token) => {
                 stream.in_flight = Some(InFlight {
+                    token,
                     check,
                     started_ms: now,
                     local,
@@ -349,8 +430,7 @@ impl Worker {
         let batcher = &group.batcher;
         let queued = Queued {
             context_id: stream.context_id,
-            check,
-            local,
+            job: Job::Admit { check, local },
         };
         let outcome = batcher.borrow_mut().enqueue(queued, now);
         match outcome {
@@ -363,24 +443,29 @@ impl Worker {
                 let mut b = batcher.borrow_mut();
                 b.wake_failed();
                 let id = stream.context_id;
-                let mine = b.withdraw(|q| q.context_id == id);
+                let mine = b.withdraw(|q| q.context_id == id && matches!(q.job, Job::Admit { .. }));
                 drop(b);
-                match mine {
-                    Some(q) => self.ask_service(host, stream, now, q.check, q.local),
-                    None => Step::Pause,
+                match mine.map(|q| q.job) {
+                    Some(Job::Admit { check, local }) => {
+                        self.ask_service(host, stream, now, check, local)
+                    }
+                    _ => Step::Pause,
                 }
             }
             Enqueued::Refused(q) => {
                 // Too many queued: decide by failure_mode, and count it.
                 self.metrics.bump(host, Stat::BatchOverflow);
-                self.conclude(
-                    host,
-                    stream,
-                    now,
-                    &q.check,
-                    q.local.as_ref(),
-                    Err(ServiceError::Connection),
-                )
+                match q.job {
+                    Job::Admit { check, local } => self.conclude(
+                        host,
+                        stream,
+                        now,
+                        &check,
+                        local.as_ref(),
+                        Err(ServiceError::Connection),
+                    ),
+                    _ => Step::Pause,
+                }
             }
         }
     }
@@ -398,17 +483,15 @@ impl Worker {
             };
             // After acting for streams, calls must again belong to the root.
             host.set_effective_context(self.root_context_id);
-            let request = meshlimit_protocol::CheckRequest {
-                checks: batch.iter().map(|q| q.check.to_wire()).collect(),
-                settlements: Vec::new(),
-            };
-            let dispatched = serde_json::to_vec(&request)
-                .map_err(|e| ServiceError::BadBody(e.to_string()))
-                .and_then(|body| self.dispatch(host, &body, now));
+            let dispatched = self.dispatch_jobs(host, &batch, now);
             match dispatched {
                 Ok(token) => {
                     self.metrics.bump(host, Stat::Batches);
-                    self.metrics.add(host, Stat::BatchedChecks, batch.len());
+                    self.metrics.add(
+                        host,
+                        Stat::BatchedChecks,
+                        batch.iter().filter(|q| q.check().is_some()).count(),
+                    );
                     self.batch_started.borrow_mut().insert(token, now);
                     batcher.borrow_mut().sent(token, batch);
                 }
@@ -418,6 +501,28 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Sends the checks and settlements of `jobs` in one call.
+    fn dispatch_jobs(
+        &self,
+        host: &impl Host,
+        jobs: &[Queued],
+        now: u64,
+    ) -> Result<u32, ServiceError> {
+        let request = meshlimit_protocol::CheckRequest {
+            checks: jobs
+                .iter()
+                .filter_map(|q| Some(q.check()?.to_wire()))
+                .collect(),
+            settlements: jobs
+                .iter()
+                .flat_map(|q| q.settlements().iter().cloned())
+                .collect(),
+        };
+        serde_json::to_vec(&request)
+            .map_err(|e| ServiceError::BadBody(e.to_string()))
+            .and_then(|body| self.dispatch(host, &body, now))
     }
 
     /// Sends a check request to meshlimitd from the current context.

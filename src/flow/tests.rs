@@ -97,7 +97,9 @@ impl Harness {
         }
         *self.host.request.borrow_mut() = req;
         self.host.context.set(stream.context_id);
-        let step = self.worker.on_request_headers(&self.host, &mut stream);
+        let step = self
+            .worker
+            .on_request_headers(&self.host, &mut stream, true);
         (stream, step)
     }
 
@@ -210,7 +212,7 @@ fn rejections_are_replied_and_counted_without_a_call() {
         .with_header("x-api-key", b"a")
         .with_header("x-cost", b"9");
     let mut s = h.worker.stream(5);
-    let step = h.worker.on_request_headers(&h.host, &mut s);
+    let step = h.worker.on_request_headers(&h.host, &mut s, true);
     assert_eq!(reply_status(&step), Some(400));
     assert_eq!(h.stat("rejected_invalid_cost"), 1);
     h.host.request.borrow_mut().headers.pop();
@@ -219,7 +221,7 @@ fn rejections_are_replied_and_counted_without_a_call() {
         .borrow_mut()
         .headers
         .push(("x-cost".into(), b"4".to_vec()));
-    let step = h.worker.on_request_headers(&h.host, &mut s);
+    let step = h.worker.on_request_headers(&h.host, &mut s, true);
     assert_eq!(reply_status(&step), Some(429));
     assert_eq!(h.stat("rejected_cost_above_capacity"), 1);
     assert_eq!(h.calls(), 0);
@@ -370,6 +372,7 @@ fn every_failure_mode_on_every_kind_of_failure() {
                     match h.host.take_acted().pop().unwrap() {
                         Acted::Resumed(_) => Step::Continue,
                         Acted::Replied(_, r) => Step::Reply(r),
+                        Acted::ResumedResponse(_) => unreachable!("no response yet"),
                     }
                 } else {
                     h.answer_own(&mut s, status, body)
@@ -567,7 +570,7 @@ fn a_stream_that_ends_while_queued_leaves_the_batch() {
     h.wake();
     let (gone, _) = h.request("gone");
     let (stays, _) = h.request("stays");
-    h.worker.on_stream_end(&gone);
+    h.worker.on_stream_end(&h.host, &gone);
     h.host.gone.borrow_mut().push(gone.context_id);
     h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
     let body = h.last_call_body();
@@ -584,7 +587,7 @@ fn a_stream_that_ends_while_its_batch_is_in_flight_is_skipped() {
     let mut h = harness("");
     let (gone, _) = h.request("gone");
     h.wake();
-    h.worker.on_stream_end(&gone);
+    h.worker.on_stream_end(&h.host, &gone);
     h.host.gone.borrow_mut().push(gone.context_id);
     h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
     assert!(h.host.take_acted().is_empty(), "nothing to act on");
@@ -601,7 +604,7 @@ fn a_stream_that_ends_while_its_batch_is_in_flight_is_skipped() {
 fn a_stream_that_ends_while_its_own_call_is_out_changes_nothing() {
     let mut h = harness(ONE_CALL);
     let (mut s, _) = h.request("a");
-    h.worker.on_stream_end(&s);
+    h.worker.on_stream_end(&h.host, &s);
     // Envoy does not call back for a gone stream; if it did, the in-flight
     // check would be answered as usual.
     assert_eq!(
@@ -667,7 +670,7 @@ fn without_a_wake_queue_every_request_calls_for_itself() {
         .with_header("x-api-key", b"a");
     let mut s = worker.stream(9);
     host.context.set(9);
-    assert_eq!(worker.on_request_headers(&host, &mut s), Step::Pause);
+    assert_eq!(worker.on_request_headers(&host, &mut s, true), Step::Pause);
     assert_eq!(host.sent.borrow()[0].from, ROOT, "calls belong to the root");
 }
 
@@ -898,7 +901,7 @@ fn stats_the_host_refuses_are_skipped() {
         .with_header(":path", b"/api/x")
         .with_header("x-api-key", b"a");
     let mut s = worker.stream(3);
-    assert_eq!(worker.on_request_headers(&host, &mut s), Step::Pause);
+    assert_eq!(worker.on_request_headers(&host, &mut s, true), Step::Pause);
     host.respond(Some(200), &answer(&[result(true, 1)]));
     assert_eq!(worker.on_call_answer(&host, &mut s, 1, 10), Step::Continue);
     assert!(!host.take_hostcalls().contains(&"increment_metric"));
@@ -937,7 +940,7 @@ fn methods_are_matched_from_the_headers_read_once() {
     h.host.take_hostcalls();
     let mut s = h.worker.stream(5);
     assert_eq!(
-        h.worker.on_request_headers(&h.host, &mut s),
+        h.worker.on_request_headers(&h.host, &mut s, true),
         Step::Continue,
         "a GET matches no rule"
     );
@@ -946,7 +949,10 @@ fn methods_are_matched_from_the_headers_read_once() {
         .with_header(":method", b"POST")
         .with_header(":path", b"/")
         .with_header("x-api-key", b"a");
-    assert_eq!(h.worker.on_request_headers(&h.host, &mut s), Step::Pause);
+    assert_eq!(
+        h.worker.on_request_headers(&h.host, &mut s, true),
+        Step::Pause
+    );
 }
 
 #[test]
@@ -976,7 +982,7 @@ fn without_group_commit_waking_and_ending_do_nothing() {
     let mut h = harness(ONE_CALL);
     let (s, _) = h.request("a");
     h.wake();
-    h.worker.on_stream_end(&s);
+    h.worker.on_stream_end(&h.host, &s);
     assert_eq!(h.calls(), 1);
     assert!(logged(&["group commit off"]));
     harness("");
@@ -1132,7 +1138,7 @@ fn repeated_id_or_cost_headers_are_ambiguous() {
         ("x-api-key".into(), b"mine".to_vec()),
     ];
     let mut s = h.worker.stream(50);
-    let step = h.worker.on_request_headers(&h.host, &mut s);
+    let step = h.worker.on_request_headers(&h.host, &mut s, true);
     assert_eq!(
         reply_status(&step),
         Some(401),
@@ -1152,7 +1158,7 @@ fn repeated_id_or_cost_headers_are_ambiguous() {
         ("x-cost".into(), b"9".to_vec()),
         ("x-cost".into(), b"1".to_vec()),
     ];
-    let step = h.worker.on_request_headers(&h.host, &mut s);
+    let step = h.worker.on_request_headers(&h.host, &mut s, true);
     assert_eq!(reply_status(&step), Some(400));
     assert_eq!(h.stat("rejected_invalid_cost"), 1);
     // x-forwarded-for headers are one list.
@@ -1191,7 +1197,7 @@ fn a_missing_attribute_is_counted_in_a_stat_and_never_called_for() {
         );
     h.host.context.set(stream.context_id);
     assert_eq!(
-        h.worker.on_request_headers(&h.host, &mut stream),
+        h.worker.on_request_headers(&h.host, &mut stream, true),
         Step::Pause
     );
     let sent = h.host.sent.borrow();

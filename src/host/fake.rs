@@ -112,6 +112,8 @@ pub struct CallResponse {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Acted {
     Resumed(u32),
+    /// A paused response went on.
+    ResumedResponse(u32),
     Replied(u32, DenyResponse),
 }
 
@@ -140,6 +142,13 @@ pub struct FakeHost {
     pub response: RefCell<CallResponse>,
     pub acted: RefCell<Vec<Acted>>,
     pub response_headers: RefCell<Vec<(u32, String, String)>>,
+    /// The upstream's response headers, as the current stream sees them.
+    pub upstream_headers: RefCell<Vec<(String, Vec<u8>)>>,
+    /// The request body Envoy holds for the current stream.
+    pub request_body: RefCell<Vec<u8>>,
+    /// The response body Envoy holds for the current stream (the chunk,
+    /// or what is buffered).
+    pub response_body: RefCell<Vec<u8>>,
     metrics: RefCell<Vec<(String, MetricKind, u64)>>,
     next_token: Cell<u32>,
     /// Every hostcall made, by name, in order.
@@ -163,6 +172,9 @@ impl Default for FakeHost {
             response: RefCell::default(),
             acted: RefCell::default(),
             response_headers: RefCell::default(),
+            upstream_headers: RefCell::default(),
+            request_body: RefCell::default(),
+            response_body: RefCell::default(),
             metrics: RefCell::default(),
             next_token: Cell::new(1),
             hostcalls: RefCell::default(),
@@ -345,5 +357,56 @@ impl Host for FakeHost {
             name.to_string(),
             value.to_string(),
         ));
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.hostcall("get_header_map_value");
+        values_of(&self.upstream_headers.borrow(), name).pop()
+    }
+
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        self.hostcall("get_buffer_bytes");
+        Some(
+            self.request_body
+                .borrow()
+                .iter()
+                .take(size)
+                .copied()
+                .collect(),
+        )
+    }
+
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        self.hostcall("get_buffer_bytes");
+        Some(
+            self.response_body
+                .borrow()
+                .iter()
+                .take(size)
+                .copied()
+                .collect(),
+        )
+    }
+
+    fn replace_response_body(&self, size: usize, bytes: &[u8]) -> bool {
+        self.hostcall("set_buffer_bytes");
+        let mut body = self.response_body.borrow_mut();
+        let size = size.min(body.len());
+        body.splice(..size, bytes.iter().copied());
+        true
+    }
+
+    fn append_response_body(&self, bytes: &[u8]) -> bool {
+        self.hostcall("set_buffer_bytes");
+        self.response_body.borrow_mut().extend_from_slice(bytes);
+        true
+    }
+
+    fn resume_response(&self) -> bool {
+        self.hostcall("resume_http_response");
+        self.acted
+            .borrow_mut()
+            .push(Acted::ResumedResponse(self.context.get()));
+        true
     }
 }

@@ -154,4 +154,18 @@ pub trait Host: SharedStore {
     fn send_reply(&self, reply: &DenyResponse) -> bool;
     /// Adds a header to the current stream's response.
     fn add_response_header(&self, name: &str, value: &str);
+
+    /// A header of the current stream's response (`:status` included).
+    fn response_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// The first `size` bytes of the request body Envoy holds for the
+    /// current stream (in a body callback: the chunk, or what is buffered).
+    fn request_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// The same for the response body.
+    fn response_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Replaces the first `size` bytes of the response body with `bytes`.
+    fn replace_response_body(&self, size: usize, bytes: &[u8]) -> bool;
+    /// Adds `bytes` after the response body Envoy holds (buffered).
+    fn append_response_body(&self, bytes: &[u8]) -> bool;
+    /// Lets the current stream's paused response continue.
+    fn resume_response(&self) -> bool;
 }

@@ -193,6 +193,54 @@ impl LocalLimiter {
     }
 }
 
+impl LocalLimiter {
+    /// Settles a reservation these counters charged at `charged_ms`:
+    /// each limit's entry (if still there) moves by `actual` minus the
+    /// reserved cost (see [`algorithms::settle`]). Best effort: a
+    /// contended or failed store leaves the reservation standing.
+    pub fn settle(
+        &self,
+        store: &impl SharedStore,
+        limits: &[Applied],
+        actual: u64,
+        charged_ms: u64,
+        now_ms: u64,
+    ) {
+        for applied in limits {
+            let limit = &applied.limit;
+            let fingerprint =
+                store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
+            let key = keys::fallback_slot(store::slot(fingerprint, self.slots));
+            let params = Params {
+                algorithm: limit.algorithm,
+                requests: limit.requests,
+                window_ms: limit.window_ms,
+                burst: limit.capacity(),
+                calendar: limit.calendar,
+            };
+            let _ = retry_on_conflict(|| {
+                let (bytes, cas) = store.get(&key)?;
+                let mut entries = decode(bytes.as_deref());
+                let Some(entry) = entries
+                    .iter_mut()
+                    .find(|e| e.fingerprint == fingerprint && e.touched > 0)
+                else {
+                    return Ok(());
+                };
+                entry.state = algorithms::settle(
+                    &params,
+                    entry.state,
+                    applied.cost,
+                    actual,
+                    charged_ms,
+                    now_ms,
+                );
+                store.set(&key, &encode(&entries), cas)
+            });
+        }
+    }
+}
+
 /// The way holding `fingerprint`, else an empty way, else the least
 /// recently used one.
 fn find_or_evict(entries: &[Entry; WAYS], fingerprint: u64) -> (usize, Entry) {
@@ -438,6 +486,28 @@ mod tests {
             "big was charged 100 times"
         );
         assert!(!d.degraded);
+    }
+
+    /// A reservation charged locally is settled in the same counter: the
+    /// unused part is free again at once.
+    #[test]
+    fn settling_frees_what_a_reservation_did_not_use() {
+        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let m = limit("m", 100, 60_000);
+        let mut reserve = applied(&[&m]);
+        reserve[0].cost = 80;
+        assert!(check_as(&l, &s, "a", &reserve, 1_000).result.allowed);
+        assert!(!check_as(&l, &s, "a", &reserve, 1_000).result.allowed);
+        let mine: Vec<Applied> = reserve
+            .iter()
+            .map(|a| Applied {
+                subject: "a".into(),
+                ..a.clone()
+            })
+            .collect();
+        l.settle(&s, &mine, 30, 1_000, 2_000);
+        let d = check_as(&l, &s, "a", &applied(&[&m]), 2_000);
+        assert_eq!(d.result.limits[0].remaining, 69);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{MapType, MetricType, Status};
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
 use super::abi;
 use crate::host::{Call, Host, SharedStore, StoreError};
@@ -138,5 +138,36 @@ impl Host for WasmHost {
 
     fn add_response_header(&self, name: &str, value: &str) {
         let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+            .ok()
+            .flatten()
+    }
+
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+            .ok()
+            .flatten()
+    }
+
+    fn replace_response_body(&self, size: usize, bytes: &[u8]) -> bool {
+        hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, bytes).is_ok()
+    }
+
+    fn append_response_body(&self, bytes: &[u8]) -> bool {
+        // Envoy appends when the start is at or past the buffer's end.
+        hostcalls::set_buffer(BufferType::HttpResponseBody, usize::MAX >> 1, 0, bytes).is_ok()
+    }
+
+    fn resume_response(&self) -> bool {
+        hostcalls::resume_http_response().is_ok()
     }
 }

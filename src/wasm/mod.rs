@@ -103,36 +103,70 @@ impl Stream {
 }
 
 impl Context for Stream {
-    fn on_http_call_response(&mut self, _token: u32, headers: usize, body_size: usize, _: usize) {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _: usize) {
         if let (Some(worker), Some(state)) = (&self.worker, &mut self.state) {
-            let step = worker.on_call_answer(&WasmHost, state, headers, body_size);
-            Self::perform(step, true);
+            if worker.owns_call(state, token) {
+                let step = worker.on_call_answer(&WasmHost, state, headers, body_size);
+                Self::perform(step, true);
+            } else {
+                // A top-up or settlement this stream sent for its worker.
+                worker.on_batch_answer(&WasmHost, token, headers, body_size);
+            }
         }
     }
 }
 
+/// Pause when the flow says the data must wait.
+fn action(go_on: bool) -> Action {
+    if go_on {
+        Action::Continue
+    } else {
+        Action::Pause
+    }
+}
+
 impl HttpContext for Stream {
-    fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         match (&self.worker, &mut self.state) {
-            (Some(worker), Some(state)) => {
-                Self::perform(worker.on_request_headers(&WasmHost, state), false)
-            }
+            (Some(worker), Some(state)) => Self::perform(
+                worker.on_request_headers(&WasmHost, state, end_of_stream),
+                false,
+            ),
+            _ => Action::Continue,
+        }
+    }
+
+    fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        match (&self.worker, &mut self.state) {
+            (Some(worker), Some(state)) => Self::perform(
+                worker.on_request_body(&WasmHost, state, size, end_of_stream),
+                false,
+            ),
             _ => Action::Continue,
         }
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        if let (Some(worker), Some(state)) = (&self.worker, &mut self.state) {
-            worker.on_response_headers(&WasmHost, state);
+        match (&self.worker, &mut self.state) {
+            (Some(worker), Some(state)) => action(worker.on_response_headers(&WasmHost, state)),
+            _ => Action::Continue,
         }
-        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        match (&self.worker, &self.state) {
+            (Some(worker), Some(state)) => {
+                action(worker.on_response_body(&WasmHost, state, size, end_of_stream))
+            }
+            _ => Action::Continue,
+        }
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
         if let (Some(worker), Some(state)) = (&self.worker, &self.state) {
-            worker.on_stream_end(state);
+            worker.on_stream_end(&WasmHost, state);
         }
     }
 }

@@ -1,0 +1,712 @@
+//! Token budgets on the request path: reserve before the request goes
+//! upstream, follow the response, settle when it ends (see
+//! `docs/tokens.md` and [`crate::tokens`] for the pure parts).
+//!
+//! A token-priced request's check carries its reservation as its cost and
+//! asks for receipts. Once admitted, the stream gets a [`Budget`], kept
+//! by the worker (the root's answers update it too). The response is
+//! never paused while it streams: an event stream's events pass as they
+//! come, and only the events that would exceed the reservation wait for
+//! a top-up; the response's end (or, with usage in a header, its headers)
+//! waits for the settlement, so the next request sees the units freed.
+
+use log::warn;
+use meshlimit_protocol::{CheckResult, LimitStatus, SettleOutcome};
+
+use super::{Job, Queued, Step, Stream, Worker};
+use crate::batch::Enqueued;
+use crate::check::{Applied, Check};
+use crate::config::{FailureMode, TokenCost, TokenMode};
+use crate::decision::{self, ServiceError, Verdict};
+use crate::headers::{self, Headers};
+use crate::host::Host;
+use crate::shared::fallback::LocalLimiter;
+use crate::stats::Stat;
+use crate::tokens::budget::{Ledger, Place, Reservation};
+use crate::tokens::json;
+use crate::tokens::sse::{SseGate, CUT_EVENTS};
+
+/// One admitted token-priced request.
+pub(super) struct Budget {
+    check: Check,
+    ledger: Ledger,
+    /// What a top-up asks for: the first reservation's size.
+    step: u64,
+    /// The token-priced limits' statuses after the first reservation.
+    statuses: Vec<LimitStatus>,
+    response: Response,
+    topping_up: bool,
+    /// The budget had no room for a top-up: the next held event cuts.
+    exhausted: bool,
+    /// A top-up was admitted without a reservation (`failure_mode:
+    /// allow`): the stream is no longer bounded.
+    unbounded: bool,
+    held: Held,
+    /// RateLimit headers held with the response headers.
+    held_headers: Headers,
+}
+
+/// Where the response is.
+enum Response {
+    NotYet,
+    /// A JSON body, read up to `max_body_bytes` (`None` above it).
+    Json(Option<Vec<u8>>),
+    Sse(SseGate),
+    /// Ended at the budget: what the upstream sends now is dropped.
+    Cut,
+    /// Settled.
+    Done,
+}
+
+/// What of the response waits for this stream's pending call.
+#[derive(PartialEq, Eq)]
+enum Held {
+    No,
+    Headers,
+    /// Its last chunk (and whatever it still holds back).
+    End,
+}
+
+impl Budget {
+    fn cost(&self) -> Option<&TokenCost> {
+        self.check.tokens.as_deref()
+    }
+
+    /// Deltas an event stream may still pass; `None` when unbounded.
+    fn room(&self, passed: u64) -> Option<u64> {
+        let reserve = self.cost().is_some_and(|c| c.mode == TokenMode::Reserve);
+        (reserve && !self.unbounded).then(|| self.ledger.reserved().saturating_sub(passed))
+    }
+
+    /// What a response that reports no usage settles at: the reservation
+    /// (mode `after`: what was seen of it, at least the unit it holds).
+    fn unreported(&self, seen: u64) -> u64 {
+        match self.cost().map(|c| c.mode) {
+            Some(TokenMode::After) => seen.max(1),
+            _ => self.ledger.reserved(),
+        }
+    }
+}
+
+/// Where an admitted check's token-priced limits were charged, by
+/// meshlimitd's receipts.
+pub(super) fn global_place(check: &Check, result: &CheckResult) -> Option<Place> {
+    check.tokens.as_ref()?;
+    let receipts = result.receipts.as_deref().unwrap_or_default();
+    Some(Place::Global(
+        check
+            .global
+            .iter()
+            .zip(receipts)
+            .filter(|(a, _)| a.tokens)
+            .map(|(_, r)| r.clone())
+            .collect(),
+    ))
+}
+
+impl Worker {
+    /// Where a fallback decision charged (nowhere with `failure_mode:
+    /// allow`).
+    pub(super) fn fallback_place(&self, now: u64) -> Option<Place> {
+        (self.config.failure_mode == FailureMode::Local).then_some(Place::Local { at_ms: now })
+    }
+
+    /// A check was decided: an admitted token-priced request gets its
+    /// budget.
+    pub(super) fn on_admitted(
+        &self,
+        host: &impl Host,
+        context_id: u32,
+        check: &Check,
+        result: &CheckResult,
+        verdict: &Verdict,
+        place: Option<Place>,
+    ) {
+        if check.tokens.is_none() || !matches!(verdict, Verdict::Allow { .. }) {
+            return;
+        }
+        let units = check.reserved();
+        self.metrics.add(host, Stat::TokensReserved, units as usize);
+        let statuses = check
+            .global
+            .iter()
+            .zip(&result.limits)
+            .filter(|(a, _)| a.tokens)
+            .map(|(_, s)| s.clone())
+            .collect();
+        let ledger = Ledger {
+            reservations: vec![Reservation {
+                units,
+                place: place.unwrap_or(Place::Unrecorded),
+            }],
+        };
+        self.budgets.borrow_mut().insert(
+            context_id,
+            Budget {
+                check: check.clone(),
+                ledger,
+                step: units,
+                statuses,
+                response: Response::NotYet,
+                topping_up: false,
+                exhausted: false,
+                unbounded: false,
+                held: Held::No,
+                held_headers: Vec::new(),
+            },
+        );
+    }
+
+    /// A chunk of the request body: a reservation read from the body is
+    /// decided once it is all in (or past `max_body_bytes`).
+    pub fn on_request_body(
+        &self,
+        host: &impl Host,
+        stream: &mut Stream,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Step {
+        let Some(max) = stream
+            .awaiting_body
+            .as_ref()
+            .and_then(|c| c.reserves_from_body())
+            .map(|t| t.max_body_bytes)
+        else {
+            return Step::Continue;
+        };
+        if !end_of_stream && size <= max {
+            // Envoy buffers it; the upstream sees none of it yet.
+            return Step::Pause;
+        }
+        let Some(mut check) = stream.awaiting_body.take() else {
+            return Step::Continue;
+        };
+        let body = (size <= max).then(|| host.request_body(size)).flatten();
+        if let Err(deny) = decision::reserve_from_body(&self.config, &mut check, body.as_deref()) {
+            self.metrics.bump(host, Stat::RejectedCostAboveCapacity);
+            return Step::Reply(deny);
+        }
+        self.decide(host, stream, check)
+    }
+
+    /// The response's headers: how its usage will be read. False when the
+    /// headers wait for the settlement (usage in a header).
+    pub(super) fn token_response_headers(
+        &self,
+        host: &impl Host,
+        context_id: u32,
+        headers: &mut Headers,
+    ) -> bool {
+        let Some(mut b) = self.budgets.borrow_mut().remove(&context_id) else {
+            return true;
+        };
+        let go_on = self.read_response_headers(host, context_id, &mut b, headers);
+        self.budgets.borrow_mut().insert(context_id, b);
+        go_on
+    }
+
+    fn read_response_headers(
+        &self,
+        host: &impl Host,
+        context_id: u32,
+        b: &mut Budget,
+        headers: &mut Headers,
+    ) -> bool {
+        let Some(cost) = b.check.tokens.clone() else {
+            return true;
+        };
+        let status = host
+            .response_header(":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok())
+            .unwrap_or(0);
+        if status >= 500 {
+            // The upstream failed: nothing was produced.
+            let actual = if cost.refund_on_error {
+                0
+            } else {
+                b.ledger.reserved()
+            };
+            self.settle(host, context_id, b, actual);
+            return true;
+        }
+        let reported = cost
+            .usage
+            .header
+            .as_deref()
+            .and_then(|h| host.response_header(h))
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok());
+        if let Some(actual) = reported {
+            // Known before the headers go: they wait for the settlement
+            // and report what is left after it.
+            if self.settle(host, context_id, b, actual) {
+                b.held = Held::Headers;
+                b.held_headers = std::mem::take(headers);
+                return false;
+            }
+            return true;
+        }
+        let content_type = host.response_header("content-type").unwrap_or_default();
+        b.response = if content_type.starts_with(b"text/event-stream") {
+            SseGate::new(cost.usage.sse_json.clone(), cost.max_body_bytes).into()
+        } else if cost.usage.json.is_some() {
+            Response::Json(Some(Vec::new()))
+        } else {
+            let actual = b.unreported(0);
+            self.settle(host, context_id, b, actual);
+            Response::Done
+        };
+        true
+    }
+
+    /// A chunk of the response body. False when its end waits for the
+    /// settlement (or a top-up).
+    pub fn on_response_body(
+        &self,
+        host: &impl Host,
+        stream: &Stream,
+        size: usize,
+        end_of_stream: bool,
+    ) -> bool {
+        let id = stream.context_id;
+        let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
+            return true;
+        };
+        let response = std::mem::replace(&mut b.response, Response::Done);
+        let go_on = match response {
+            Response::NotYet | Response::Done => {
+                b.response = response;
+                true
+            }
+            Response::Cut => {
+                if size > 0 {
+                    host.replace_response_body(size, b"");
+                }
+                b.response = Response::Cut;
+                true
+            }
+            Response::Json(bytes) => self.json_chunk(host, id, &mut b, bytes, size, end_of_stream),
+            Response::Sse(gate) => self.sse_chunk(host, id, &mut b, gate, size, end_of_stream),
+        };
+        self.budgets.borrow_mut().insert(id, b);
+        go_on
+    }
+
+    fn json_chunk(
+        &self,
+        host: &impl Host,
+        id: u32,
+        b: &mut Budget,
+        mut bytes: Option<Vec<u8>>,
+        size: usize,
+        end_of_stream: bool,
+    ) -> bool {
+        let (max, path) = match b.cost() {
+            Some(c) => (c.max_body_bytes, c.usage.json.clone().unwrap_or_default()),
+            None => return true,
+        };
+        if let Some(read) = bytes.as_mut() {
+            // Each chunk is read as it passes: nothing is buffered.
+            if read.len() + size > max {
+                bytes = None;
+            } else if let Some(chunk) = host.response_body(size) {
+                read.extend_from_slice(&chunk);
+            }
+        }
+        if !end_of_stream {
+            b.response = Response::Json(bytes);
+            return true;
+        }
+        let actual = bytes
+            .as_deref()
+            .and_then(|body| json::body_number(body, &path))
+            .unwrap_or_else(|| b.unreported(0));
+        if self.settle(host, id, b, actual) {
+            b.held = Held::End;
+            return false;
+        }
+        true
+    }
+
+    fn sse_chunk(
+        &self,
+        host: &impl Host,
+        id: u32,
+        b: &mut Budget,
+        mut gate: SseGate,
+        size: usize,
+        end_of_stream: bool,
+    ) -> bool {
+        let chunk = host.response_body(size).unwrap_or_default();
+        let mut passed = gate.push(&chunk, b.room(gate.deltas));
+        if end_of_stream && !passed.blocked {
+            let rest = gate.finish(b.room(gate.deltas));
+            passed.bytes.extend(rest.bytes);
+            passed.blocked = rest.blocked;
+        }
+        let mut out = passed.bytes;
+        let mut cut = false;
+        if passed.blocked {
+            if b.exhausted {
+                out.extend_from_slice(CUT_EVENTS);
+                cut = true;
+            } else if !b.topping_up {
+                let step = b.step;
+                self.top_up(host, id, b, step);
+                if b.exhausted {
+                    // Decided at once (no call possible) and no room.
+                    out.extend_from_slice(CUT_EVENTS);
+                    cut = true;
+                }
+            }
+        }
+        if out != chunk {
+            host.replace_response_body(size, &out);
+        }
+        if cut {
+            self.cut(host, id, b, &mut gate);
+            return true;
+        }
+        let waiting = passed.blocked && end_of_stream;
+        let usage = gate.usage;
+        let seen = gate.deltas;
+        b.response = Response::Sse(gate);
+        if waiting {
+            // The last events wait for the top-up in flight.
+            b.held = Held::End;
+            return false;
+        }
+        if end_of_stream {
+            let actual = usage.unwrap_or_else(|| b.unreported(seen));
+            if self.settle(host, id, b, actual) {
+                b.held = Held::End;
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Ends an event stream at its budget: what it delivered is settled.
+    fn cut(&self, host: &impl Host, id: u32, b: &mut Budget, gate: &mut SseGate) {
+        gate.discard();
+        self.metrics.bump(host, Stat::StreamsCut);
+        let delivered = gate.deltas;
+        self.settle(host, id, b, delivered);
+        b.response = Response::Cut;
+    }
+
+    /// Asks for `units` more for a stream (answered in [`Self::on_top_up`]).
+    fn top_up(&self, host: &impl Host, id: u32, b: &mut Budget, units: u64) {
+        let check = b.check.top_up(units);
+        b.topping_up = true;
+        let job = Job::TopUp {
+            check: check.clone(),
+        };
+        if let Err(e) = self.send_job(host, id, job) {
+            self.apply_top_up(host, id, b, &check, Err(e));
+        }
+    }
+
+    /// A top-up's outcome, into the budget.
+    fn apply_top_up(
+        &self,
+        host: &impl Host,
+        id: u32,
+        b: &mut Budget,
+        check: &Check,
+        outcome: Result<CheckResult, ServiceError>,
+    ) {
+        b.topping_up = false;
+        let now = host.now_ms();
+        let (result, place) = match outcome {
+            Ok(result) => {
+                let place = global_place(check, &result);
+                (result, place)
+            }
+            Err(e) => match self.fallback(host, now, check, Some(&e)) {
+                Ok(result) => (result, self.fallback_place(now)),
+                Err(_) => {
+                    b.exhausted = true;
+                    return;
+                }
+            },
+        };
+        let units = check.reserved();
+        if result.allowed {
+            match place {
+                Some(place) => {
+                    self.metrics.add(host, Stat::TokensReserved, units as usize);
+                    b.ledger.reservations.push(Reservation { units, place });
+                }
+                None => b.unbounded = true,
+            }
+            return;
+        }
+        // No room for a whole step: take what is left, then stop.
+        let left = result
+            .limits
+            .iter()
+            .filter(|s| !s.shadow)
+            .map(|s| s.remaining)
+            .min()
+            .unwrap_or(0);
+        if left > 0 && left < units {
+            self.top_up(host, id, b, left);
+        } else {
+            b.exhausted = true;
+        }
+    }
+
+    /// meshlimitd answered a top-up (or its call failed).
+    pub(super) fn on_top_up(
+        &self,
+        host: &impl Host,
+        id: u32,
+        check: &Check,
+        outcome: Result<CheckResult, ServiceError>,
+    ) {
+        let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
+            // The stream is gone: what the top-up charged goes back.
+            if let Ok(result) = &outcome {
+                if let (true, Some(Place::Global(receipts))) =
+                    (result.allowed, global_place(check, result))
+                {
+                    let settlement = check.settlement(check.reserved(), 0, &receipts);
+                    let job = Job::Settle {
+                        settlements: vec![settlement],
+                    };
+                    if self.send_job(host, id, job).is_err() {
+                        self.metrics.bump(host, Stat::SettlementsFailed);
+                    }
+                }
+            }
+            return;
+        };
+        self.apply_top_up(host, id, &mut b, check, outcome);
+        if b.held == Held::End && !b.topping_up && host.set_effective_context(id) {
+            self.finish_held(host, id, &mut b);
+        }
+        self.budgets.borrow_mut().insert(id, b);
+    }
+
+    /// The stream ended while events waited for a top-up: pass what now
+    /// fits, cut what does not, settle, and let the response end.
+    fn finish_held(&self, host: &impl Host, id: u32, b: &mut Budget) {
+        let Response::Sse(mut gate) = std::mem::replace(&mut b.response, Response::Done) else {
+            return;
+        };
+        let passed = gate.finish(b.room(gate.deltas));
+        let mut out = passed.bytes;
+        if passed.blocked && !b.exhausted {
+            let step = b.step;
+            self.top_up(host, id, b, step);
+        }
+        if passed.blocked && b.exhausted {
+            out.extend_from_slice(CUT_EVENTS);
+            host.append_response_body(&out);
+            self.cut(host, id, b, &mut gate);
+            b.held = Held::No;
+            host.resume_response();
+            return;
+        }
+        host.append_response_body(&out);
+        if passed.blocked {
+            // Another top-up is out.
+            b.response = Response::Sse(gate);
+            return;
+        }
+        let actual = gate.usage.unwrap_or_else(|| b.unreported(gate.deltas));
+        if !self.settle(host, id, b, actual) {
+            b.held = Held::No;
+            host.resume_response();
+        }
+    }
+
+    /// Settles every reservation of `b` for `actual` units used: those
+    /// meshlimitd charged in one job, those the fallback charged at once.
+    /// True when a settlement is out (its answer resumes what is held).
+    fn settle(&self, host: &impl Host, id: u32, b: &mut Budget, actual: u64) -> bool {
+        b.response = Response::Done;
+        let reserved = b.ledger.reserved();
+        self.metrics.add(host, Stat::TokensSettled, actual as usize);
+        self.metrics.add(
+            host,
+            Stat::TokensRefunded,
+            reserved.saturating_sub(actual) as usize,
+        );
+        let now = host.now_ms();
+        let shares = b.ledger.split(actual);
+        let mut settlements = Vec::new();
+        for (r, share) in std::mem::take(&mut b.ledger.reservations)
+            .iter()
+            .zip(shares)
+        {
+            match &r.place {
+                Place::Global(receipts) => {
+                    settlements.push(b.check.settlement(r.units, share, receipts));
+                }
+                Place::Local { at_ms } => {
+                    let limits: Vec<Applied> = b
+                        .check
+                        .token_limits()
+                        .map(|a| Applied {
+                            cost: r.units,
+                            ..a.for_fallback()
+                        })
+                        .collect();
+                    LocalLimiter::new(self.config.local.slots, self.seed(host, now))
+                        .settle(host, &limits, share, *at_ms, now);
+                }
+                Place::Unrecorded => {}
+            }
+        }
+        if settlements.is_empty() {
+            return false;
+        }
+        match self.send_job(host, id, Job::Settle { settlements }) {
+            Ok(()) => true,
+            Err(e) => {
+                self.settlement_failed(host, &e.to_string());
+                false
+            }
+        }
+    }
+
+    fn settlement_failed(&self, host: &impl Host, why: &str) {
+        self.metrics.bump(host, Stat::SettlementsFailed);
+        if let Some(skipped) = self.error_log.allow(host.now_ms()) {
+            warn!(
+                "cannot settle a token reservation ({why}); it stands, so the budget is not exceeded ({skipped} similar lines suppressed)"
+            );
+        }
+    }
+
+    /// meshlimitd answered a stream's settlements (or their call failed):
+    /// what the stream held goes on.
+    pub(super) fn on_settled(
+        &self,
+        host: &impl Host,
+        id: u32,
+        outcomes: Result<Vec<SettleOutcome>, ServiceError>,
+    ) {
+        let remaining = match &outcomes {
+            Err(e) => {
+                self.settlement_failed(host, &e.to_string());
+                None
+            }
+            Ok(list) => {
+                for outcome in list {
+                    if let SettleOutcome::Failed(f) = outcome {
+                        self.settlement_failed(host, &f.error);
+                    }
+                }
+                list.iter().rev().find_map(|o| match o {
+                    SettleOutcome::Settled { remaining } => Some(remaining.clone()),
+                    SettleOutcome::Failed(_) => None,
+                })
+            }
+        };
+        let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
+            return;
+        };
+        let held = std::mem::replace(&mut b.held, Held::No);
+        if held != Held::No && host.set_effective_context(id) {
+            if held == Held::Headers {
+                let headers = match remaining {
+                    Some(left) => self.settled_headers(&b, &left),
+                    None => std::mem::take(&mut b.held_headers),
+                };
+                for (name, value) in headers {
+                    host.add_response_header(&name, &value);
+                }
+            }
+            host.resume_response();
+        }
+        self.budgets.borrow_mut().insert(id, b);
+    }
+
+    /// The RateLimit headers for the token-priced limits after settlement.
+    fn settled_headers(&self, b: &Budget, remaining: &[u64]) -> Headers {
+        let limits: Vec<Applied> = b.check.token_limits().cloned().collect();
+        let result = CheckResult {
+            allowed: true,
+            limits: b
+                .statuses
+                .iter()
+                .zip(remaining)
+                .map(|(s, left)| LimitStatus {
+                    remaining: *left,
+                    ..s.clone()
+                })
+                .collect(),
+            receipts: None,
+        };
+        if result.limits.len() != limits.len() {
+            return b.held_headers.clone();
+        }
+        headers::rate_limit_headers(self.config.response.headers, &limits, &result)
+    }
+
+    /// The stream is gone: a reservation not settled yet is settled as the
+    /// request got (no response: refunded, if so configured; an event
+    /// stream: its usage if seen, else the reservation).
+    pub(super) fn on_stream_gone(&self, host: &impl Host, id: u32) {
+        let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
+            return;
+        };
+        let refund = b.cost().is_some_and(|c| c.refund_on_error);
+        let actual = match std::mem::replace(&mut b.response, Response::Done) {
+            Response::Done | Response::Cut => return,
+            Response::NotYet if refund => 0,
+            Response::NotYet | Response::Json(_) => b.unreported(0),
+            Response::Sse(gate) => gate.usage.unwrap_or_else(|| b.unreported(gate.deltas)),
+        };
+        self.settle(host, id, &mut b, actual);
+    }
+
+    /// Sends a top-up or a settlement: in the worker's next batch (group
+    /// commit), or in a call of its own, as the root.
+    fn send_job(&self, host: &impl Host, id: u32, job: Job) -> Result<(), ServiceError> {
+        let now = host.now_ms();
+        let queued = Queued {
+            context_id: id,
+            job,
+        };
+        if let Some(group) = &self.group {
+            let outcome = group.batcher.borrow_mut().enqueue(queued, now);
+            return match outcome {
+                Enqueued::Wait => Ok(()),
+                Enqueued::Wake => {
+                    if !host.enqueue(group.wake_queue) {
+                        // It goes with the next batch instead.
+                        group.batcher.borrow_mut().wake_failed();
+                    }
+                    Ok(())
+                }
+                Enqueued::Refused(_) => {
+                    self.metrics.bump(host, Stat::BatchOverflow);
+                    Err(ServiceError::Connection)
+                }
+            };
+        }
+        host.set_effective_context(self.root_context_id);
+        let sent = self.dispatch_jobs(host, std::slice::from_ref(&queued), now);
+        host.set_effective_context(id);
+        match sent {
+            Ok(token) => {
+                self.batch_started.borrow_mut().insert(token, now);
+                self.solo_calls.borrow_mut().insert(token, vec![queued]);
+                Ok(())
+            }
+            Err(e) => {
+                self.record_call(host, false, now);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl From<SseGate> for Response {
+    fn from(gate: SseGate) -> Self {
+        Response::Sse(gate)
+    }
+}
