@@ -8,6 +8,7 @@
 
 pub mod fake;
 pub mod http;
+pub mod llm;
 pub mod plugin;
 pub mod procs;
 pub mod render;

@@ -42,6 +42,9 @@ pub struct TopologyOptions {
     /// Another build of the filter for these replicas (else
     /// [`tools::wasm`]): the bench compares two builds side by side.
     pub wasm: Option<std::path::PathBuf>,
+    /// A fake LLM ([`crate::llm`]) as the upstream instead of Envoy's
+    /// direct response.
+    pub llm: bool,
 }
 
 impl Default for TopologyOptions {
@@ -56,6 +59,7 @@ impl Default for TopologyOptions {
             meshlimitd_args: Vec::new(),
             redis_cluster: false,
             wasm: None,
+            llm: false,
         }
     }
 }
@@ -73,6 +77,7 @@ pub struct Topology {
     pub cluster: Option<RedisCluster>,
     meshlimitd: Option<Meshlimitd>,
     upstream: Option<Proc>,
+    pub llm: Option<crate::llm::FakeLlm>,
     replicas: Vec<Proc>,
     front: Option<Proc>,
     fake: Option<FakeService>,
@@ -89,6 +94,7 @@ impl Topology {
             cluster: None,
             meshlimitd: None,
             upstream: None,
+            llm: None,
             replicas: Vec::new(),
             front: None,
             fake: None,
@@ -105,8 +111,12 @@ impl Topology {
         }
         let wait_healthy =
             t.options.start_service && !matches!(t.options.fake, Some(Behavior::Unhealthy));
-        let upstream = t.start_envoy("upstream", &t.upstream_config(), 1);
-        t.upstream = Some(upstream);
+        if t.options.llm {
+            t.llm = Some(crate::llm::FakeLlm::start(&t.addr(UPSTREAM_PORT)));
+        } else {
+            let upstream = t.start_envoy("upstream", &t.upstream_config(), 1);
+            t.upstream = Some(upstream);
+        }
         for i in 1..=t.options.replicas {
             let config = t.replica_config(i);
             let mut replica =

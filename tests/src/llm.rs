@@ -1,0 +1,210 @@
+//! A fake LLM upstream, OpenAI-shaped, for token-budget tests and the demo.
+//!
+//! `POST /v1/chat/completions` answers a chat completion: a JSON body, or
+//! with `"stream": true` in the request an event stream (one delta event
+//! per token, then, unless told not to, a usage event, then `[DONE]`).
+//! Each request says how it should behave through headers, so one
+//! upstream serves every case of a test:
+//!
+//! | header | meaning | default |
+//! |---|---|---|
+//! | `x-llm-tokens` | completion tokens (deltas of a stream) | 10 |
+//! | `x-llm-prompt` | prompt tokens (counted in `total_tokens`) | 0 |
+//! | `x-llm-usage` | `body` (JSON `usage` / last event), `header` (`x-usage-tokens`), `none` | `body` |
+//! | `x-llm-status` | answer this status with an error body | 200 |
+//! | `x-llm-delay-ms` | wait before the answer, and between events | 0 |
+//!
+//! It counts the completion tokens it actually wrote to the socket, so a
+//! test can compare what the budget settled with what was delivered.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub struct FakeLlm {
+    stop: Arc<AtomicBool>,
+    /// Completion tokens written to clients (Envoy) so far.
+    pub written: Arc<AtomicU64>,
+}
+
+impl FakeLlm {
+    pub fn start(addr: &str) -> FakeLlm {
+        let listener =
+            TcpListener::bind(addr).unwrap_or_else(|e| panic!("cannot bind {addr}: {e}"));
+        listener
+            .set_nonblocking(true)
+            .unwrap_or_else(|e| panic!("cannot configure {addr}: {e}"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let written = Arc::new(AtomicU64::new(0));
+        let (flag, count) = (Arc::clone(&stop), Arc::clone(&written));
+        std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let count = Arc::clone(&count);
+                        std::thread::spawn(move || serve(stream, &count));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        FakeLlm { stop, written }
+    }
+}
+
+impl Drop for FakeLlm {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One request: its lower-case headers and its body.
+struct Request {
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Request {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn number(&self, name: &str, default: u64) -> u64 {
+        self.header(name)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
+}
+
+fn read_request(stream: &mut TcpStream) -> Option<Request> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let n = stream.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+        let headers: Vec<(String, String)> = head
+            .split("\r\n")
+            .skip(1)
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let len: usize = headers
+            .iter()
+            .find(|(k, _)| k == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0);
+        while buf.len() < end + 4 + len {
+            let n = stream.read(&mut chunk).ok()?;
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let body = buf[end + 4..end + 4 + len].to_vec();
+        return Some(Request { headers, body });
+    }
+}
+
+fn serve(mut stream: TcpStream, written: &AtomicU64) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let Some(req) = read_request(&mut stream) else {
+        return;
+    };
+    let tokens = req.number("x-llm-tokens", 10);
+    let prompt = req.number("x-llm-prompt", 0);
+    let status = req.number("x-llm-status", 200);
+    let delay = Duration::from_millis(req.number("x-llm-delay-ms", 0));
+    let usage = req.header("x-llm-usage").unwrap_or("body").to_string();
+    let streamed = serde_json::from_slice::<serde_json::Value>(&req.body)
+        .ok()
+        .and_then(|v| v.get("stream")?.as_bool())
+        .unwrap_or(false);
+    std::thread::sleep(delay);
+    let total = prompt + tokens;
+    if status != 200 {
+        let body = r#"{"error":{"message":"the fake model failed","type":"server_error"}}"#;
+        let _ = write!(
+            stream,
+            "HTTP/1.1 {status} Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        return;
+    }
+    let usage_header = if usage == "header" {
+        format!("x-usage-tokens: {total}\r\n")
+    } else {
+        String::new()
+    };
+    let usage_json = format!(
+        r#"{{"prompt_tokens":{prompt},"completion_tokens":{tokens},"total_tokens":{total}}}"#
+    );
+    if !streamed {
+        let content = vec!["tok"; tokens as usize].join(" ");
+        let usage_field = if usage == "body" {
+            format!(r#","usage":{usage_json}"#)
+        } else {
+            String::new()
+        };
+        let body = format!(
+            r#"{{"id":"chatcmpl-fake","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"{content}"}},"finish_reason":"stop"}}]{usage_field}}}"#
+        );
+        let sent = write!(
+            stream,
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{usage_header}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        if sent.is_ok() {
+            written.fetch_add(tokens, Ordering::Relaxed);
+        }
+        return;
+    }
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n{usage_header}transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    );
+    if stream.write_all(head.as_bytes()).is_err() {
+        return;
+    }
+    let chunk = |stream: &mut TcpStream, data: &str| -> bool {
+        stream
+            .write_all(format!("{:x}\r\n{data}\r\n", data.len()).as_bytes())
+            .and_then(|_| stream.flush())
+            .is_ok()
+    };
+    for i in 0..tokens {
+        let event = format!(
+            "data: {{\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i} \"}},\"finish_reason\":null}}]}}\n\n"
+        );
+        if !chunk(&mut stream, &event) {
+            return;
+        }
+        written.fetch_add(1, Ordering::Relaxed);
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+    }
+    let finish = "data: {\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
+    if !chunk(&mut stream, finish) {
+        return;
+    }
+    if usage == "body" {
+        let event = format!(
+            "data: {{\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{usage_json}}}\n\n"
+        );
+        if !chunk(&mut stream, &event) {
+            return;
+        }
+    }
+    let _ = chunk(&mut stream, "data: [DONE]\n\n") && stream.write_all(b"0\r\n\r\n").is_ok();
+}

@@ -1,0 +1,445 @@
+//! Token budgets end to end: a fake LLM upstream (JSON and event streams,
+//! usage in the body, the last event or a header) behind real Envoys,
+//! meshlimitd and Redis. The budget is reserved before each request,
+//! settled from its response, never exceeded in mode `reserve`.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::*;
+use meshlimit_testbed::http::{self, Response};
+use meshlimit_testbed::{Topology, TopologyOptions};
+
+/// The token budget's limit: `llm/tokens`.
+const LIMIT: &str = "llm/tokens";
+
+/// A config with one rule on `/v1/` priced by `cost`, with `limits`.
+fn llm_config(cost: Value, limits: Value) -> String {
+    PluginConfig::new()
+        .rules(json!([{
+            "name": "llm",
+            "match": {"path_prefix": "/v1/"},
+            "cost": cost,
+            "limits": limits
+        }]))
+        .build()
+}
+
+/// The usual token cost: reserve the request's max_tokens (default 100,
+/// at most 10,000), usage from the JSON body or the last event.
+fn usual_cost() -> Value {
+    json!({
+        "reserve": {"request_json": "max_tokens", "default": 100, "max": 10000},
+        "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens",
+                     "header": "x-usage-tokens"}
+    })
+}
+
+fn budget(tokens: u64) -> Value {
+    json!([{"name": "tokens", "requests": tokens, "window": "60s"}])
+}
+
+fn llm_topology(plugin_config: String, replicas: usize) -> Topology {
+    Topology::start(TopologyOptions {
+        plugin_config,
+        replicas,
+        front: false,
+        llm: true,
+        ..TopologyOptions::default()
+    })
+}
+
+/// A chat completion request to replica `replica`: `max_tokens`, and the
+/// fake model's behaviour in `llm` headers.
+fn chat(
+    t: &Topology,
+    replica: usize,
+    client: &str,
+    max_tokens: u64,
+    stream: bool,
+    llm: &[(&str, &str)],
+) -> Response {
+    let body = json!({"model": "fake", "max_tokens": max_tokens, "stream": stream,
+                      "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    let mut headers: Vec<(&str, &[u8])> = vec![
+        ("x-api-key", client.as_bytes()),
+        ("content-type", b"application/json"),
+    ];
+    headers.extend(llm.iter().map(|(k, v)| (*k, v.as_bytes())));
+    http::request(
+        &t.replica_addr(replica),
+        "POST",
+        "/v1/chat/completions",
+        &headers,
+        body.as_bytes(),
+    )
+    .unwrap_or_else(|e| panic!("chat request failed: {e}"))
+}
+
+/// The fixed-window counter of `limit` for `client`, as Redis holds it.
+fn counter(t: &Topology, client: &str) -> u64 {
+    let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
+    let key = keys
+        .lines()
+        .find(|k| {
+            k.contains(LIMIT)
+                && k.contains(&format!("x-api-key:{client}}}"))
+                && !k.ends_with(":ovr")
+        })
+        .map(str::to_string);
+    match key {
+        Some(k) => t.redis_cli(&["GET", &k]).trim().parse().unwrap_or(0),
+        None => 0,
+    }
+}
+
+/// The first check, its settlement and the counter in Redis: reserved
+/// max_tokens, settled at the usage the JSON body reports.
+#[test]
+fn a_json_response_settles_at_its_reported_usage() {
+    let t = llm_topology(llm_config(usual_cost(), budget(10_000)), 1);
+    wait_for_fresh_window(Duration::from_secs(10));
+    let r = chat(
+        &t,
+        1,
+        "json",
+        500,
+        false,
+        &[("x-llm-tokens", "120"), ("x-llm-prompt", "3")],
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(r.body.contains("\"total_tokens\":123"), "{}", r.body);
+    assert_eq!(counter(&t, "json"), 123);
+    assert_eq!(t.stat(1, "meshlimit.tokens_reserved"), 500);
+    assert_eq!(t.stat(1, "meshlimit.tokens_settled"), 123);
+    assert_eq!(t.stat(1, "meshlimit.tokens_refunded"), 377);
+    assert_no_vm_panics(&t);
+}
+
+fn stat(t: &Topology, name: &str) -> u64 {
+    t.stat_total(&format!("meshlimit.{name}"))
+}
+
+/// `total_tokens` as a response reports it (JSON body).
+fn reported(r: &Response) -> u64 {
+    serde_json::from_str::<Value>(&r.body)
+        .ok()
+        .and_then(|v| v["usage"]["total_tokens"].as_u64())
+        .unwrap_or_else(|| panic!("no usage in {}", r.body))
+}
+
+/// Waits until the counter reads `want` (a settlement sent when a stream
+/// ended is not awaited by anyone), for at most 5 s.
+fn counter_reaches(t: &Topology, client: &str, want: u64) -> u64 {
+    let mut last = counter(t, client);
+    for _ in 0..100 {
+        if last == want {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        last = counter(t, client);
+    }
+    last
+}
+
+/// The issue's first test: a 10,000-token budget, 64 concurrent clients
+/// reserving 500 each and using 100 to 500, through two replicas. The
+/// budget is never exceeded, and once everything settled the counter in
+/// Redis is exactly the usage of the admitted requests.
+#[test]
+fn concurrent_reservations_never_exceed_the_budget_and_settle_exactly() {
+    let t = llm_topology(llm_config(usual_cost(), budget(10_000)), 2);
+    wait_for_fresh_window(Duration::from_secs(20));
+    let results: Vec<(u16, u64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..64)
+            .map(|i| {
+                let t = &t;
+                s.spawn(move || {
+                    (0..3)
+                        .map(|j| {
+                            let used = (100 + (i * 37 + j * 101) % 401).to_string();
+                            let r = chat(
+                                t,
+                                1 + (i + j) % 2,
+                                "shared",
+                                500,
+                                false,
+                                &[("x-llm-tokens", &used)],
+                            );
+                            let usage = if r.status == 200 { reported(&r) } else { 0 };
+                            (r.status, usage)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    });
+    let admitted: Vec<u64> = results
+        .iter()
+        .filter(|(s, _)| *s == 200)
+        .map(|(_, u)| *u)
+        .collect();
+    let used: u64 = admitted.iter().sum();
+    assert!(
+        results.iter().all(|(s, _)| *s == 200 || *s == 429),
+        "only 200 and 429: {results:?}"
+    );
+    assert!(used <= 10_000, "settled usage {used} exceeds the budget");
+    assert!(admitted.len() >= 20, "only {} admitted", admitted.len());
+    assert!(
+        admitted.len() < 192,
+        "some must be refused for their reservation"
+    );
+    assert_eq!(
+        counter(&t, "shared"),
+        used,
+        "the counter is the admitted usage"
+    );
+    assert_eq!(stat(&t, "tokens_settled"), used);
+    assert_no_vm_panics(&t);
+}
+
+/// A request reserving 1,000 that uses 100 gives 900 back at once: the
+/// next request, on the other replica, reserves them.
+#[test]
+fn a_refund_is_free_for_the_next_request_on_the_other_replica() {
+    let t = llm_topology(llm_config(usual_cost(), budget(1_000)), 2);
+    wait_for_fresh_window(Duration::from_secs(10));
+    let first = chat(&t, 1, "refund", 1_000, false, &[("x-llm-tokens", "100")]);
+    assert_eq!(first.status, 200);
+    let second = chat(&t, 2, "refund", 900, false, &[("x-llm-tokens", "900")]);
+    assert_eq!(second.status, 200, "900 were given back: {}", second.body);
+    let third = chat(&t, 1, "refund", 1, false, &[("x-llm-tokens", "1")]);
+    assert_eq!(third.status, 429, "the budget is spent");
+    assert!(third.header("retry-after").is_some());
+    assert_eq!(counter(&t, "refund"), 1_000);
+    assert_eq!(stat(&t, "tokens_refunded"), 900);
+}
+
+/// Reads an event stream's data lines (the body, de-chunked).
+fn events(r: &Response) -> Vec<String> {
+    r.body
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A stream is charged exactly what its last event reports; without a
+/// usage event, it settles at its reservation.
+#[test]
+fn streams_settle_at_their_usage_event_or_their_reservation() {
+    let t = llm_topology(llm_config(usual_cost(), budget(10_000)), 1);
+    wait_for_fresh_window(Duration::from_secs(10));
+    let r = chat(
+        &t,
+        1,
+        "sse",
+        200,
+        true,
+        &[("x-llm-tokens", "50"), ("x-llm-prompt", "5")],
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let data = events(&r);
+    assert_eq!(data.len(), 50 + 3, "50 deltas, finish, usage, [DONE]");
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(counter(&t, "sse"), 55, "charged the reported usage exactly");
+
+    let r = chat(
+        &t,
+        1,
+        "sse-quiet",
+        200,
+        true,
+        &[("x-llm-tokens", "50"), ("x-llm-usage", "none")],
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(events(&r).last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(
+        counter(&t, "sse-quiet"),
+        200,
+        "no usage: the reservation stands"
+    );
+
+    // Usage in a response header: the headers wait for the settlement and
+    // report what is left after it.
+    let r = chat(
+        &t,
+        1,
+        "hdr",
+        400,
+        false,
+        &[("x-llm-tokens", "40"), ("x-llm-usage", "header")],
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(counter(&t, "hdr"), 40);
+    let ratelimit = r.header("ratelimit").unwrap_or_default();
+    assert!(
+        ratelimit.contains("r=9960"),
+        "remaining after settlement: {ratelimit}"
+    );
+    assert_no_vm_panics(&t);
+}
+
+/// A stream that outgrows its reservation is topped up while the budget
+/// has room, and ended cleanly when it has none: a final rate_limited
+/// chunk and [DONE], never a reset; the counter holds exactly the budget.
+#[test]
+fn a_stream_past_the_budget_ends_with_a_final_event() {
+    let t = llm_topology(llm_config(usual_cost(), budget(100)), 1);
+    wait_for_fresh_window(Duration::from_secs(10));
+    let r = chat(&t, 1, "long", 30, true, &[("x-llm-tokens", "200")]);
+    assert_eq!(r.status, 200);
+    let data = events(&r);
+    let deltas = data.iter().filter(|d| d.contains("\"content\"")).count();
+    assert_eq!(deltas, 100, "exactly the budget was delivered");
+    let n = data.len();
+    assert!(n >= 2, "{data:?}");
+    assert!(
+        data[n - 2].contains("\"finish_reason\":\"rate_limited\""),
+        "{}",
+        data[n - 2]
+    );
+    assert_eq!(data[n - 1], "[DONE]");
+    for d in &data[..n - 1] {
+        serde_json::from_str::<Value>(d).unwrap_or_else(|e| panic!("{d}: {e}"));
+    }
+    assert_eq!(counter_reaches(&t, "long", 100), 100);
+    assert_eq!(stat(&t, "streams_cut"), 1);
+    // A stream within what is left is topped up and completes.
+    let t2 = llm_topology(llm_config(usual_cost(), budget(1_000)), 1);
+    let r = chat(&t2, 1, "topped", 30, true, &[("x-llm-tokens", "80")]);
+    assert_eq!(
+        events(&r)
+            .iter()
+            .filter(|d| d.contains("\"content\""))
+            .count(),
+        80
+    );
+    assert_eq!(counter(&t2, "topped"), 80, "settled at the usage event");
+    assert_eq!(stat(&t2, "streams_cut"), 0);
+    assert_no_vm_panics(&t);
+}
+
+/// An upstream 5xx gives the reservation back; a client that leaves in
+/// the middle of a stream is charged its reservation (no usage seen).
+#[test]
+fn upstream_errors_refund_and_client_resets_settle() {
+    let t = llm_topology(llm_config(usual_cost(), budget(1_000)), 1);
+    wait_for_fresh_window(Duration::from_secs(15));
+    let r = chat(&t, 1, "err", 700, false, &[("x-llm-status", "500")]);
+    assert_eq!(r.status, 500);
+    assert_eq!(counter(&t, "err"), 0, "refunded");
+    assert_eq!(stat(&t, "tokens_refunded"), 700);
+
+    // Read three events, then hang up.
+    let body = json!({"max_tokens": 300, "stream": true}).to_string();
+    let mut conn = TcpStream::connect(t.replica_addr(1)).unwrap();
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-api-key: gone\r\nx-llm-tokens: 100\r\nx-llm-usage: none\r\nx-llm-delay-ms: 30\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    while seen.windows(8).filter(|w| w == b"content\"").count() < 3 {
+        let n = conn.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(conn);
+    assert_eq!(
+        counter_reaches(&t, "gone", 300),
+        300,
+        "settled at the reservation"
+    );
+    assert_no_vm_panics(&t);
+}
+
+/// Mode `after` is what other gateways do: admit while anything is left,
+/// charge the usage after. Concurrent requests overshoot the budget by up
+/// to their own usage (here 8 x 400 on a budget of 1,000), which mode
+/// `reserve` never does.
+#[test]
+fn mode_after_overshoots_by_the_requests_in_flight() {
+    let after = json!({"mode": "after", "response": {"json": "usage.total_tokens"}});
+    let t = llm_topology(llm_config(after, budget(1_000)), 2);
+    wait_for_fresh_window(Duration::from_secs(15));
+    let overlapping = |t: &Topology, client: &str| -> usize {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|i| {
+                    s.spawn(move || {
+                        chat(
+                            t,
+                            1 + i % 2,
+                            client,
+                            400,
+                            false,
+                            &[("x-llm-tokens", "400"), ("x-llm-delay-ms", "300")],
+                        )
+                        .status
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .filter(|s| *s == 200)
+                .count()
+        })
+    };
+    assert_eq!(
+        overlapping(&t, "after"),
+        8,
+        "all admitted: each held one unit"
+    );
+    assert_eq!(counter(&t, "after"), 3_200, "3.2x the budget");
+    assert_eq!(
+        chat(&t, 1, "after", 1, false, &[]).status,
+        429,
+        "then refused"
+    );
+
+    let t = llm_topology(llm_config(usual_cost(), budget(1_000)), 2);
+    let admitted = overlapping(&t, "reserve");
+    assert_eq!(admitted, 2, "mode reserve: only what fits");
+    assert_eq!(counter(&t, "reserve"), 800);
+}
+
+/// With Redis stopped, reservations and settlements go to the local
+/// counters: no 5xx, the unused part of a reservation is freed locally
+/// too, and the stats say the fallback decided.
+#[test]
+fn with_redis_down_reservations_settle_in_the_local_counters() {
+    let mut t = llm_topology(llm_config(usual_cost(), budget(1_000)), 1);
+    wait_for_fresh_window(Duration::from_secs(15));
+    assert_eq!(
+        chat(&t, 1, "warm", 10, false, &[("x-llm-tokens", "1")]).status,
+        200
+    );
+    t.stop_redis();
+    let statuses: Vec<u16> = [600, 600, 900]
+        .iter()
+        .map(|&max| chat(&t, 1, "local", max, false, &[("x-llm-tokens", "100")]).status)
+        .collect();
+    assert_eq!(
+        statuses,
+        [200, 200, 429],
+        "100 + 100 settled, then 900 does not fit"
+    );
+    assert!(stat(&t, "fallback_allowed") >= 2);
+    assert_eq!(stat(&t, "tokens_settled"), 1 + 200);
+    assert_no_vm_panics(&t);
+}
