@@ -233,6 +233,104 @@ fn cost_is_fixed_or_from_a_bounded_header() {
     );
 }
 
+/// A token cost: where the usage is, what is reserved, and each mistake
+/// named by its field.
+#[test]
+fn token_costs_are_read_and_each_mistake_named() {
+    let rule = |cost: &str| {
+        format!(
+            r#"{{"rules":[{{"name":"llm","cost":{cost},"limits":[{{"name":"t","requests":1000,"window":"60s"}}]}}]}}"#
+        )
+    };
+    let c = parse_str(&rule(
+        r#"{"reserve":{"request_json":"max_tokens","default":100,"max":4000},
+            "response":{"json":"usage.total_tokens","header":"X-Usage"}}"#,
+    ))
+    .unwrap();
+    let Cost::Tokens(t) = &c.rules[0].cost else {
+        panic!("a token cost")
+    };
+    assert_eq!(t.mode, TokenMode::Reserve);
+    assert_eq!(t.max_body_bytes, 1 << 20);
+    assert!(t.refund_on_error);
+    assert_eq!(t.usage.header.as_deref(), Some("x-usage"));
+    assert_eq!(
+        t.usage.json.as_deref(),
+        Some(&["usage".to_string(), "total_tokens".to_string()][..])
+    );
+    assert_eq!(
+        t.reserve,
+        Reserve::RequestJson {
+            path: vec!["max_tokens".into()],
+            default: 100,
+            max: 4000
+        }
+    );
+    let after = parse_str(&rule(
+        r#"{"mode":"after","response":{"sse_json":"usage.total_tokens"}}"#,
+    ));
+    assert!(matches!(&after.unwrap().rules[0].cost, Cost::Tokens(t) if t.mode == TokenMode::After));
+    for (cost, field, problem) in [
+        (
+            r#"{"response":{}}"#,
+            "rules[0].cost.response",
+            "json, sse_json or header",
+        ),
+        (
+            r#"{"response":{"json":"usage..total"},"reserve":5}"#,
+            "rules[0].cost.response.json",
+            "dotted JSON path",
+        ),
+        (
+            r#"{"response":{"json":"a"}}"#,
+            "rules[0].cost.reserve",
+            "needs a reservation",
+        ),
+        (
+            r#"{"response":{"json":"a"},"mode":"after","reserve":5}"#,
+            "rules[0].cost.reserve",
+            "remove reserve",
+        ),
+        (
+            r#"{"response":{"json":"a"},"reserve":0}"#,
+            "rules[0].cost.reserve",
+            "between 1",
+        ),
+        (
+            r#"{"response":{"json":"a"},"reserve":{"request_json":"m","default":9,"max":5}}"#,
+            "rules[0].cost.reserve.default",
+            "between 1 and max",
+        ),
+        (
+            r#"{"response":{"json":"a"},"reserve":5,"max_body_bytes":10}"#,
+            "rules[0].cost.max_body_bytes",
+            "between 1024",
+        ),
+        (
+            r#"{"response":{"jsn":"a"},"reserve":5}"#,
+            "rules[0].cost.response.jsn",
+            "unknown field `jsn`",
+        ),
+        (
+            r#"{"response":{"header":"bad header"},"reserve":5}"#,
+            "rules[0].cost.response.header",
+            "not a valid header name",
+        ),
+        (
+            r#"{"response":{"json":"a"},"reserve":5,"mode":"later"}"#,
+            "rules[0].cost.mode",
+            "unknown variant",
+        ),
+    ] {
+        rejects(&rule(cost), field, problem);
+    }
+    rejects(
+        r#"{"rules":[{"name":"llm","scope":"local","cost":{"response":{"json":"a"},"reserve":5},"limits":[{"name":"t","requests":1000,"window":"60s"}]}]}"#,
+        "rules[0].scope",
+        "must be global",
+    );
+}
+
 #[test]
 fn unknown_algorithms_are_named() {
     rejects(

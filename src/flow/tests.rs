@@ -4,6 +4,9 @@
 
 use super::*;
 use crate::host::fake::{Acted, FakeHost, FakeRequest};
+use serde_json::json;
+
+mod tokens;
 
 const ROOT: u32 = 1;
 

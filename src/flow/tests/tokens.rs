@@ -1,0 +1,213 @@
+//! Token budgets through the flow, on the fake host: a reservation read
+//! from the body, its settlement riding the next batch, a stream topped
+//! up and cut at its budget, and a client that leaves.
+
+use super::*;
+use crate::tokens::sse::CUT_EVENTS;
+
+/// A token rule: reserve `reserve` (a JSON value), usage from the body or
+/// the last event, a budget of 1,000 a minute per `x-api-key`.
+fn token_config(reserve: &str) -> Config {
+    token_config_with(reserve, ONE_SLOT)
+}
+
+fn token_config_with(reserve: &str, extra: &str) -> Config {
+    crate::config::parse(
+        format!(
+            r#"{{{extra} "client_id": {{"headers": ["x-api-key"], "when_missing": "reject"}},
+            "rules": [{{"name": "llm", "match": {{"path_prefix": "/v1/"}},
+                "cost": {{"reserve": {reserve},
+                          "response": {{"json": "usage.total_tokens", "sse_json": "usage.total_tokens"}}}},
+                "limits": [{{"name": "tokens", "requests": 1000, "window": "60s"}}]}}]}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap()
+}
+
+/// An admitted answer for one limit of 1,000, with a receipt.
+fn reserved(remaining: u64) -> String {
+    format!(
+        r#"{{"allowed":true,"limits":[{{"allowed":true,"limit":1000,"remaining":{remaining},"reset_after_ms":30000,"retry_after_ms":0}}],"receipts":[{{"clock_us":7,"nonce":"n1","place":0}}]}}"#
+    )
+}
+
+impl Harness {
+    /// A POST to `/v1/chat` from `id` whose body follows.
+    fn post(&mut self, id: &str) -> (Stream, Step) {
+        self.next_context += 1;
+        let mut stream = self.worker.stream(self.next_context);
+        *self.host.request.borrow_mut() = FakeRequest::default()
+            .with_header(":path", b"/v1/chat")
+            .with_header(":method", b"POST")
+            .with_header("x-api-key", id.as_bytes());
+        self.host.context.set(stream.context_id);
+        let step = self
+            .worker
+            .on_request_headers(&self.host, &mut stream, false);
+        (stream, step)
+    }
+
+    fn request_body(&self, stream: &mut Stream, body: &[u8], end: bool) -> Step {
+        *self.host.request_body.borrow_mut() = body.to_vec();
+        self.host.context.set(stream.context_id);
+        self.worker
+            .on_request_body(&self.host, stream, body.len(), end)
+    }
+
+    fn response_headers(&self, stream: &mut Stream, status: &str, content_type: &str) -> bool {
+        *self.host.upstream_headers.borrow_mut() = vec![
+            (":status".into(), status.as_bytes().to_vec()),
+            ("content-type".into(), content_type.as_bytes().to_vec()),
+        ];
+        self.host.context.set(stream.context_id);
+        self.worker.on_response_headers(&self.host, stream)
+    }
+
+    /// A response chunk; what the client gets of it, and whether it went on.
+    fn response_body(&self, stream: &Stream, chunk: &[u8], end: bool) -> (Vec<u8>, bool) {
+        *self.host.response_body.borrow_mut() = chunk.to_vec();
+        self.host.context.set(stream.context_id);
+        let go_on = self
+            .worker
+            .on_response_body(&self.host, stream, chunk.len(), end);
+        (self.host.response_body.borrow().clone(), go_on)
+    }
+}
+
+fn delta(i: u32) -> String {
+    format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n")
+}
+
+#[test]
+fn a_reservation_read_from_the_body_is_settled_in_the_next_batch() {
+    let mut h = harness_with(token_config(
+        r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#,
+    ));
+    let (mut s, step) = h.post("a");
+    assert_eq!(step, Step::Continue, "headers go on; the body waits");
+    assert_eq!(h.request_body(&mut s, br#"{"max_tok"#, false), Step::Pause);
+    let step = h.request_body(&mut s, br#"{"max_tokens": 300}"#, true);
+    assert_eq!(step, Step::Pause, "queued");
+    h.wake();
+    let call = h.last_call_body();
+    assert_eq!(call["checks"][0]["limits"][0]["cost"], 300);
+    assert_eq!(call["checks"][0]["receipt"], true);
+    h.answer_batch(1, Some(200), &answer(&[reserved(700)]));
+    assert_eq!(h.host.take_acted(), [Acted::Resumed(s.context_id)]);
+    assert_eq!(h.stat("tokens_reserved"), 300);
+
+    assert!(h.response_headers(&mut s, "200", "application/json"));
+    let (_, go_on) = h.response_body(&s, br#"{"usage":{"total_to"#, false);
+    assert!(go_on, "chunks pass as they come");
+    let (_, go_on) = h.response_body(&s, br#"kens":120}}"#, true);
+    assert!(!go_on, "the end waits for the settlement");
+    h.wake();
+    let call = h.last_call_body();
+    assert_eq!(call["checks"], json!([]));
+    let settlement = &call["settlements"][0];
+    assert_eq!(settlement["actual"], json!([120]));
+    assert_eq!(settlement["limits"][0]["cost"], 300);
+    assert_eq!(settlement["receipts"][0]["nonce"], "n1");
+    h.answer_batch(
+        2,
+        Some(200),
+        r#"{"results":[],"settled":[{"remaining":[880]}]}"#,
+    );
+    assert_eq!(h.host.take_acted(), [Acted::ResumedResponse(s.context_id)]);
+    assert_eq!(
+        (h.stat("tokens_settled"), h.stat("tokens_refunded")),
+        (120, 180)
+    );
+}
+
+#[test]
+fn a_body_with_no_reservation_reserves_the_default_and_one_above_the_capacity_is_refused() {
+    let mut h = harness_with(token_config(
+        r#"{"request_json": "max_tokens", "default": 50, "max": 5000}"#,
+    ));
+    let (mut s, _) = h.post("a");
+    h.request_body(&mut s, b"not json", true);
+    h.wake();
+    assert_eq!(h.last_call_body()["checks"][0]["limits"][0]["cost"], 50);
+    let (mut s, _) = h.post("b");
+    let step = h.request_body(&mut s, br#"{"max_tokens": 4000}"#, true);
+    assert_eq!(reply_status(&step), Some(429), "4000 can never fit in 1000");
+    assert_eq!(h.stat("rejected_cost_above_capacity"), 1);
+}
+
+#[test]
+fn a_stream_is_topped_up_then_cut_cleanly_at_its_budget() {
+    let mut h = harness_with(token_config("2"));
+    let (mut s, step) = h.post("a");
+    assert_eq!(
+        step,
+        Step::Pause,
+        "a fixed reservation is decided at the headers"
+    );
+    h.wake();
+    h.answer_batch(1, Some(200), &answer(&[reserved(998)]));
+    h.host.take_acted();
+    assert!(h.response_headers(&mut s, "200", "text/event-stream"));
+    let three = format!("{}{}{}", delta(0), delta(1), delta(2));
+    let (out, go_on) = h.response_body(&s, three.as_bytes(), false);
+    assert!(go_on);
+    assert_eq!(
+        out,
+        format!("{}{}", delta(0), delta(1)).as_bytes(),
+        "the third waits"
+    );
+    h.wake();
+    let call = h.last_call_body();
+    assert_eq!(
+        call["checks"][0]["limits"][0]["cost"], 2,
+        "a top-up of one step"
+    );
+    // No room: the budget is spent.
+    let spent = r#"{"allowed":false,"limits":[{"allowed":false,"limit":1000,"remaining":0,"reset_after_ms":30000,"retry_after_ms":30000}]}"#;
+    h.answer_batch(2, Some(200), &answer(&[spent.to_string()]));
+    let (out, _) = h.response_body(&s, delta(3).as_bytes(), false);
+    assert_eq!(out, CUT_EVENTS, "a final event and [DONE]");
+    assert_eq!(h.stat("streams_cut"), 1);
+    let (out, _) = h.response_body(&s, delta(4).as_bytes(), true);
+    assert!(
+        out.is_empty(),
+        "the rest of the upstream's stream is dropped"
+    );
+    h.wake();
+    let settlement = &h.last_call_body()["settlements"][0];
+    assert_eq!(settlement["actual"], json!([2]), "what was delivered");
+}
+
+#[test]
+fn a_client_that_leaves_before_the_response_is_refunded() {
+    let mut h = harness_with(token_config("40"));
+    let (s, _) = h.post("a");
+    h.wake();
+    h.answer_batch(1, Some(200), &answer(&[reserved(960)]));
+    h.worker.on_stream_end(&h.host, &s);
+    h.wake();
+    assert_eq!(h.last_call_body()["settlements"][0]["actual"], json!([0]));
+    assert_eq!(h.stat("tokens_refunded"), 40);
+}
+
+#[test]
+fn with_meshlimitd_away_a_reservation_is_settled_in_the_local_counters() {
+    let mut h = harness_with(token_config_with("600", ONE_CALL));
+    h.host.dispatch_fails.set(true);
+    let mut admitted = Vec::new();
+    for id in ["x", "x", "x"] {
+        let (mut s, step) = h.post(id);
+        if step == Step::Continue {
+            h.response_headers(&mut s, "200", "application/json");
+            h.response_body(&s, br#"{"usage":{"total_tokens":100}}"#, true);
+        }
+        admitted.push(step == Step::Continue);
+    }
+    // Each holds 600 and settles at 100: without the local settlement
+    // the second would not fit.
+    assert_eq!(admitted, [true, true, true]);
+    assert_eq!(h.stat("tokens_settled"), 300);
+    assert_eq!(h.post("x").1, Step::Continue, "300 + 600 fit");
+    assert_eq!(reply_status(&h.post("x").1), Some(429), "900 + 600 do not");
+}
