@@ -208,3 +208,38 @@ fn serve(mut stream: TcpStream, written: &AtomicU64) {
     }
     let _ = chunk(&mut stream, "data: [DONE]\n\n") && stream.write_all(b"0\r\n\r\n").is_ok();
 }
+
+/// A chat completion request to `addr` from API key `client`, asking for
+/// `max_tokens` (and an event stream with `stream`); `llm` are the fake
+/// model's behaviour headers (`x-llm-tokens`, ...).
+pub fn chat(
+    addr: &str,
+    client: &str,
+    max_tokens: u64,
+    stream: bool,
+    llm: &[(&str, &str)],
+) -> std::io::Result<crate::http::Response> {
+    let body = serde_json::json!({"model": "fake", "max_tokens": max_tokens, "stream": stream,
+                                  "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    let mut headers: Vec<(&str, &[u8])> = vec![
+        ("x-api-key", client.as_bytes()),
+        ("content-type", b"application/json"),
+    ];
+    headers.extend(llm.iter().map(|(k, v)| (*k, v.as_bytes())));
+    crate::http::request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &headers,
+        body.as_bytes(),
+    )
+}
+
+/// The data lines of an event stream's (de-chunked) body.
+pub fn events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}

@@ -380,6 +380,19 @@ impl Topology {
     pub fn redis_cli(&self, args: &[&str]) -> String {
         services::cli(&self.host, args)
     }
+
+    /// The fixed-window count of limit `limit` (`rule/limit`) for the
+    /// client with API key `client`, as Redis holds it (0 when none).
+    pub fn key_count(&self, limit: &str, client: &str) -> u64 {
+        let keys = self.redis_cli(&["--scan", "--pattern", "ml:*"]);
+        // The hash tag of a short, plain subject (service/src/keys.rs).
+        let tag = format!("{{e:hdr:x-api-key:{client}}}");
+        keys.lines()
+            .find(|k| k.contains(limit) && k.contains(&tag) && !k.ends_with(":ovr"))
+            .map_or(0, |k| {
+                self.redis_cli(&["GET", k]).trim().parse().unwrap_or(0)
+            })
+    }
 }
 
 impl Drop for Topology {

@@ -10,7 +10,8 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::*;
-use meshlimit_testbed::http::{self, Response};
+use meshlimit_testbed::http::Response;
+use meshlimit_testbed::llm;
 use meshlimit_testbed::{Topology, TopologyOptions};
 
 /// The token budget's limit: `llm/tokens`.
@@ -62,39 +63,13 @@ fn chat(
     stream: bool,
     llm: &[(&str, &str)],
 ) -> Response {
-    let body = json!({"model": "fake", "max_tokens": max_tokens, "stream": stream,
-                      "messages": [{"role": "user", "content": "hi"}]})
-    .to_string();
-    let mut headers: Vec<(&str, &[u8])> = vec![
-        ("x-api-key", client.as_bytes()),
-        ("content-type", b"application/json"),
-    ];
-    headers.extend(llm.iter().map(|(k, v)| (*k, v.as_bytes())));
-    http::request(
-        &t.replica_addr(replica),
-        "POST",
-        "/v1/chat/completions",
-        &headers,
-        body.as_bytes(),
-    )
-    .unwrap_or_else(|e| panic!("chat request failed: {e}"))
+    llm::chat(&t.replica_addr(replica), client, max_tokens, stream, llm)
+        .unwrap_or_else(|e| panic!("chat request failed: {e}"))
 }
 
-/// The fixed-window counter of `limit` for `client`, as Redis holds it.
+/// The budget's counter for `client` in Redis.
 fn counter(t: &Topology, client: &str) -> u64 {
-    let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
-    let key = keys
-        .lines()
-        .find(|k| {
-            k.contains(LIMIT)
-                && k.contains(&format!("x-api-key:{client}}}"))
-                && !k.ends_with(":ovr")
-        })
-        .map(str::to_string);
-    match key {
-        Some(k) => t.redis_cli(&["GET", &k]).trim().parse().unwrap_or(0),
-        None => 0,
-    }
+    t.key_count(LIMIT, client)
 }
 
 /// The first check, its settlement and the counter in Redis: reserved
@@ -224,13 +199,8 @@ fn a_refund_is_free_for_the_next_request_on_the_other_replica() {
     assert_eq!(stat(&t, "tokens_refunded"), 900);
 }
 
-/// Reads an event stream's data lines (the body, de-chunked).
 fn events(r: &Response) -> Vec<String> {
-    r.body
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .map(str::to_string)
-        .collect()
+    llm::events(&r.body)
 }
 
 /// A stream is charged exactly what its last event reports; without a
@@ -442,4 +412,56 @@ fn with_redis_down_reservations_settle_in_the_local_counters() {
     assert!(stat(&t, "fallback_allowed") >= 2);
     assert_eq!(stat(&t, "tokens_settled"), 1 + 200);
     assert_no_vm_panics(&t);
+}
+
+/// A large request body arrives in many pieces (TCP segments for
+/// HTTP/1.1, DATA frames for HTTP/2): the reservation is read from the
+/// whole of it, here a `max_tokens` before 40 KB of prompt.
+#[test]
+fn a_body_in_many_frames_is_read_whole_over_http1_and_http2() {
+    let t = llm_topology(llm_config(usual_cost(), budget(10_000)), 1);
+    let dir = meshlimit_testbed::procs::TempDir::new("h2-body");
+    let path = dir.path().join("body.json");
+    let prompt = "x".repeat(40_000);
+    std::fs::write(
+        &path,
+        format!(r#"{{"max_tokens": 700, "prompt": "{prompt}"}}"#),
+    )
+    .unwrap();
+    for (flag, client, version) in [
+        ("--http1.1", "h1", "1.1"),
+        ("--http2-prior-knowledge", "h2", "2"),
+    ] {
+        let before = stat(&t, "tokens_reserved");
+        let out = std::process::Command::new("curl")
+            .args([
+                "-s",
+                flag,
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code} %{http_version}",
+            ])
+            .args([
+                "-H",
+                &format!("x-api-key: {client}"),
+                "-H",
+                "x-llm-tokens: 5",
+            ])
+            .args(["-H", "content-type: application/json", "--data-binary"])
+            .arg(format!("@{}", path.display()))
+            .arg(format!("http://{}/v1/chat/completions", t.replica_addr(1)))
+            .output()
+            .expect("curl runs (scripts/setup.sh installs it)");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("200 {version}")
+        );
+        assert_eq!(
+            stat(&t, "tokens_reserved") - before,
+            700,
+            "{flag}: max_tokens read"
+        );
+        assert_eq!(counter(&t, client), 5, "{flag}: settled at the usage");
+    }
 }

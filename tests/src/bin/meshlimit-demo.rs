@@ -1,15 +1,22 @@
 //! `make demo`: starts Redis, meshlimitd and four Envoys on loopback and
 //! shows, in plain tables, what clients see: a global limit that holds
-//! across two replicas, a per-replica fallback while Redis is down, and the
-//! global limit again once Redis is back. Stops everything it started.
+//! across two replicas, a per-replica fallback while Redis is down, the
+//! global limit again once Redis is back, and a token budget for an LLM
+//! route (reserved, settled, refunded, a stream cut at the budget). Stops
+//! everything it started.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use meshlimit_testbed::llm;
+use meshlimit_testbed::plugin::PluginConfig;
 use meshlimit_testbed::topology::{FRONT_PORT, MESHLIMITD_PORT, REDIS_PORT};
 use meshlimit_testbed::{Topology, TopologyOptions};
+use serde_json::json;
 
 const LIMIT: usize = 20;
+/// The token budget of the third act, per API key and minute.
+const TOKENS: u64 = 1_000;
 
 #[derive(Default)]
 struct Tally {
@@ -89,6 +96,104 @@ fn fresh_window(needed_secs: u64) {
         );
         std::thread::sleep(Duration::from_secs(wait));
     }
+}
+
+/// Act 4: a token budget for an LLM route across two replicas. True when
+/// every number is the expected one.
+fn token_budget() -> bool {
+    println!(
+        "\n4. A token budget for an LLM route: {TOKENS} tokens a minute per key, on two replicas."
+    );
+    let config = PluginConfig::new()
+        .rules(json!([{
+            "name": "llm",
+            "match": {"path_prefix": "/v1/"},
+            "cost": {"reserve": {"request_json": "max_tokens", "default": 100, "max": 10000},
+                     "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens"}},
+            "limits": [{"name": "tokens", "requests": TOKENS, "window": "60s"}]
+        }]))
+        .build();
+    let t = Topology::start(TopologyOptions {
+        plugin_config: config,
+        front: false,
+        llm: true,
+        ..TopologyOptions::default()
+    });
+    println!("  (a fake OpenAI-shaped model answers; each request reserves its max_tokens,");
+    println!("   and settles at the usage the model reports)");
+    fresh_window(10);
+    println!(
+        "\n  {:<44} {:<10} {:>8} {:>6} {:>7}  {}",
+        "erin's request", "via", "reserved", "used", "status", "budget used (Redis)"
+    );
+    let mut ok = true;
+    let mut step =
+        |what: &str, replica: usize, max: u64, stream: bool, tokens: &str, want: (u16, u64)| {
+            let r = llm::chat(
+                &t.replica_addr(replica),
+                "erin",
+                max,
+                stream,
+                &[("x-llm-tokens", tokens)],
+            );
+            let (status, body) = r.map_or((0, String::new()), |r| (r.status, r.body));
+            let used = if stream {
+                llm::events(&body)
+                    .iter()
+                    .filter(|e| e.contains("\"content\""))
+                    .count()
+                    .to_string()
+            } else if status == 200 {
+                tokens.to_string()
+            } else {
+                "-".into()
+            };
+            let counted = t.key_count("llm/tokens", "erin");
+            println!("  {what:<44} replica-{replica:<2} {max:>8} {used:>6} {status:>7}  {counted}");
+            ok &= (status, counted) == want;
+            body
+        };
+    step(
+        "a completion that uses 150 of 600",
+        1,
+        600,
+        false,
+        "150",
+        (200, 150),
+    );
+    step(
+        "800 more: fits because 450 were given back",
+        2,
+        800,
+        false,
+        "700",
+        (200, 850),
+    );
+    let body = step(
+        "a stream of 400 tokens, reserving 50",
+        1,
+        50,
+        true,
+        "400",
+        (200, TOKENS),
+    );
+    step("one more token", 2, 1, false, "1", (429, TOKENS));
+    let last: Vec<String> = llm::events(&body).into_iter().rev().take(2).collect();
+    println!("\n  the stream was topped up while the budget had room, then ended cleanly:");
+    for line in last.iter().rev() {
+        println!("    data: {line}");
+    }
+    println!("  Envoy stats (wasmcustom.*):");
+    for name in [
+        "meshlimit.tokens_reserved",
+        "meshlimit.tokens_settled",
+        "meshlimit.tokens_refunded",
+        "meshlimit.streams_cut",
+    ] {
+        println!("    {}", stats_line(&t, name));
+    }
+    println!("  expected: 150 + 700 + 150 streamed = {TOKENS} exactly, never more; the last request refused");
+    ok
 }
 
 fn fallback_total(t: &Topology) -> u64 {
@@ -184,13 +289,16 @@ fn main() {
         &format!("{LIMIT} allowed: the global limit is back"),
     );
 
-    println!("\nStopping everything.");
     drop(t);
+    let tokens_ok = token_budget();
+
+    println!("\nStopping everything.");
     let ok = alice.allowed == LIMIT
         && bob.allowed == LIMIT
         && carol.allowed == 2 * LIMIT
         && dave.allowed == LIMIT
-        && alice.other + bob.other + carol.other + dave.other == 0;
+        && alice.other + bob.other + carol.other + dave.other == 0
+        && tokens_ok;
     println!(
         "{}",
         if ok {
