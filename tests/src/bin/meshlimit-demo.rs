@@ -123,8 +123,8 @@ fn token_budget() -> bool {
     println!("   and settles at the usage the model reports)");
     fresh_window(10);
     println!(
-        "\n  {:<44} {:<10} {:>8} {:>6} {:>7}  {}",
-        "erin's request", "via", "reserved", "used", "status", "budget used (Redis)"
+        "\n  {:<44} {:<10} {:>8} {:>6} {:>7}  budget used (Redis)",
+        "erin's request", "via", "reserved", "used", "status"
     );
     let mut ok = true;
     let mut step =
