@@ -293,12 +293,26 @@ fn main() {
     let tokens_ok = token_budget();
 
     println!("\nStopping everything.");
-    let ok = alice.allowed == LIMIT
-        && bob.allowed == LIMIT
-        && carol.allowed == 2 * LIMIT
-        && dave.allowed == LIMIT
-        && alice.other + bob.other + carol.other + dave.other == 0
-        && tokens_ok;
+    let expectations = [
+        ("alice: 20 allowed", alice.allowed == LIMIT),
+        ("bob: 20 allowed", bob.allowed == LIMIT),
+        ("carol: 40 allowed", carol.allowed == 2 * LIMIT),
+        ("dave: 20 allowed", dave.allowed == LIMIT),
+        (
+            "no status other than 200 and 429",
+            alice.other + bob.other + carol.other + dave.other == 0,
+        ),
+        ("the token budget's numbers", tokens_ok),
+    ];
+    let missed: Vec<&str> = expectations
+        .iter()
+        .filter(|(_, met)| !met)
+        .map(|(what, _)| *what)
+        .collect();
+    let ok = missed.is_empty();
+    if !ok {
+        println!("Not as expected: {}", missed.join("; "));
+    }
     println!(
         "{}",
         if ok {
