@@ -354,12 +354,21 @@ pub fn read_batch_answer(
             answer.results.len()
         )));
     }
-    if answer.settled.len() != expected_settlements {
-        return Err(ServiceError::BadBody(format!(
-            "expected {expected_settlements} settlement outcome(s), got {}",
-            answer.settled.len()
-        )));
-    }
+    // A meshlimitd that predates settlements answers the checks and
+    // leaves them out: the checks' decisions stand, the settlements failed
+    // (their reservations stand: over-counted, never over budget).
+    let settled = if answer.settled.len() == expected_settlements {
+        answer.settled
+    } else {
+        let failure = meshlimit_protocol::CheckFailure {
+            error: format!(
+                "expected {expected_settlements} settlement outcome(s), got {}",
+                answer.settled.len()
+            ),
+            kind: FailureKind::Invalid,
+        };
+        vec![meshlimit_protocol::SettleOutcome::Failed(failure); expected_settlements]
+    };
     let mut results = Vec::with_capacity(answer.results.len());
     for (outcome, expected) in answer.results.into_iter().zip(expected_limits) {
         let result = match outcome {
@@ -390,7 +399,7 @@ pub fn read_batch_answer(
         }
         results.push(Ok(result));
     }
-    Ok((results, answer.settled))
+    Ok((results, settled))
 }
 
 /// What the client sees for a decided check.
@@ -714,6 +723,20 @@ mod tests {
             read_batch_answer(None, None, &[1, 1], 0, true),
             Err(ServiceError::Timeout)
         );
+    }
+
+    /// An older meshlimitd leaves settlements unanswered: its checks'
+    /// decisions stand, only the settlements failed.
+    #[test]
+    fn settlements_left_unanswered_fail_alone() {
+        let one = r#"{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":500,"retry_after_ms":0}]}"#;
+        let (results, settled) =
+            read_batch_answer(Some(200), Some(&body(one)), &[1], 2, false).unwrap();
+        assert!(results[0].as_ref().unwrap().allowed);
+        assert_eq!(settled.len(), 2);
+        assert!(settled
+            .iter()
+            .all(|s| matches!(s, meshlimit_protocol::SettleOutcome::Failed(_))));
     }
 
     #[test]

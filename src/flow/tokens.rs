@@ -667,26 +667,35 @@ impl Worker {
     /// commit), or in a call of its own, as the root.
     fn send_job(&self, host: &impl Host, id: u32, job: Job) -> Result<(), ServiceError> {
         let now = host.now_ms();
-        let queued = Queued {
+        let mut queued = Queued {
             context_id: id,
             job,
         };
         if let Some(group) = &self.group {
             let outcome = group.batcher.borrow_mut().enqueue(queued, now);
-            return match outcome {
-                Enqueued::Wait => Ok(()),
+            match outcome {
+                Enqueued::Wait => return Ok(()),
                 Enqueued::Wake => {
-                    if !host.enqueue(group.wake_queue) {
-                        // It goes with the next batch instead.
-                        group.batcher.borrow_mut().wake_failed();
+                    if host.enqueue(group.wake_queue) {
+                        return Ok(());
                     }
-                    Ok(())
+                    // The root cannot be woken: a response may be waiting
+                    // on this job, so it goes in a call of its own.
+                    let mut batcher = group.batcher.borrow_mut();
+                    batcher.wake_failed();
+                    let mine = batcher
+                        .withdraw(|q| q.context_id == id && !matches!(q.job, Job::Admit { .. }));
+                    drop(batcher);
+                    match mine {
+                        Some(q) => queued = q,
+                        None => return Ok(()),
+                    }
                 }
                 Enqueued::Refused(_) => {
                     self.metrics.bump(host, Stat::BatchOverflow);
-                    Err(ServiceError::Connection)
+                    return Err(ServiceError::Connection);
                 }
-            };
+            }
         }
         host.set_effective_context(self.root_context_id);
         let sent = self.dispatch_jobs(host, std::slice::from_ref(&queued), now);

@@ -211,3 +211,26 @@ fn with_meshlimitd_away_a_reservation_is_settled_in_the_local_counters() {
     assert_eq!(h.post("x").1, Step::Continue, "300 + 600 fit");
     assert_eq!(reply_status(&h.post("x").1), Some(429), "900 + 600 do not");
 }
+
+/// A response held for its settlement must not wait for other traffic:
+/// when the root cannot be woken, the settlement goes in a call of its own.
+#[test]
+fn a_settlement_goes_alone_when_the_root_cannot_be_woken() {
+    let mut h = harness_with(token_config("40"));
+    let (mut s, _) = h.post("a");
+    h.wake();
+    h.answer_batch(1, Some(200), &answer(&[reserved(960)]));
+    h.host.take_acted();
+    h.host.queue_fails.set(true);
+    assert!(h.response_headers(&mut s, "200", "application/json"));
+    let (_, go_on) = h.response_body(&s, br#"{"usage":{"total_tokens":10}}"#, true);
+    assert!(!go_on);
+    assert_eq!(h.calls(), 2, "sent at once, without the root");
+    assert_eq!(h.last_call_body()["settlements"][0]["actual"], json!([10]));
+    h.answer_batch(
+        2,
+        Some(200),
+        r#"{"results":[],"settled":[{"remaining":[990]}]}"#,
+    );
+    assert_eq!(h.host.take_acted(), [Acted::ResumedResponse(s.context_id)]);
+}
