@@ -245,7 +245,10 @@ impl Worker {
             }
             return true;
         }
-        let content_type = host.response_header("content-type").unwrap_or_default();
+        let content_type = host
+            .response_header("content-type")
+            .unwrap_or_default()
+            .to_ascii_lowercase();
         b.response = if content_type.starts_with(b"text/event-stream") {
             SseGate::new(cost.usage.sse_json.clone(), cost.max_body_bytes).into()
         } else if cost.usage.json.is_some() {
