@@ -51,7 +51,7 @@ pub(crate) mod subject;
 #[cfg(test)]
 mod testing;
 pub(crate) mod throttle;
-pub(crate) mod tokens;
+pub mod tokens;
 
 #[cfg(target_arch = "wasm32")]
 mod wasm;

@@ -134,6 +134,19 @@ impl Worker {
             };
             checks += 1;
             match &queued.job {
+                Job::Admit { check, .. }
+                    if !self.awaiting.borrow_mut().remove(&queued.context_id) =>
+                {
+                    // The stream ended while its check was out (a client
+                    // reset, or an upstream that answered before the
+                    // request's body was in): nothing to act on, and a
+                    // reservation made for it is given back.
+                    if let Ok(result) = &outcome {
+                        // Counted: meshlimitd charged it.
+                        tally.decided(result.allowed);
+                        self.give_back(host, queued.context_id, check, result);
+                    }
+                }
                 Job::Admit { check, local } => {
                     let verdict = self.verdict_after_call(
                         host,

@@ -173,6 +173,10 @@ pub struct Worker {
     batch_started: RefCell<HashMap<u32, u64>>,
     /// RateLimit headers for streams the root admitted, by context id.
     decided_headers: RefCell<HashMap<u32, Headers>>,
+    /// Streams whose check went to the batcher and that have not ended:
+    /// an answer for a stream not in here finds it gone (Envoy may still
+    /// accept its context id), and acts on nothing.
+    awaiting: RefCell<std::collections::HashSet<u32>>,
     /// Token-priced streams' reservations and response state, by context
     /// id (the root's answers update them too).
     budgets: RefCell<HashMap<u32, tokens::Budget>>,
@@ -224,6 +228,7 @@ impl Worker {
             group,
             batch_started: RefCell::new(HashMap::new()),
             decided_headers: RefCell::new(HashMap::new()),
+            awaiting: RefCell::new(std::collections::HashSet::new()),
             budgets: RefCell::new(HashMap::new()),
             solo_calls: RefCell::new(HashMap::new()),
             breaker_closed_at: Cell::new(None),
@@ -367,6 +372,7 @@ impl Worker {
     pub fn on_stream_end(&self, host: &impl Host, stream: &Stream) {
         let id = stream.context_id;
         self.decided_headers.borrow_mut().remove(&id);
+        self.awaiting.borrow_mut().remove(&id);
         if let Some(group) = &self.group {
             if let Ok(mut b) = group.batcher.try_borrow_mut() {
                 let _ = b.withdraw(|q| q.context_id == id && matches!(q.job, Job::Admit { .. }));
@@ -428,6 +434,7 @@ impl Worker {
         local: Option<CheckResult>,
     ) -> Step {
         let batcher = &group.batcher;
+        self.awaiting.borrow_mut().insert(stream.context_id);
         let queued = Queued {
             context_id: stream.context_id,
             job: Job::Admit { check, local },

@@ -470,17 +470,7 @@ impl Worker {
         let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
             // The stream is gone: what the top-up charged goes back.
             if let Ok(result) = &outcome {
-                if let (true, Some(Place::Global(receipts))) =
-                    (result.allowed, global_place(check, result))
-                {
-                    let settlement = check.settlement(check.reserved(), 0, &receipts);
-                    let job = Job::Settle {
-                        settlements: vec![settlement],
-                    };
-                    if self.send_job(host, id, job).is_err() {
-                        self.metrics.bump(host, Stat::SettlementsFailed);
-                    }
-                }
+                self.give_back(host, id, check, result);
             }
             return;
         };
@@ -489,6 +479,26 @@ impl Worker {
             self.finish_held(host, id, &mut b);
         }
         self.budgets.borrow_mut().insert(id, b);
+    }
+
+    /// Gives back what an admitted token-priced check reserved for a
+    /// stream that is gone.
+    pub(super) fn give_back(&self, host: &impl Host, id: u32, check: &Check, result: &CheckResult) {
+        let Some(Place::Global(receipts)) = global_place(check, result) else {
+            return;
+        };
+        if !result.allowed {
+            return;
+        }
+        self.metrics
+            .add(host, Stat::TokensRefunded, check.reserved() as usize);
+        let settlement = check.settlement(check.reserved(), 0, &receipts);
+        let job = Job::Settle {
+            settlements: vec![settlement],
+        };
+        if let Err(e) = self.send_job(host, id, job) {
+            self.settlement_failed(host, &e.to_string());
+        }
     }
 
     /// The stream ended while events waited for a top-up: pass what now

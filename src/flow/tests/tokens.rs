@@ -234,3 +234,22 @@ fn a_settlement_goes_alone_when_the_root_cannot_be_woken() {
     );
     assert_eq!(h.host.take_acted(), [Acted::ResumedResponse(s.context_id)]);
 }
+
+/// Envoy may still accept a finished stream's context id (seen with an
+/// upstream that answered before the request body was in): the answer for
+/// a stream that ended acts on nothing, keeps nothing, and gives back what
+/// it reserved.
+#[test]
+fn a_stream_gone_before_its_answer_keeps_nothing_and_gets_its_reservation_back() {
+    let mut h = harness_with(token_config("40"));
+    let (s, _) = h.post("a");
+    h.wake();
+    h.worker.on_stream_end(&h.host, &s);
+    h.answer_batch(1, Some(200), &answer(&[reserved(960)]));
+    assert!(h.host.take_acted().is_empty(), "nothing to act on");
+    assert!(h.worker.budgets.borrow().is_empty());
+    assert!(h.worker.decided_headers.borrow().is_empty());
+    h.wake();
+    assert_eq!(h.last_call_body()["settlements"][0]["actual"], json!([0]));
+    assert_eq!(h.stat("tokens_refunded"), 40);
+}
