@@ -58,7 +58,7 @@ FUZZ_SECONDS ?= 60
 fuzz: setup
 	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz
 	# cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets the stable toolchain accept them.
-	for target in plugin_config check_api; do \
+	for target in plugin_config check_api event_stream; do \
 	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --fuzz-dir fuzz $$target -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
 	done
 

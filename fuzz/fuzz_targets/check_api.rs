@@ -18,8 +18,12 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         let _ = meshlimit::decision::read_answer(status, Some(data), 1, false);
         // A batch: each outcome decided, refused or unavailable on its own,
         // or the whole answer unusable; never more outcomes than checks.
-        if let Ok(outcomes) = meshlimit::decision::read_batch_answer(status, Some(data), &[1, 2, 0], false) {
+        // Settlements: one outcome each, answered or failed.
+        if let Ok((outcomes, settled)) =
+            meshlimit::decision::read_batch_answer(status, Some(data), &[1, 2, 0], 2, false)
+        {
             assert_eq!(outcomes.len(), 3);
+            assert_eq!(settled.len(), 2);
         }
     }
 });

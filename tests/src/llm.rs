@@ -117,11 +117,22 @@ fn read_request(stream: &mut TcpStream) -> Option<Request> {
     }
 }
 
+/// Answers requests on one connection: kept alive after JSON answers (the
+/// bench's load reuses Envoy's upstream connections), closed after a stream.
 fn serve(mut stream: TcpStream, written: &AtomicU64) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let Some(req) = read_request(&mut stream) else {
-        return;
-    };
+    // Each answer and each event is one write: no small segment waits on
+    // a delayed ACK.
+    let _ = stream.set_nodelay(true);
+    while let Some(req) = read_request(&mut stream) {
+        if !answer(&mut stream, &req, written) {
+            return;
+        }
+    }
+}
+
+/// Answers one request; false when the connection is done.
+fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
     let tokens = req.number("x-llm-tokens", 10);
     let prompt = req.number("x-llm-prompt", 0);
     let status = req.number("x-llm-status", 200);
@@ -135,12 +146,11 @@ fn serve(mut stream: TcpStream, written: &AtomicU64) {
     let total = prompt + tokens;
     if status != 200 {
         let body = r#"{"error":{"message":"the fake model failed","type":"server_error"}}"#;
-        let _ = write!(
-            stream,
-            "HTTP/1.1 {status} Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        let answer = format!(
+            "HTTP/1.1 {status} Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
             body.len()
         );
-        return;
+        return stream.write_all(answer.as_bytes()).is_ok();
     }
     let usage_header = if usage == "header" {
         format!("x-usage-tokens: {total}\r\n")
@@ -160,21 +170,21 @@ fn serve(mut stream: TcpStream, written: &AtomicU64) {
         let body = format!(
             r#"{{"id":"chatcmpl-fake","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"{content}"}},"finish_reason":"stop"}}]{usage_field}}}"#
         );
-        let sent = write!(
-            stream,
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{usage_header}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{usage_header}content-length: {}\r\n\r\n{body}",
             body.len()
         );
+        let sent = stream.write_all(answer.as_bytes());
         if sent.is_ok() {
             written.fetch_add(tokens, Ordering::Relaxed);
         }
-        return;
+        return sent.is_ok();
     }
     let head = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n{usage_header}transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
     );
     if stream.write_all(head.as_bytes()).is_err() {
-        return;
+        return false;
     }
     let chunk = |stream: &mut TcpStream, data: &str| -> bool {
         stream
@@ -186,8 +196,8 @@ fn serve(mut stream: TcpStream, written: &AtomicU64) {
         let event = format!(
             "data: {{\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i} \"}},\"finish_reason\":null}}]}}\n\n"
         );
-        if !chunk(&mut stream, &event) {
-            return;
+        if !chunk(stream, &event) {
+            return false;
         }
         written.fetch_add(1, Ordering::Relaxed);
         if !delay.is_zero() {
@@ -195,18 +205,20 @@ fn serve(mut stream: TcpStream, written: &AtomicU64) {
         }
     }
     let finish = "data: {\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
-    if !chunk(&mut stream, finish) {
-        return;
+    if !chunk(stream, finish) {
+        return false;
     }
     if usage == "body" {
         let event = format!(
             "data: {{\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{usage_json}}}\n\n"
         );
-        if !chunk(&mut stream, &event) {
-            return;
+        if !chunk(stream, &event) {
+            return false;
         }
     }
-    let _ = chunk(&mut stream, "data: [DONE]\n\n") && stream.write_all(b"0\r\n\r\n").is_ok();
+    let _ = chunk(stream, "data: [DONE]\n\n") && stream.write_all(b"0\r\n\r\n").is_ok();
+    // A stream's connection closes with it (its head said so).
+    false
 }
 
 /// A chat completion request to `addr` from API key `client`, asking for

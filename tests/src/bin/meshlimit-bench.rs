@@ -388,7 +388,17 @@ fn main() {
             .build(),
     );
     let policies = meshlimit_topology(&three_rules());
-    let tokens = meshlimit_topology(&token_budget());
+    // Its upstream is the fake model (tests/src/llm.rs), in this process:
+    // Envoy's direct_response answers before a request body is in, and a
+    // token budget reads its reservation from the body.
+    let tokens = Topology::start(TopologyOptions {
+        plugin_config: token_budget(),
+        replicas: 1,
+        front: false,
+        replica_workers: 1,
+        llm: true,
+        ..TopologyOptions::default()
+    });
     // The compare build, for 3 and 7.
     let compared: Vec<Topology> = compare_wasm()
         .map(|wasm| {
@@ -474,6 +484,8 @@ fn main() {
     .into_iter()
     .chain(&compared)
     .flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()])
+    // This process: the fake model upstream of the token-budget row.
+    .chain([Some(std::process::id())])
     .collect();
     let set_pinning = |pinned: bool| {
         let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
