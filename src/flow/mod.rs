@@ -163,6 +163,8 @@ pub struct Worker {
     fallback_log: LogThrottle,
     error_log: LogThrottle,
     shadow_log: LogThrottle,
+    /// Streams ended at their token budget.
+    cut_log: LogThrottle,
     /// The fingerprint seed shared through shared data, re-read now and
     /// then so that workers that raced to create it converge.
     seed: Cell<Option<(u64, u64)>>,
@@ -223,6 +225,7 @@ impl Worker {
             fallback_log: LogThrottle::new(LOG_EVERY_MS),
             error_log: LogThrottle::new(LOG_EVERY_MS),
             shadow_log: LogThrottle::new(LOG_EVERY_MS),
+            cut_log: LogThrottle::new(LOG_EVERY_MS),
             seed: Cell::new(None),
             seed_read_ms: Cell::new(0),
             group,

@@ -10,7 +10,7 @@
 //! a top-up; the response's end (or, with usage in a header, its headers)
 //! waits for the settlement, so the next request sees the units freed.
 
-use log::warn;
+use log::{info, warn};
 use meshlimit_protocol::{CheckResult, LimitStatus, SettleOutcome};
 
 use super::{Job, Queued, Step, Stream, Worker};
@@ -393,6 +393,12 @@ impl Worker {
         gate.discard();
         self.metrics.bump(host, Stat::StreamsCut);
         let delivered = gate.deltas;
+        if let Some(skipped) = self.cut_log.allow(host.now_ms()) {
+            let shown: String = b.check.subject.chars().take(64).collect();
+            info!(
+                "token budget spent: ended {shown:?}'s stream after {delivered} deltas ({skipped} more since the last line)"
+            );
+        }
         self.settle(host, id, b, delivered);
         b.response = Response::Cut;
     }

@@ -70,10 +70,18 @@ fn oha() -> String {
 /// CPUs of the load generator while the runs are pinned (None: unpinned).
 static LOADGEN_CPUS: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 
+/// The machine's cores, read once, first thing: the bench later pins its
+/// own process (it runs the token row's fake model), and
+/// `available_parallelism` follows the process's CPU affinity.
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// The CPU for the Envoy under test, and the CPUs for everything else (its
 /// upstream, meshlimitd, Redis, the load generator); None on one core.
 fn cpu_sets() -> Option<(String, String)> {
-    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = cores();
     let others = if n == 2 {
         "1".to_string()
     } else {
@@ -346,6 +354,7 @@ fn run(t: &Target, key: &str, rate: Option<u64>) -> Sample {
 }
 
 fn main() {
+    cores();
     println!("meshlimit bench: {SECONDS}s runs, {CONNECTIONS} connections, {REPEATS} repeats, interleaved");
     // 1 and 2: baselines from envoy/bench-baseline.yaml.
     let base = Topology::start(TopologyOptions {
@@ -491,10 +500,7 @@ fn main() {
         let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
             return false;
         };
-        let all = format!(
-            "0-{}",
-            std::thread::available_parallelism().map_or(1, |n| n.get()) - 1
-        );
+        let all = format!("0-{}", cores() - 1);
         let (envoy_cpus, other_cpus) = if pinned {
             (envoy_cpus, other_cpus)
         } else {
@@ -790,7 +796,7 @@ fn report(
          Runs of {SECONDS} s, interleaved across configurations and repeated {REPEATS} times; medians. \
          Ratios are to configuration 1 from the same run: absolute numbers move with the machine's load, \
          ratios much less.\n",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        cores()
     );
     let _ = writeln!(md, "| configuration | throughput (req/s) | ratio | Envoy CPU per request | p50 at {rate} req/s | p99 | p99.9 | added p99 vs 1 | calls to meshlimitd per request | new connections to meshlimitd | Envoy RSS |\n|---|---|---|---|---|---|---|---|---|---|---|");
     for (i, t) in targets.iter().enumerate() {
@@ -911,7 +917,7 @@ fn report(
             "\n## Unpinned\n\nThe same saturation runs with every process free to run on every core (the \
              load generator, both Envoys, meshlimitd and Redis competing for the same {} cores), after the \
              pinned ones; medians of {REPEATS}.\n\n| configuration | throughput (req/s) | ratio unpinned | ratio pinned (above) |\n|---|---|---|---|",
-            std::thread::available_parallelism().map_or(0, |n| n.get())
+            cores()
         );
         for (i, t) in targets.iter().enumerate() {
             if unpinned.contains_key(&i) {
@@ -927,7 +933,7 @@ fn report(
         }
     }
     if !cpu_split.is_empty() {
-        let _ = writeln!(md, "\n## Where the time goes\n\nCPU (user + system) per 1000 requests during the first saturation run, from `/proc`: milliseconds of CPU, all processes on the machine's {} cores.\n", std::thread::available_parallelism().map_or(0, |n| n.get()));
+        let _ = writeln!(md, "\n## Where the time goes\n\nCPU (user + system) per 1000 requests during the first saturation run, from `/proc`: milliseconds of CPU, all processes on the machine's {} cores.\n", cores());
         let names: Vec<&str> = cpu_split[0].per_1000.iter().map(|(n, _)| *n).collect();
         let _ = writeln!(md, "| configuration | {} | total |", names.join(" | "));
         let _ = writeln!(md, "|---|{}---|", "---|".repeat(names.len()));
