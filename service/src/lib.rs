@@ -11,5 +11,6 @@ pub mod cluster;
 pub mod keys;
 pub mod limiter;
 pub mod metrics;
+pub mod rls;
 pub mod script;
 pub mod throttle;

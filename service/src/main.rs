@@ -88,6 +88,16 @@ struct Args {
     /// Deadline for a whole request, queueing included (then 503).
     #[arg(long, env = "MESHLIMITD_REQUEST_TIMEOUT_MS", default_value_t = 200)]
     request_timeout_ms: u64,
+    /// Also serve Envoy's rate limit service API
+    /// (`envoy.service.ratelimit.v3`, gRPC) on this address, for Envoy's
+    /// native `ratelimit` filter; needs --rls-config-dir. Off by default.
+    #[arg(long, env = "MESHLIMITD_GRPC_LISTEN", requires = "rls_config_dir")]
+    grpc_listen: Option<SocketAddr>,
+    /// A directory of envoyproxy/ratelimit configuration files (`*.yaml`),
+    /// watched: a change is applied within a second, a bad file is refused
+    /// (logged with its field) and the last good configuration kept.
+    #[arg(long, env = "MESHLIMITD_RLS_CONFIG_DIR", requires = "grpc_listen")]
+    rls_config_dir: Option<std::path::PathBuf>,
     /// Log format: text or json.
     #[arg(long, env = "MESHLIMITD_LOG_FORMAT", default_value = "text")]
     log_format: String,
@@ -190,12 +200,18 @@ async fn run(args: Args) -> Result<(), String> {
     if admin_token.is_some() {
         info!("admin API on: live overrides are read by every decision");
     }
-    let app = api::router(
-        AppState::new(limiter, metrics, limits)
-            .with_auth_token(auth_token)
-            .with_admin_token(admin_token),
-        args.max_body_bytes,
-    );
+    let state = AppState::new(limiter, metrics, limits)
+        .with_auth_token(auth_token)
+        .with_admin_token(admin_token);
+    // Both servers stop on the same signal.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let grpc = match (&args.grpc_listen, &args.rls_config_dir) {
+        (Some(addr), Some(dir)) => {
+            Some(grpc_server(*addr, dir, state.clone(), stopped.clone()).await?)
+        }
+        _ => None,
+    };
+    let app = api::router(state, args.max_body_bytes);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
@@ -210,12 +226,66 @@ async fn run(args: Args) -> Result<(), String> {
             .collect::<Vec<_>>()
             .join(",")
     );
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    let mut http_stopped = stopped.clone();
     axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(async move {
+            let _ = http_stopped.changed().await;
+        })
         .await
         .map_err(|e| format!("server error: {e}"))?;
+    if let Some(grpc) = grpc {
+        let _ = tokio::time::timeout(meshlimitd::rls::server::DRAIN, grpc).await;
+    }
     info!("meshlimitd stopped");
     Ok(())
+}
+
+/// Starts the rate limit service (gRPC, with `grpc.health.v1`) on `addr`
+/// with the configuration of `dir`, watched; the task ends when `stopped`
+/// says so.
+async fn grpc_server(
+    addr: SocketAddr,
+    dir: &std::path::Path,
+    state: AppState,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, String> {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+    use meshlimitd::rls::{reload, server::RlsService};
+    let config = reload::load(dir).map_err(|e| format!("--rls-config-dir: {e}"))?;
+    tokio::spawn(reload::watch(
+        dir.to_path_buf(),
+        config.clone(),
+        Duration::from_secs(1),
+    ));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<RateLimitServiceServer<RlsService>>()
+        .await;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr} (--grpc-listen): {e}"))?;
+    let incoming = listener;
+    info!("rate limit service (gRPC) listening on {addr}");
+    let service = RateLimitServiceServer::new(RlsService { state, config });
+    Ok(tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(service)
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(incoming),
+                async move {
+                    let _ = stopped.changed().await;
+                },
+            )
+            .await;
+        if let Err(e) = served {
+            error!("rate limit service (gRPC) stopped: {e}");
+        }
+    }))
 }
 
 /// Hides a password in a Redis URL before it reaches a log line.

@@ -45,7 +45,13 @@ pub struct TopologyOptions {
     /// A fake LLM ([`crate::llm`]) as the upstream instead of Envoy's
     /// direct response.
     pub llm: bool,
+    /// Serve Envoy's rate limit service (gRPC, on [`GRPC_PORT`]) with the
+    /// envoyproxy/ratelimit configuration files of this directory.
+    pub rls_config_dir: Option<PathBuf>,
 }
+
+/// meshlimitd's gRPC port (the rate limit service), when it serves one.
+pub const GRPC_PORT: u16 = 18081;
 
 impl Default for TopologyOptions {
     fn default() -> Self {
@@ -60,6 +66,7 @@ impl Default for TopologyOptions {
             redis_cluster: false,
             wasm: None,
             llm: false,
+            rls_config_dir: None,
         }
     }
 }
@@ -286,6 +293,15 @@ impl Topology {
             None => (format!("redis://{}", self.addr(REDIS_PORT)), Vec::new()),
         };
         extra.extend(self.options.meshlimitd_args.iter().map(String::as_str));
+        let grpc = self.options.rls_config_dir.as_ref().map(|dir| {
+            [
+                "--grpc-listen".to_string(),
+                self.addr(GRPC_PORT),
+                "--rls-config-dir".to_string(),
+                dir.display().to_string(),
+            ]
+        });
+        extra.extend(grpc.iter().flatten().map(String::as_str));
         self.meshlimitd = Some(Meshlimitd::start(&self.host, &url, self.dir.path(), &extra));
     }
 
