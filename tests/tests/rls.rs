@@ -18,7 +18,26 @@ const CONFIG: &str = r#"
 domain: edge
 descriptors:
   - key: user
-    rate_limit: { unit: minute, requests_per_unit: 20 }
+    rate_limit: { unit: minute, requests_per_unit: 20, name: per-user }
+  - key: vip
+    rate_limit: { unit: minute, requests_per_unit: 25, replaces: [{ name: per-user }] }
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit: { unit: minute, requests_per_unit: 2 }
+  - key: to_number
+    rate_limit: { unit: minute, requests_per_unit: 5 }
+  - key: path
+    value: /p/wild/*
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: path
+    value: /p/free*
+    rate_limit: { unlimited: true }
+  - key: path
+    value: /p/shadow*
+    shadow_mode: true
+    rate_limit: { unit: minute, requests_per_unit: 1 }
   - key: generic_key
     value: api
     rate_limit: { unit: minute, requests_per_unit: 100000 }
@@ -113,6 +132,52 @@ fn the_native_filter_gets_exact_global_decisions_over_grpc() {
         "all or nothing: a denied request charges no descriptor"
     );
     drop(n.envoys);
+}
+
+/// The format's descriptors as envoyproxy/ratelimit documents them:
+/// nested descriptors, a key without a value (a counter per value), a
+/// wildcard value, `unlimited`, `shadow_mode` and `replaces`.
+#[test]
+fn descriptors_behave_as_the_format_documents() {
+    let dir = config_dir(CONFIG);
+    let n = start(dir.path(), 1, false);
+    wait_for_fresh_window(Duration::from_secs(15));
+    let nested = |kind: Option<&[u8]>, to: &[u8]| {
+        let mut h: Vec<(&str, &[u8])> = vec![("x-to", to)];
+        if let Some(k) = kind {
+            h.push(("x-type", k));
+        }
+        n.get(1, "/nested", &h)
+    };
+    let marketing: Vec<u16> = (0..3).map(|_| nested(Some(b"marketing"), b"111")).collect();
+    assert_eq!(marketing, [200, 200, 429], "2 marketing messages a number");
+    assert_eq!(
+        nested(Some(b"marketing"), b"222"),
+        200,
+        "another number, another counter"
+    );
+    let plain: Vec<u16> = (0..4).map(|_| nested(None, b"111")).collect();
+    assert_eq!(
+        plain,
+        [200, 200, 200, 429],
+        "5 to a number in all: 2 marketing + 3"
+    );
+    let path = |p: &str| n.get(1, p, &[]);
+    assert_eq!(
+        [path("/p/wild/a"), path("/p/wild/a")],
+        [200, 429],
+        "a wildcard value"
+    );
+    assert_eq!(path("/p/wild/b"), 200, "a counter per value it matches");
+    assert!((0..5).all(|_| path("/p/free/x") == 200), "unlimited");
+    assert!(
+        (0..5).all(|_| path("/p/shadow/x") == 200),
+        "shadow mode never denies"
+    );
+    let vip = (0..30)
+        .filter(|_| n.get(1, "/api", &[("x-user", b"ivy"), ("x-vip", b"gold")]) == 200)
+        .count();
+    assert_eq!(vip, 25, "the vip limit replaces the per-user one");
 }
 
 /// `enable_x_ratelimit_headers: DRAFT_VERSION_03`: Envoy writes the

@@ -300,8 +300,7 @@ fn best<'a>(level: &'a [Node], key: &str, value: &str) -> Option<&'a Node> {
         match &node.value {
             ValueMatch::Exact(v) if v == value => return Some(node),
             ValueMatch::Prefix(p)
-                if value.starts_with(p.as_str())
-                    && prefix.is_none_or(|(_, len)| p.len() > len) =>
+                if value.starts_with(p.as_str()) && prefix.is_none_or(|(_, len)| p.len() > len) =>
             {
                 prefix = Some((node, p.len()));
             }

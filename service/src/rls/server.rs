@@ -236,6 +236,20 @@ impl RateLimitService for RlsService {
         &self,
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        if let Some(expected) = &self.state.authorization {
+            // The HTTP API's shared token, as gRPC metadata (Envoy's
+            // `grpc_service.initial_metadata`).
+            let presented = request
+                .metadata()
+                .get("authorization")
+                .map_or(&b""[..], |v| v.as_bytes());
+            if !crate::api::same_secret(presented, expected) {
+                self.state.metrics.unauthorized();
+                return Err(tonic::Status::unauthenticated(
+                    "missing or wrong authorization: calls must carry the shared token",
+                ));
+            }
+        }
         let request = request.into_inner();
         let domains = self.config.get();
         let plan = plan(&domains, &request).map_err(tonic::Status::invalid_argument)?;
