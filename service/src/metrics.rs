@@ -35,6 +35,8 @@ pub struct Metrics {
     check_failures: Family<KindLabel, Counter>,
     overloaded: Counter,
     unauthorized: Counter,
+    rls_responses: Family<KindLabel, Counter>,
+    rls_shadow_over_limit: Counter,
 }
 
 impl Default for Metrics {
@@ -103,9 +105,32 @@ impl Metrics {
             "Checks refused with 401: missing or wrong shared token (--auth-token-file)",
             unauthorized.clone(),
         );
+        let rls_responses = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "rls_responses",
+            "Answers of the rate limit service (gRPC), by kind (ok, over_limit, invalid, unavailable, unauthenticated)",
+            rls_responses.clone(),
+        );
+        for kind in [
+            "ok",
+            "over_limit",
+            "invalid",
+            "unavailable",
+            "unauthenticated",
+        ] {
+            let _ = rls_responses.get_or_create(&KindLabel { kind });
+        }
+        let rls_shadow_over_limit = Counter::default();
+        registry.register(
+            "rls_shadow_over_limit",
+            "Descriptors in shadow_mode that were over their limit (answered OK)",
+            rls_shadow_over_limit.clone(),
+        );
         Metrics {
             overloaded,
             unauthorized,
+            rls_responses,
+            rls_shadow_over_limit,
             registry: Arc::new(registry),
             decisions,
             redis_errors,
@@ -139,6 +164,18 @@ impl Metrics {
 
     pub fn unauthorized(&self) {
         self.unauthorized.inc();
+    }
+
+    /// An answer of the rate limit service (gRPC), by kind.
+    pub fn rls_response(&self, kind: &'static str) {
+        self.rls_responses.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    /// Shadow-mode descriptors found over their limit.
+    pub fn rls_shadow_over_limit(&self, n: u64) {
+        if n > 0 {
+            self.rls_shadow_over_limit.inc_by(n);
+        }
     }
 
     pub fn response(&self, status: u16) {

@@ -70,6 +70,14 @@ fn subject(entries: &[(&str, &str)]) -> String {
 }
 
 fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
+    // The HTTP API's bounds: one request's script stays short.
+    if request.descriptors.len() > crate::api::MAX_LIMITS_PER_CHECK {
+        return Err(format!(
+            "{} descriptors: at most {} in one request",
+            request.descriptors.len(),
+            crate::api::MAX_LIMITS_PER_CHECK
+        ));
+    }
     let request_hits = match request.hits_addend {
         0 => 1,
         n => u64::from(n),
@@ -130,6 +138,14 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
                         bounds::MAX_COST
                     ));
                 }
+                let subject = subject(entries.get(i).map_or(&[][..], Vec::as_slice));
+                if subject.len() > crate::api::MAX_SUBJECT_BYTES {
+                    return Err(format!(
+                        "descriptors[{i}]: entries of {} bytes, at most {}",
+                        subject.len(),
+                        crate::api::MAX_SUBJECT_BYTES
+                    ));
+                }
                 slots.push(Slot::Counted {
                     index: limits.len(),
                     requests: l.requests,
@@ -146,7 +162,7 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
                     cost: if blocked { 0 } else { hits },
                     burst: None,
                     shadow: m.shadow,
-                    subject: Some(subject(entries.get(i).map_or(&[][..], Vec::as_slice))),
+                    subject: Some(subject),
                     calendar: None,
                 });
             }
@@ -245,6 +261,7 @@ impl RateLimitService for RlsService {
                 .map_or(&b""[..], |v| v.as_bytes());
             if !crate::api::same_secret(presented, expected) {
                 self.state.metrics.unauthorized();
+                self.state.metrics.rls_response("unauthenticated");
                 return Err(tonic::Status::unauthenticated(
                     "missing or wrong authorization: calls must carry the shared token",
                 ));
@@ -252,9 +269,21 @@ impl RateLimitService for RlsService {
         }
         let request = request.into_inner();
         let domains = self.config.get();
-        let plan = plan(&domains, &request).map_err(tonic::Status::invalid_argument)?;
+        let metrics = &self.state.metrics;
+        let plan = plan(&domains, &request).map_err(|e| {
+            metrics.rls_response("invalid");
+            tonic::Status::invalid_argument(e)
+        })?;
+        let respond = |response: RateLimitResponse| {
+            metrics.rls_response(if response.overall_code == Code::OverLimit as i32 {
+                "over_limit"
+            } else {
+                "ok"
+            });
+            Ok(tonic::Response::new(response))
+        };
         let Some(check) = &plan.check else {
-            return Ok(tonic::Response::new(answer(&plan, None)));
+            return respond(answer(&plan, None));
         };
         let state = &self.state;
         let permit = tokio::time::timeout(
@@ -414,6 +443,23 @@ descriptors:
         assert_eq!(response.statuses[1].limit_remaining, u32::MAX);
         assert_eq!(response.statuses[2].code, Code::Ok as i32);
         assert!(response.statuses[2].current_limit.is_none());
+    }
+
+    #[test]
+    fn requests_past_the_bounds_are_refused() {
+        let d = domains(CONFIG);
+        let many = request(
+            (0..33)
+                .map(|i| descriptor(&[("user", &i.to_string())], None))
+                .collect(),
+            0,
+        );
+        assert!(plan(&d, &many).unwrap_err().contains("at most 32"));
+        let huge = "x".repeat(70_000);
+        let big = request(vec![descriptor(&[("user", &huge)], None)], 0);
+        assert!(plan(&d, &big).unwrap_err().contains("bytes"));
+        let hits = request(vec![descriptor(&[("user", "a")], Some(2_000_000))], 0);
+        assert!(plan(&d, &hits).unwrap_err().contains("hits_addend"));
     }
 
     #[test]
