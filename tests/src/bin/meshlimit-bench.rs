@@ -33,11 +33,11 @@ use std::process::Command;
 
 use meshlimit_testbed::http;
 use meshlimit_testbed::plugin::PluginConfig;
-use meshlimit_testbed::procs::{rss_kib, Proc};
+use meshlimit_testbed::procs::{rss_kib, Proc, TempDir};
 use meshlimit_testbed::render::{render, template};
 use meshlimit_testbed::services::REDIS_PORT;
 use meshlimit_testbed::tools;
-use meshlimit_testbed::topology::{FRONT_PORT, UPSTREAM_PORT};
+use meshlimit_testbed::topology::{FRONT_PORT, GRPC_PORT, UPSTREAM_PORT};
 use meshlimit_testbed::{Topology, TopologyOptions};
 use serde_json::json;
 
@@ -400,6 +400,35 @@ fn main() {
     // Its upstream is the fake model (tests/src/llm.rs), in this process:
     // Envoy's direct_response answers before a request body is in, and a
     // token budget reads its reservation from the body.
+    // 11: Envoy's native ratelimit filter asking meshlimitd over gRPC.
+    let rls_dir = TempDir::new("bench-rls");
+    std::fs::write(
+        rls_dir.path().join("edge.yaml"),
+        "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: { unit: hour, requests_per_unit: 1000000000 }\n",
+    )
+    .unwrap_or_else(|e| panic!("cannot write the rate limit configuration: {e}"));
+    let native = Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        rls_config_dir: Some(rls_dir.path().to_path_buf()),
+        ..TopologyOptions::default()
+    });
+    let native_envoy = {
+        let mut vars = native.base_vars(19_901, FRONT_PORT + 1);
+        vars.extend([
+            ("REPLICA_NAME", "native".to_string()),
+            ("RLS_HOST", native.host.clone()),
+            ("RLS_PORT", GRPC_PORT.to_string()),
+            ("UPSTREAM_HOST", native.host.clone()),
+            ("UPSTREAM_PORT", UPSTREAM_PORT.to_string()),
+            ("FAILURE_MODE_DENY", "false".to_string()),
+        ]);
+        native.start_envoy(
+            "replica-1",
+            &render(&template("native-ratelimit.yaml"), &vars),
+            1,
+        )
+    };
     let tokens = Topology::start(TopologyOptions {
         plugin_config: token_budget(),
         replicas: 1,
@@ -469,6 +498,15 @@ fn main() {
                 &[],
             )
         },
+        Target {
+            name: "11. Envoy's native ratelimit filter, meshlimitd over gRPC",
+            url: format!("http://{}/api", native.replica_addr(1)),
+            admin: native.replica_admin(1),
+            pid: native_envoy.pid().unwrap_or(0),
+            many_clients: false,
+            headers: &["x-user: bench"],
+            post: None,
+        },
     ];
     for (topology, name) in compared.iter().zip([
         "3'. as 3, with the compare build",
@@ -489,6 +527,7 @@ fn main() {
         &grouped_many,
         &policies,
         &tokens,
+        &native,
     ]
     .into_iter()
     .chain(&compared)
@@ -534,7 +573,7 @@ fn main() {
         .map(|t| {
             (
                 stat(&t.admin, "http.ingress.downstream_rq_total"),
-                stat(&t.admin, "cluster.meshlimit.upstream_rq_total"),
+                calls_to_meshlimitd(&t.admin),
                 stat(&t.admin, "cluster.meshlimit.upstream_cx_total"),
             )
         })
@@ -601,8 +640,7 @@ fn main() {
         .zip(&calls_before)
         .map(|(t, (rq0, call0, cx0))| {
             let rq = stat(&t.admin, "http.ingress.downstream_rq_total").saturating_sub(*rq0);
-            let calls =
-                stat(&t.admin, "cluster.meshlimit.upstream_rq_total").saturating_sub(*call0);
+            let calls = calls_to_meshlimitd(&t.admin).saturating_sub(*call0);
             let cx = stat(&t.admin, "cluster.meshlimit.upstream_cx_total").saturating_sub(*cx0);
             (calls as f64 / rq.max(1) as f64, cx)
         })
@@ -651,13 +689,16 @@ fn main() {
         .trim()
         .to_string();
     let mut service_rps = Vec::new();
+    let mut grpc_rps = Vec::new();
     let mut redis_rps = Vec::new();
     for rep in 0..REPEATS {
         let s = load(&service_url, &[], None, Some(check), false);
         service_rps.push(s.rps);
+        let g = grpc_load(&native.addr(GRPC_PORT));
+        grpc_rps.push(g);
         let r = redis_benchmark(&global.host, &sha);
         println!(
-            "  service {rep}: meshlimitd {:.0} checks/s, redis-benchmark EVALSHA {:.0}/s",
+            "  service {rep}: meshlimitd {:.0} checks/s (gRPC {g:.0}/s), redis-benchmark EVALSHA {:.0}/s",
             s.rps, r
         );
         redis_rps.push(r);
@@ -674,12 +715,76 @@ fn main() {
         &fixed,
         &calls,
         rate,
-        median(service_rps),
+        (median(service_rps), median(grpc_rps)),
         median(redis_rps),
         &rss,
         wasm_bytes,
     );
     drop((bare, lrl, grouped_hot, grouped_many, policies, tokens));
+    drop((native_envoy, native, rls_dir));
+}
+
+/// Calls an Envoy made to meshlimitd: the wasm filter's HTTP checks, or
+/// the native filter's gRPC ones.
+fn calls_to_meshlimitd(admin: &str) -> u64 {
+    stat(admin, "cluster.meshlimit.upstream_rq_total")
+        + stat(admin, "cluster.meshlimit_rls.upstream_rq_total")
+}
+
+/// `ShouldRateLimit` calls per second on meshlimitd's gRPC port, as fast
+/// as 8 connections with 8 calls in flight each get answers, for
+/// [`SECONDS`]: one descriptor, the same script as 6.
+fn grpc_load(addr: &str) -> f64 {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+        rate_limit_descriptor::Entry, RateLimitDescriptor,
+    };
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("cannot start a runtime: {e}"));
+    let answered = std::sync::Arc::new(AtomicU64::new(0));
+    let request = RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "user".into(),
+                value: "bench-grpc".into(),
+            }],
+            ..RateLimitDescriptor::default()
+        }],
+        hits_addend: 0,
+    };
+    let url = format!("http://{addr}");
+    runtime.block_on(async {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(SECONDS);
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let channel = tonic::transport::Endpoint::from_shared(url.clone())
+                .unwrap_or_else(|e| panic!("bad address {url}: {e}"))
+                .connect()
+                .await
+                .unwrap_or_else(|e| panic!("cannot reach the rate limit service at {url}: {e}"));
+            for _ in 0..8 {
+                let mut client = RateLimitServiceClient::new(channel.clone());
+                let (request, answered) = (request.clone(), answered.clone());
+                tasks.push(tokio::spawn(async move {
+                    while tokio::time::Instant::now() < deadline {
+                        if client.should_rate_limit(request.clone()).await.is_ok() {
+                            answered.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }));
+            }
+        }
+        for task in tasks {
+            let _ = task.await;
+        }
+    });
+    answered.load(Ordering::Relaxed) as f64 / SECONDS as f64
 }
 
 fn redis_benchmark(host: &str, sha: &str) -> f64 {
@@ -740,7 +845,7 @@ fn report(
     fixed: &BTreeMap<usize, Vec<Sample>>,
     calls: &[(f64, u64)],
     rate: u64,
-    service_rps: f64,
+    (service_rps, grpc_rps): (f64, f64),
     redis_rps: f64,
     rss: &[u64],
     wasm_bytes: u64,
@@ -819,8 +924,9 @@ fn report(
     }
     let _ = writeln!(
         md,
-        "| 6. meshlimitd alone (HTTP checks) | {service_rps:.0} | **{:.2}** of redis-benchmark | | | | | | | | |\n| 6'. redis-benchmark, same script (EVALSHA) | {redis_rps:.0} | 1.00 | | | | | | | | |\n",
-        service_rps / redis_rps.max(1.0)
+        "| 6. meshlimitd alone (HTTP checks) | {service_rps:.0} | **{:.2}** of redis-benchmark | | | | | | | | |\n| 6''. meshlimitd alone (gRPC `ShouldRateLimit`) | {grpc_rps:.0} | **{:.2}** of redis-benchmark | | | | | | | | |\n| 6'. redis-benchmark, same script (EVALSHA) | {redis_rps:.0} | 1.00 | | | | | | | | |\n",
+        service_rps / redis_rps.max(1.0),
+        grpc_rps / redis_rps.max(1.0)
     );
     let check = |ok: bool| if ok { "met" } else { "**not met**" };
     let _ = writeln!(md, "## Targets\n\n| target | measured | |\n|---|---|---|");
@@ -859,6 +965,19 @@ fn report(
         "| (6) >= 0.5 of redis-benchmark EVALSHA | {:.2} | {} |",
         service_rps / redis_rps.max(1.0),
         check(redis_rps > 0.0 && service_rps / redis_rps.max(1.0) >= 0.5)
+    );
+    let _ = writeln!(
+        md,
+        "| (6'') the rate limit service's gRPC path >= 0.5 of redis-benchmark EVALSHA | {:.2} | {} |",
+        grpc_rps / redis_rps.max(1.0),
+        check(redis_rps > 0.0 && grpc_rps / redis_rps.max(1.0) >= 0.5)
+    );
+    let _ = writeln!(
+        md,
+        "| (11) Envoy's native ratelimit filter with meshlimitd over gRPC, beside the wasm filter (7) and bare Envoy (1) | {:.2} of (1), {:.2} of (7); one gRPC call per request ({:.2}), no batching | measured |",
+        sat(9) / base,
+        sat(9) / sat(5).max(1.0),
+        calls.get(9).map_or(0.0, |c| c.0)
     );
     let _ = writeln!(
         md,
