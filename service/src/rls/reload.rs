@@ -50,9 +50,18 @@ fn fingerprint(dir: &Path) -> Vec<u8> {
     hash.finalize().to_vec()
 }
 
+/// A configuration loaded, and what its directory held when it was read.
+pub struct Loaded {
+    pub current: Current,
+    seen: Vec<u8>,
+}
+
 /// Loads `dir` once: the first configuration must be good, or meshlimitd
 /// refuses to start (an operator sees the mistake at once).
-pub fn load(dir: &Path) -> Result<Current, ConfigError> {
+pub fn load(dir: &Path) -> Result<Loaded, ConfigError> {
+    // Taken before the files are read: a change made meanwhile is seen by
+    // the first poll (at worst read twice), never missed.
+    let seen = fingerprint(dir);
     let domains = Domains::load_dir(dir)?;
     info!(
         "rate limit service configuration: {} domain(s) from {}",
@@ -61,12 +70,13 @@ pub fn load(dir: &Path) -> Result<Current, ConfigError> {
     );
     let current = Current::default();
     current.set(domains);
-    Ok(current)
+    Ok(Loaded { current, seen })
 }
 
-/// Watches `dir` every `every`, reloading `current` when it changed.
-pub async fn watch(dir: PathBuf, current: Current, every: Duration) {
-    let mut seen = fingerprint(&dir);
+/// Watches `dir` every `every`, reloading the configuration when the
+/// directory holds something else than what was last read.
+pub async fn watch(dir: PathBuf, loaded: Loaded, every: Duration) {
+    let Loaded { current, mut seen } = loaded;
     loop {
         tokio::time::sleep(every).await;
         let now = fingerprint(&dir);
@@ -86,5 +96,77 @@ pub async fn watch(dir: PathBuf, current: Current, every: Duration) {
                 error!("rate limit service configuration refused, keeping the last good one: {e}")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rls::config::RateLimit;
+
+    fn write(dir: &Path, requests: u64) {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(
+            dir.join("edge.yaml"),
+            format!("domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {{ unit: minute, requests_per_unit: {requests} }}\n"),
+        )
+        .unwrap();
+    }
+
+    fn requests(current: &Current) -> u64 {
+        match &current
+            .get()
+            .lookup("edge", &[("user", "a")])
+            .unwrap()
+            .limit
+            .limit
+        {
+            RateLimit::Limited(l) => l.requests,
+            _ => 0,
+        }
+    }
+
+    /// A Kubernetes ConfigMap mount swaps a symlink to a new directory: the
+    /// watcher reads the files anew; a broken swap keeps the last good one.
+    #[tokio::test]
+    async fn a_symlink_swap_is_a_reload_and_a_bad_one_is_refused() {
+        let root = std::env::temp_dir().join(format!("rls-reload-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (a, b, bad) = (root.join("a"), root.join("b"), root.join("bad"));
+        write(&a, 5);
+        write(&b, 7);
+        std::fs::create_dir_all(&bad).unwrap();
+        std::fs::write(
+            bad.join("edge.yaml"),
+            "domain: edge\ndescriptors: [{ key: user, rate_limt: {} }]\n",
+        )
+        .unwrap();
+        let link = root.join("current");
+        std::os::unix::fs::symlink(&a, &link).unwrap();
+        let loaded = load(&link).unwrap();
+        let current = loaded.current.clone();
+        assert_eq!(requests(&current), 5);
+        let watcher = tokio::spawn(watch(link.clone(), loaded, Duration::from_millis(20)));
+        let swap = |to: &Path| {
+            let tmp = root.join("next");
+            let _ = std::fs::remove_file(&tmp);
+            std::os::unix::fs::symlink(to, &tmp).unwrap();
+            std::fs::rename(&tmp, &link).unwrap();
+        };
+        swap(&b);
+        let mut seen = 0;
+        for _ in 0..100 {
+            seen = requests(&current);
+            if seen == 7 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(seen, 7, "the swapped directory is in use");
+        swap(&bad);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(requests(&current), 7, "the last good configuration stays");
+        watcher.abort();
+        let _ = std::fs::remove_dir_all(&root);
     }
 }
