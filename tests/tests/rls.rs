@@ -38,6 +38,9 @@ descriptors:
     value: /p/shadow*
     shadow_mode: true
     rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: path
+    value: /p/yearly
+    rate_limit: { unit: year, requests_per_unit: 2 }
   - key: generic_key
     value: api
     rate_limit: { unit: minute, requests_per_unit: 100000 }

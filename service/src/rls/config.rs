@@ -30,8 +30,8 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 /// A time unit of `rate_limit.unit`, any case as envoyproxy/ratelimit reads
-/// it. Months are 30 days, as there; a year is longer than meshlimitd's
-/// longest window (31 days) and refused.
+/// it, with its lengths: a month is 30 days, a year 365, and windows are
+/// aligned to multiples of their length since the epoch, as there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unit {
     Second,
@@ -40,7 +40,13 @@ pub enum Unit {
     Day,
     Week,
     Month,
+    Year,
 }
+
+/// The longest window of a rate limit here: a year and a day. (The wasm
+/// filter's limits stop at 31 days, where a typo like `"60d"` is more
+/// likely than a quota; envoyproxy/ratelimit's files have yearly ones.)
+pub const MAX_WINDOW_MS: u64 = 366 * 86_400_000;
 
 impl Unit {
     fn parse(name: &str) -> Result<Unit, String> {
@@ -51,15 +57,10 @@ impl Unit {
             "day" => Unit::Day,
             "week" => Unit::Week,
             "month" => Unit::Month,
-            "year" => {
-                return Err(
-                    "year is longer than meshlimitd's longest window (31 days); use day or month"
-                        .into(),
-                )
-            }
+            "year" => Unit::Year,
             other => {
                 return Err(format!(
-                    "unknown unit {other:?}: second, minute, hour, day, week or month"
+                    "unknown unit {other:?}: second, minute, hour, day, week, month or year"
                 ))
             }
         })
@@ -73,6 +74,7 @@ impl Unit {
             Unit::Day => 86_400_000,
             Unit::Week => 7 * 86_400_000,
             Unit::Month => 30 * 86_400_000,
+            Unit::Year => 365 * 86_400_000,
         }
     }
 
@@ -84,6 +86,7 @@ impl Unit {
             Unit::Hour => 3,
             Unit::Day => 4,
             Unit::Month => 5,
+            Unit::Year => 6,
             Unit::Week => 7,
         }
     }
@@ -410,7 +413,15 @@ fn node_limit(
     } else {
         let algorithm = r.algorithm.unwrap_or(Algorithm::FixedWindow);
         let window_ms = unit.millis().saturating_mul(multiplier);
-        bounds::check_limit(requests, window_ms, algorithm, None).map_err(|e| {
+        if window_ms > MAX_WINDOW_MS {
+            return Err(at(
+                &field("unit_multiplier"),
+                "the window (unit x unit_multiplier) must be at most 366 days".into(),
+            ));
+        }
+        // The other numbers by the rules every limit follows.
+        let checked_window = window_ms.min(bounds::MAX_WINDOW_MS);
+        bounds::check_limit(requests, checked_window, algorithm, None).map_err(|e| {
             let name = match e.field {
                 bounds::LimitField::Requests => "requests_per_unit",
                 bounds::LimitField::Window => "unit_multiplier",
@@ -560,8 +571,15 @@ descriptors:
     rate_limit: { unit: week, requests_per_unit: 1 }
   - key: c
     rate_limit: { unlimited: true, name: everything }
+  - key: y
+    rate_limit: { unit: Year, requests_per_unit: 1000 }
 "#,
         );
+        let y = d.lookup("d", &[("y", "1")]).unwrap();
+        let RateLimit::Limited(year) = &y.limit.limit else {
+            panic!()
+        };
+        assert_eq!(year.window_ms(), 365 * 86_400_000);
         let a = d.lookup("d", &[("a", "1")]).unwrap();
         let RateLimit::Limited(l) = &a.limit.limit else {
             panic!()
@@ -580,10 +598,11 @@ descriptors:
     fn every_mistake_names_its_file_and_field() {
         let cases = [
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: minute }\n", "descriptors[0].rate_limit.requests_per_unit", "missing"),
-            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: year, requests_per_unit: 1 }\n", "descriptors[0].rate_limit.unit", "31 days"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: year, requests_per_unit: 1, unit_multiplier: 2 }\n", "descriptors[0].rate_limit.unit_multiplier", "366 days"),
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: fortnight, requests_per_unit: 1 }\n", "descriptors[0].rate_limit.unit", "unknown unit"),
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limt: { unit: minute, requests_per_unit: 1 }\n", "descriptors[0].rate_limt", "unknown field"),
-            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: day, requests_per_unit: 1, unit_multiplier: 40 }\n", "descriptors[0].rate_limit.unit_multiplier", "31d"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: day, requests_per_unit: 1, unit_multiplier: 400 }\n", "descriptors[0].rate_limit.unit_multiplier", "366 days"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: day, requests_per_unit: 20000, algorithm: sliding_window_log }\n", "descriptors[0].rate_limit.requests_per_unit", "sliding_window_log"),
             ("domain: d\ndescriptors:\n  - key: a\n  - key: a\n", "descriptors[1]", "a second descriptor"),
             ("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: ''\n", "descriptors[0].descriptors[0].key", "must not be empty"),
             ("domain: ''\n", "domain", "must not be empty"),

@@ -187,6 +187,7 @@ fn proto_limit(requests: u64, unit: Unit) -> ProtoLimit {
             Unit::Day => ProtoUnit::Day,
             Unit::Week => ProtoUnit::Week,
             Unit::Month => ProtoUnit::Month,
+            Unit::Year => ProtoUnit::Year,
         } as i32,
     }
 }
