@@ -139,14 +139,7 @@ impl LocalLimiter {
             } else {
                 State::default()
             };
-            let params = Params {
-                algorithm: limit.algorithm,
-                requests: limit.requests,
-                window_ms: limit.window_ms,
-                burst: limit.capacity(),
-                calendar: limit.calendar,
-            };
-            let outcome = algorithms::evaluate(&params, state, applied.cost, now_ms);
+            let outcome = algorithms::evaluate(&params(limit), state, applied.cost, now_ms);
             if !outcome.fits && !applied.shadow {
                 allowed = false;
             }
@@ -211,13 +204,7 @@ impl LocalLimiter {
             let fingerprint =
                 store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
             let key = keys::fallback_slot(store::slot(fingerprint, self.slots));
-            let params = Params {
-                algorithm: limit.algorithm,
-                requests: limit.requests,
-                window_ms: limit.window_ms,
-                burst: limit.capacity(),
-                calendar: limit.calendar,
-            };
+            let params = params(limit);
             let _ = retry_on_conflict(|| {
                 let (bytes, cas) = store.get(&key)?;
                 let mut entries = decode(bytes.as_deref());
@@ -238,6 +225,17 @@ impl LocalLimiter {
                 store.set(&key, &encode(&entries), cas)
             });
         }
+    }
+}
+
+/// A limit as the algorithms take it.
+fn params(limit: &crate::config::LimitConfig) -> Params {
+    Params {
+        algorithm: limit.algorithm,
+        requests: limit.requests,
+        window_ms: limit.window_ms,
+        burst: limit.capacity(),
+        calendar: limit.calendar,
     }
 }
 

@@ -1,7 +1,7 @@
 //! A misbehaving stand-in for meshlimitd, to prove the filter treats every
 //! kind of bad answer as a service error and never as a client error.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -63,36 +63,6 @@ impl Drop for FakeService {
     }
 }
 
-/// Reads one request (headers and a content-length body); returns its path.
-fn read_request(stream: &mut TcpStream) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let n = stream.read(&mut chunk).ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            while buf.len() < end + 4 + len {
-                let n = stream.read(&mut chunk).ok()?;
-                if n == 0 {
-                    return None;
-                }
-                buf.extend_from_slice(&chunk[..n]);
-            }
-            buf.drain(..end + 4 + len);
-            return head.split_whitespace().nth(1).map(str::to_string);
-        }
-    }
-}
-
 fn respond(stream: &mut TcpStream, status: u16, body: &str) -> bool {
     let head = format!(
         "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -104,7 +74,7 @@ fn respond(stream: &mut TcpStream, status: u16, body: &str) -> bool {
 fn serve(mut stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
     let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
     while !stop.load(Ordering::Relaxed) {
-        let Some(path) = read_request(&mut stream) else {
+        let Some(path) = crate::http::read_request(&mut stream).map(|r| r.path) else {
             // Timeouts just mean an idle keep-alive connection.
             if stop.load(Ordering::Relaxed) {
                 return;

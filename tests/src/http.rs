@@ -210,3 +210,63 @@ impl Conn {
         })
     }
 }
+
+/// A request a stand-in server (the fake meshlimitd, the fake model) read.
+#[derive(Debug, Clone)]
+pub struct ServerRequest {
+    pub path: String,
+    /// Lower-case names, trimmed values.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl ServerRequest {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Reads one request (headers and a content-length body) from a client
+/// connection; `None` when it closes or times out first.
+pub fn read_request(stream: &mut TcpStream) -> Option<ServerRequest> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let n = stream.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+        let mut lines = head.split("\r\n");
+        let path = lines.next()?.split_whitespace().nth(1)?.to_string();
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let len: usize = headers
+            .iter()
+            .find(|(k, _)| k == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0);
+        while buf.len() < end + 4 + len {
+            let n = stream.read(&mut chunk).ok()?;
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let body = buf[end + 4..end + 4 + len].to_vec();
+        return Some(ServerRequest {
+            path,
+            headers,
+            body,
+        });
+    }
+}

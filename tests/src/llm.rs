@@ -17,11 +17,13 @@
 //! It counts the completion tokens it actually wrote to the socket, so a
 //! test can compare what the budget settled with what was delivered.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use crate::http::{read_request, ServerRequest as Request};
 
 pub struct FakeLlm {
     stop: Arc<AtomicBool>,
@@ -60,61 +62,11 @@ impl Drop for FakeLlm {
     }
 }
 
-/// One request: its lower-case headers and its body.
-struct Request {
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Request {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn number(&self, name: &str, default: u64) -> u64 {
-        self.header(name)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    }
-}
-
-fn read_request(stream: &mut TcpStream) -> Option<Request> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 8192];
-    loop {
-        let n = stream.read(&mut chunk).ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-            continue;
-        };
-        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-        let headers: Vec<(String, String)> = head
-            .split("\r\n")
-            .skip(1)
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-            .collect();
-        let len: usize = headers
-            .iter()
-            .find(|(k, _)| k == "content-length")
-            .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or(0);
-        while buf.len() < end + 4 + len {
-            let n = stream.read(&mut chunk).ok()?;
-            if n == 0 {
-                return None;
-            }
-            buf.extend_from_slice(&chunk[..n]);
-        }
-        let body = buf[end + 4..end + 4 + len].to_vec();
-        return Some(Request { headers, body });
-    }
+/// A behaviour header's number, or `default`.
+fn number(req: &Request, name: &str, default: u64) -> u64 {
+    req.header(name)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Answers requests on one connection: kept alive after JSON answers (the
@@ -133,10 +85,10 @@ fn serve(mut stream: TcpStream, written: &AtomicU64) {
 
 /// Answers one request; false when the connection is done.
 fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
-    let tokens = req.number("x-llm-tokens", 10);
-    let prompt = req.number("x-llm-prompt", 0);
-    let status = req.number("x-llm-status", 200);
-    let delay = Duration::from_millis(req.number("x-llm-delay-ms", 0));
+    let tokens = number(req, "x-llm-tokens", 10);
+    let prompt = number(req, "x-llm-prompt", 0);
+    let status = number(req, "x-llm-status", 200);
+    let delay = Duration::from_millis(number(req, "x-llm-delay-ms", 0));
     let usage = req.header("x-llm-usage").unwrap_or("body").to_string();
     let streamed = serde_json::from_slice::<serde_json::Value>(&req.body)
         .ok()
