@@ -297,3 +297,62 @@ fn an_outage_follows_the_filters_failure_mode() {
         );
     }
 }
+
+/// With `--auth-token-file`, a gRPC call without the shared token (as
+/// `authorization` metadata) is refused and counted; with it, decided.
+#[test]
+fn grpc_calls_need_the_shared_token_when_one_is_set() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+        rate_limit_descriptor::Entry, RateLimitDescriptor,
+    };
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let dir = config_dir(CONFIG);
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "a-shared-secret-of-some-length\n").unwrap();
+    let t = Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        rls_config_dir: Some(dir.path().to_path_buf()),
+        meshlimitd_args: vec!["--auth-token-file".into(), token_file.display().to_string()],
+        ..TopologyOptions::default()
+    });
+    let request = RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "user".into(),
+                value: "jo".into(),
+            }],
+            ..RateLimitDescriptor::default()
+        }],
+        hits_addend: 0,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (without, with) = runtime.block_on(async {
+        let url = format!("http://{}", t.addr(GRPC_PORT));
+        let mut client = RateLimitServiceClient::connect(url).await.unwrap();
+        let without = client.should_rate_limit(request.clone()).await;
+        let mut authorized = tonic::Request::new(request.clone());
+        authorized.metadata_mut().insert(
+            "authorization",
+            "Bearer a-shared-secret-of-some-length".parse().unwrap(),
+        );
+        let with = client.should_rate_limit(authorized).await;
+        (without, with)
+    });
+    assert_eq!(without.unwrap_err().code(), tonic::Code::Unauthenticated);
+    let answer = with.unwrap().into_inner();
+    assert_eq!(answer.statuses[0].limit_remaining, 19);
+    let metrics = meshlimit_testbed::http::get(&t.meshlimitd_addr(), "/metrics", &[]).unwrap();
+    assert!(
+        metrics
+            .body
+            .contains("meshlimitd_rls_responses_total{kind=\"unauthenticated\"} 1"),
+        "{}",
+        metrics.body
+    );
+}
