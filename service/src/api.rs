@@ -204,19 +204,29 @@ fn caller_budget(headers: &HeaderMap, request_timeout: Duration) -> Duration {
 /// waits at most `queue_timeout` for one (then 503: the filter falls back,
 /// which beats queueing behind a backlog it would time out on anyway).
 async fn guarded(state: &AppState, body: &[u8]) -> Response {
+    match permit(state).await {
+        Some(_permit) => decide(state, body).await,
+        None => error(StatusCode::SERVICE_UNAVAILABLE, OVERLOADED),
+    }
+}
+
+/// Why a call got no permit.
+pub(crate) const OVERLOADED: &str = "overloaded: too many checks in flight";
+
+/// A permit to decide (of `max_in_flight`), waited for at most
+/// `queue_timeout`; `None`, counted as overloaded, when none came. The
+/// HTTP API and the rate limit service share them.
+pub(crate) async fn permit(state: &AppState) -> Option<tokio::sync::OwnedSemaphorePermit> {
     let permit = tokio::time::timeout(
         state.limits.queue_timeout,
         state.in_flight.clone().acquire_owned(),
     )
     .await;
     match permit {
-        Ok(Ok(_permit)) => decide(state, body).await,
+        Ok(Ok(permit)) => Some(permit),
         _ => {
             state.metrics.overloaded();
-            error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded: too many checks in flight",
-            )
+            None
         }
     }
 }

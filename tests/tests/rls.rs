@@ -177,6 +177,14 @@ fn descriptors_behave_as_the_format_documents() {
         (0..5).all(|_| path("/p/shadow/x") == 200),
         "shadow mode never denies"
     );
+    let metrics = meshlimit_testbed::http::get(&n.t.meshlimitd_addr(), "/metrics", &[]).unwrap();
+    assert!(
+        metrics
+            .body
+            .contains("meshlimitd_rls_shadow_over_limit_total 4"),
+        "4 of the 5 were over, in shadow: {}",
+        metrics.body
+    );
     let vip = (0..30)
         .filter(|_| n.get(1, "/api", &[("x-user", b"ivy"), ("x-vip", b"gold")]) == 200)
         .count();
@@ -353,6 +361,13 @@ fn grpc_calls_need_the_shared_token_when_one_is_set() {
             .body
             .contains("meshlimitd_rls_responses_total{kind=\"unauthenticated\"} 1"),
         "{}",
+        metrics.body
+    );
+    assert!(
+        metrics
+            .body
+            .contains("meshlimitd_rls_responses_total{kind=\"ok\"} 1"),
+        "the decided call is counted: {}",
         metrics.body
     );
 }

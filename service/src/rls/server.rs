@@ -287,31 +287,34 @@ impl RateLimitService for RlsService {
             return respond(answer(&plan, None));
         };
         let state = &self.state;
-        let permit = tokio::time::timeout(
-            state.limits.queue_timeout,
-            state.in_flight.clone().acquire_owned(),
-        )
-        .await;
-        let Ok(Ok(_permit)) = permit else {
-            state.metrics.overloaded();
-            return Err(tonic::Status::unavailable(
-                "overloaded: too many checks in flight",
-            ));
+        let unavailable = |why: String| {
+            metrics.rls_response("unavailable");
+            tonic::Status::unavailable(why)
+        };
+        let Some(_permit) = crate::api::permit(state).await else {
+            return Err(unavailable(crate::api::OVERLOADED.into()));
         };
         let decided =
             tokio::time::timeout(state.limits.request_timeout, state.limiter.check(check))
                 .await
-                .map_err(|_| tonic::Status::unavailable("not decided in time"))?;
+                .map_err(|_| unavailable("not decided in time".into()))?;
         match decided {
             Ok(result) => {
-                state.metrics.decision(result.allowed);
-                Ok(tonic::Response::new(answer(&plan, Some(&result))))
+                metrics.decision(result.allowed);
+                metrics.rls_shadow_over_limit(
+                    result
+                        .limits
+                        .iter()
+                        .filter(|s| s.shadow && !s.allowed)
+                        .count() as u64,
+                );
+                respond(answer(&plan, Some(&result)))
             }
             Err(e) => {
                 if let Some(skipped) = state.error_log.allow() {
                     warn!("rate limit service: cannot decide: {e} ({skipped} similar lines suppressed)");
                 }
-                Err(tonic::Status::unavailable(e.to_string()))
+                Err(unavailable(e.to_string()))
             }
         }
     }
