@@ -2,7 +2,7 @@
 //! kind of bad answer as a service error and never as a client error.
 
 use std::io::Write;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,23 +28,10 @@ pub struct FakeService {
 
 impl FakeService {
     pub fn start(addr: &str, behavior: Behavior) -> FakeService {
-        let listener =
-            TcpListener::bind(addr).unwrap_or_else(|e| panic!("cannot bind {addr}: {e}"));
-        listener
-            .set_nonblocking(true)
-            .unwrap_or_else(|e| panic!("cannot configure {addr}: {e}"));
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
-        std::thread::spawn(move || {
-            while !flag.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        let (b, f) = (behavior.clone(), Arc::clone(&flag));
-                        std::thread::spawn(move || serve(stream, &b, &f));
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                }
-            }
+        crate::http::accept_in_background(addr, Arc::clone(&stop), move |stream| {
+            serve(stream, &behavior, &flag)
         });
         FakeService {
             stop,

@@ -270,3 +270,31 @@ pub fn read_request(stream: &mut TcpStream) -> Option<ServerRequest> {
         });
     }
 }
+
+/// Accepts connections on `addr` in a thread of its own until `stop` is
+/// set, handing each to `handle` in a thread of its own (the stand-in
+/// servers: the fake meshlimitd, the fake model). Panics when `addr`
+/// cannot be bound: a test cannot run without it.
+pub fn accept_in_background(
+    addr: &str,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: impl Fn(TcpStream) + Send + Sync + Clone + 'static,
+) {
+    use std::sync::atomic::Ordering;
+    let listener =
+        std::net::TcpListener::bind(addr).unwrap_or_else(|e| panic!("cannot bind {addr}: {e}"));
+    listener
+        .set_nonblocking(true)
+        .unwrap_or_else(|e| panic!("cannot configure {addr}: {e}"));
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let handle = handle.clone();
+                    std::thread::spawn(move || handle(stream));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    });
+}

@@ -18,7 +18,7 @@
 //! test can compare what the budget settled with what was delivered.
 
 use std::io::Write;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,24 +33,11 @@ pub struct FakeLlm {
 
 impl FakeLlm {
     pub fn start(addr: &str) -> FakeLlm {
-        let listener =
-            TcpListener::bind(addr).unwrap_or_else(|e| panic!("cannot bind {addr}: {e}"));
-        listener
-            .set_nonblocking(true)
-            .unwrap_or_else(|e| panic!("cannot configure {addr}: {e}"));
         let stop = Arc::new(AtomicBool::new(false));
         let written = Arc::new(AtomicU64::new(0));
-        let (flag, count) = (Arc::clone(&stop), Arc::clone(&written));
-        std::thread::spawn(move || {
-            while !flag.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        let count = Arc::clone(&count);
-                        std::thread::spawn(move || serve(stream, &count));
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
-                }
-            }
+        let count = Arc::clone(&written);
+        crate::http::accept_in_background(addr, Arc::clone(&stop), move |stream| {
+            serve(stream, &count)
         });
         FakeLlm { stop, written }
     }
