@@ -9,9 +9,10 @@
 
 use std::rc::Rc;
 
-use meshlimit_protocol::{CheckRequest, Limit, Receipt, Settlement};
+use meshlimit_protocol::{Algorithm, CheckRequest, LeaseAsk, Limit, Receipt, Settlement};
 
 use crate::config::{LimitConfig, Reserve, TokenCost, TokenMode};
+use crate::shared::lease::Place;
 
 /// A limit that applies to a request, and the request's cost on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,6 +74,35 @@ pub struct Check {
     /// How the token-priced limits reserve and settle (the first matching
     /// token-priced rule's settings), when any limit is.
     pub tokens: Option<Rc<TokenCost>>,
+    /// The lease this check asks for with its call, if any.
+    pub lease: Option<LeaseTicket>,
+}
+
+/// A lease asked with a check's call (see `crate::shared::lease`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseTicket {
+    /// Where the lease will live.
+    pub place: Place,
+    /// Units asked for, and the share that bounds them.
+    pub want: u64,
+    pub share: u64,
+    /// When the ask was made: the lease's life is counted from here (a
+    /// little before meshlimitd's clock, so it never outlives its window).
+    pub asked_ms: u64,
+}
+
+/// What makes a check's lease: each global limit's whole definition, its
+/// subject and whether it is shadow (hashed into the lease's fingerprint).
+pub struct LeaseIdentity<'a>(pub &'a [Applied]);
+
+impl std::hash::Hash for LeaseIdentity<'_> {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        for a in self.0 {
+            a.limit.hash(h);
+            a.subject.hash(h);
+            a.shadow.hash(h);
+        }
+    }
 }
 
 impl Check {
@@ -86,6 +116,10 @@ impl Check {
                 .map(|a| a.to_wire(&self.subject))
                 .collect(),
             receipt: self.tokens.is_some(),
+            lease: self.lease.filter(|t| t.want > 0).map(|t| LeaseAsk {
+                units: t.want,
+                share: t.share,
+            }),
         }
     }
 
@@ -126,6 +160,40 @@ impl Check {
             global,
             skipped: 0,
             tokens: self.tokens.clone(),
+            lease: None,
+        }
+    }
+
+    /// The cost of each request on a check that can be leased: every
+    /// global limit counted in Redis by a fixed window, a sliding counter
+    /// or a token bucket (a sliding log's members carry times), at one
+    /// cost; no token budget (its cost is settled afterwards).
+    pub fn lease_cost(&self) -> Option<u64> {
+        let cost = self.global.first()?.cost;
+        let leasable = self.tokens.is_none()
+            && self.global.iter().all(|a| {
+                a.cost == cost && !a.tokens && a.limit.algorithm != Algorithm::SlidingWindowLog
+            });
+        leasable.then_some(cost)
+    }
+
+    /// The return of `units` leased units unused, charged where `receipts`
+    /// say: a settlement at 0 of a reservation of `units` on every global
+    /// limit.
+    pub fn lease_return(&self, units: u64, receipts: &[Receipt]) -> Settlement {
+        let limits: Vec<Limit> = self
+            .global
+            .iter()
+            .map(|a| Limit {
+                cost: units,
+                ..a.to_wire(&self.subject)
+            })
+            .collect();
+        Settlement {
+            subject: self.subject.clone(),
+            actual: vec![0; limits.len()],
+            limits,
+            receipts: receipts.to_vec(),
         }
     }
 

@@ -134,6 +134,7 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         global,
         skipped,
         tokens,
+        lease: None,
     })
 }
 
@@ -457,6 +458,7 @@ pub fn cached_deny<S: SharedStore>(
                 reason: None,
             }],
             receipts: None,
+            leased: 0,
         };
         Some(verdict(cfg, std::slice::from_ref(a), &result))
     })
@@ -509,6 +511,7 @@ pub fn combine(
             .cloned()
             .collect(),
         receipts: None,
+        leased: 0,
     };
     (applied, result)
 }
@@ -747,6 +750,7 @@ mod tests {
             allowed: false,
             limits: vec![status(false, 20, 0, 41_200)],
             receipts: None,
+            leased: 0,
         };
         let Verdict::Deny(d) = verdict(&c, &limits, &result) else {
             panic!("expected deny")
@@ -778,6 +782,7 @@ mod tests {
             allowed: true,
             limits: vec![status(true, 20, 5, 1000), status(true, 100, 2, 2000)],
             receipts: None,
+            leased: 0,
         };
         let Verdict::Allow { headers } = verdict(&c, &limits, &result) else {
             panic!("expected allow")
@@ -886,6 +891,7 @@ mod tests {
                 status(true, 50, 3, 10),
             ],
             receipts: None,
+            leased: 0,
         };
         remember_denials(&p, &result, &cache, 1_000);
         let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 1_500) else {
@@ -928,11 +934,13 @@ mod tests {
             allowed: true,
             limits: vec![status(true, 5, 1, 300)],
             receipts: None,
+            leased: 0,
         };
         let g = CheckResult {
             allowed: true,
             limits: vec![status(true, 100, 40, 9000)],
             receipts: None,
+            leased: 0,
         };
         let (applied, result) = combine((local, &l), (global, &g));
         let Verdict::Allow { headers } = verdict(&c, &applied, &result) else {
@@ -943,6 +951,7 @@ mod tests {
             allowed: false,
             limits: vec![status(false, 100, 0, 9000)],
             receipts: None,
+            leased: 0,
         };
         let (_, result) = combine((local, &l), (global, &denied));
         assert!(!result.allowed);

@@ -129,6 +129,7 @@ mod tests {
             allowed: true,
             limits: vec![st(true, 100, 50, 90_000_000, 0), st(true, 40, 30, 1_000, 0)],
             receipts: None,
+            leased: 0,
         };
         let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&monthly), ap(&raised)], &result);
         assert_eq!(
@@ -147,6 +148,7 @@ mod tests {
             allowed: true,
             limits: vec![st(true, 10, 9, 400, 0), st(true, 1000, 3, 1_800_001, 0)],
             receipts: None,
+            leased: 0,
         };
         let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&a), ap(&b)], &result);
         assert_eq!(
@@ -171,6 +173,7 @@ mod tests {
             allowed: false,
             limits: vec![st(false, 20, 0, 12_500, 12_500)],
             receipts: None,
+            leased: 0,
         };
         let h = rate_limit_headers(HeaderStyle::XRatelimit, &[ap(&a)], &result);
         assert_eq!(
@@ -190,12 +193,14 @@ mod tests {
             allowed: true,
             limits: vec![st(true, 20, 1, 1, 0)],
             receipts: None,
+            leased: 0,
         };
         assert!(rate_limit_headers(HeaderStyle::None, &[ap(&a)], &result).is_empty());
         let empty = CheckResult {
             allowed: true,
             limits: vec![],
             receipts: None,
+            leased: 0,
         };
         assert!(rate_limit_headers(HeaderStyle::Draft, &[ap(&a)], &empty).is_empty());
     }
@@ -211,6 +216,7 @@ mod tests {
             allowed: true,
             limits: vec![st(true, 10, 8, 900, 0), trial],
             receipts: None,
+            leased: 0,
         };
         let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&a), shadow], &result);
         assert_eq!(h[0].1, "\"api/real\";q=10;w=1");
@@ -246,7 +252,7 @@ mod proptests {
             let applied = crate::testing::applied(&limit);
             let result = CheckResult {
                 allowed,
-                limits: vec![crate::testing::status(allowed, requests, remaining, reset, reset)], receipts: None,
+                limits: vec![crate::testing::status(allowed, requests, remaining, reset, reset)], receipts: None, leased: 0,
             };
             for (k, v) in rate_limit_headers(style, &[applied], &result) {
                 prop_assert!(k.bytes().all(|b| b.is_ascii_lowercase() || b == b'-'));

@@ -56,11 +56,15 @@ pub enum Stat {
     TokensRefunded,
     StreamsCut,
     SettlementsFailed,
+    LeaseGrants,
+    LeaseUnits,
+    LeaseReturns,
+    LeaseHits,
 }
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 31] = [
+    pub const ALL: [Stat; 35] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -92,6 +96,10 @@ impl Stat {
         Stat::TokensRefunded,
         Stat::StreamsCut,
         Stat::SettlementsFailed,
+        Stat::LeaseGrants,
+        Stat::LeaseUnits,
+        Stat::LeaseReturns,
+        Stat::LeaseHits,
     ];
 
     /// The stat counting failed calls of this kind.
@@ -264,6 +272,26 @@ impl Stat {
                 "meshlimit.settlements_failed",
                 Counter,
                 "settlements meshlimitd could not apply (its reservation stands: never over budget)",
+            ),
+            Stat::LeaseGrants => (
+                "meshlimit.lease_grants",
+                Counter,
+                "quota leases this Envoy got from meshlimitd and keeps in shared data",
+            ),
+            Stat::LeaseUnits => (
+                "meshlimit.lease_units",
+                Counter,
+                "units those leases held (charged in Redis before any request used them)",
+            ),
+            Stat::LeaseReturns => (
+                "meshlimit.lease_returns",
+                Counter,
+                "leased units given back unused (a lease that expired early or went idle)",
+            ),
+            Stat::LeaseHits => (
+                "meshlimit.lease_hits",
+                Counter,
+                "requests decided from a lease, without a call",
             ),
         };
         StatDef { name, kind, help }

@@ -24,6 +24,11 @@ pub const MAX_LIMIT_NAME_LEN: usize = 160;
 pub const MAX_SLIDING_LOG_REQUESTS: u64 = 10_000;
 /// Most units one request may take from a limit (its cost).
 pub const MAX_COST: u64 = 1_000_000;
+/// Most units one lease may ask for (returns are settlements, whose units
+/// are bounded by [`MAX_COST`]).
+pub const MAX_LEASE_UNITS: u64 = MAX_COST;
+/// Largest divisor of what remains that a lease may ask for.
+pub const MAX_LEASE_SHARE: u64 = 1_000_000;
 
 /// The field of a limit that breaks a rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

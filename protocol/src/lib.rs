@@ -97,6 +97,29 @@ pub struct Check {
     /// reservation that a [`Settlement`] will adjust.
     #[serde(default, skip_serializing_if = "is_false")]
     pub receipt: bool,
+    /// Ask for a quota lease: besides the request's own cost, charge up to
+    /// `units` more on every limit, for this Envoy to admit later requests
+    /// of the same check without calling (see [`LeaseAsk`]). Granted units
+    /// come back in [`CheckResult::leased`], with receipts to return what
+    /// goes unused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseAsk>,
+}
+
+/// A quota lease asked with a check: at most `units` more units on every
+/// limit, and never more than what remains of the tightest limit, after
+/// the request, divided by `share` (so the last units of a window are
+/// decided one by one, and no replica holds what another needs). Only
+/// when the request is admitted; never on a sliding log, whose members
+/// carry times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseAsk {
+    pub units: u64,
+    pub share: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 fn default_cost() -> u64 {
@@ -239,6 +262,8 @@ impl<'de> Deserialize<'de> for CheckOutcome {
             error: Option<String>,
             kind: Option<FailureKind>,
             receipts: Option<Vec<Receipt>>,
+            #[serde(default)]
+            leased: u64,
         }
         let e = Either::deserialize(de)?;
         match (e.allowed, e.limits, e.error, e.kind) {
@@ -246,6 +271,7 @@ impl<'de> Deserialize<'de> for CheckOutcome {
                 allowed,
                 limits,
                 receipts: e.receipts,
+                leased: e.leased,
             })),
             (_, _, Some(error), Some(kind)) => {
                 Ok(CheckOutcome::Failed(CheckFailure { error, kind }))
@@ -283,9 +309,14 @@ pub struct CheckResult {
     pub allowed: bool,
     /// One status per limit of the check, in the same order.
     pub limits: Vec<LimitStatus>,
-    /// With [`Check::receipt`], when admitted: where each limit was charged.
+    /// With [`Check::receipt`] or a granted lease, when admitted: where
+    /// each limit was charged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub receipts: Option<Vec<Receipt>>,
+    /// Units leased with [`Check::lease`], charged on every limit beyond
+    /// the request's cost (the statuses' `remaining` is after them).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub leased: u64,
 }
 
 /// State of one limit after the decision.
@@ -369,7 +400,7 @@ mod tests {
         assert!(req.checks.is_empty());
         let bad_algo = r#"{"checks":[{"subject":"s","limits":[{"name":"a","requests":1,"window_ms":1,"algorithm":"leaky"}]}]}"#;
         assert!(serde_json::from_str::<CheckRequest>(bad_algo).is_err());
-        let newer = r#"{"results":[{"allowed":true,"limits":[{"allowed":true,"limit":1,"remaining":0,"reset_after_ms":1,"retry_after_ms":0,"tokens":7}],"lease":{"units":3}}],"server":"v9"}"#;
+        let newer = r#"{"results":[{"allowed":true,"limits":[{"allowed":true,"limit":1,"remaining":0,"reset_after_ms":1,"retry_after_ms":0,"tokens":7}],"grant":{"units":3}}],"server":"v9"}"#;
         let answer: CheckResponse = serde_json::from_str(newer).unwrap();
         assert!(matches!(&answer.results[0], CheckOutcome::Decided(r) if r.allowed));
     }
@@ -430,6 +461,7 @@ mod tests {
             allowed: true,
             limits: vec![status(true, 7, 1000, 0), status(true, 2, 60000, 0)],
             receipts: None,
+            leased: 0,
         };
         assert_eq!(r.most_constraining().unwrap().remaining, 2);
     }
@@ -442,6 +474,7 @@ mod tests {
             allowed: true,
             limits: vec![shadow, status(true, 4, 1000, 0)],
             receipts: None,
+            leased: 0,
         };
         assert_eq!(r.most_constraining().unwrap().remaining, 4);
     }
@@ -467,6 +500,7 @@ mod tests {
                 status(false, 0, 900, 900),
             ],
             receipts: None,
+            leased: 0,
         };
         assert_eq!(r.most_constraining().unwrap().retry_after_ms, 5000);
     }

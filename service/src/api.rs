@@ -463,7 +463,22 @@ fn validate_settlement(i: usize, s: &Settlement) -> Result<(), String> {
 
 /// What makes one check decidable; `i` is its place in the call.
 fn validate_check(i: usize, check: &Check) -> Result<(), String> {
-    validate_limits(&format!("checks[{i}]"), &check.subject, &check.limits)
+    validate_limits(&format!("checks[{i}]"), &check.subject, &check.limits)?;
+    if let Some(ask) = check.lease {
+        if ask.units > bounds::MAX_LEASE_UNITS {
+            return Err(format!(
+                "checks[{i}].lease.units: at most {}",
+                bounds::MAX_LEASE_UNITS
+            ));
+        }
+        if ask.share == 0 || ask.share > bounds::MAX_LEASE_SHARE {
+            return Err(format!(
+                "checks[{i}].lease.share: must be between 1 and {}",
+                bounds::MAX_LEASE_SHARE
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A subject and its limits, of the check or settlement at `at`.
@@ -563,6 +578,7 @@ mod tests {
                     calendar: None,
                 }],
                 receipt: false,
+                lease: None,
             }],
             settlements: Vec::new(),
         }

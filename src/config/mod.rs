@@ -62,6 +62,8 @@ pub struct Config {
     pub deny_cache_slots: u32,
     /// Coalescing concurrent checks into one call; `None` when off.
     pub group_commit: Option<crate::batch::BatchConfig>,
+    /// Quota leases for busy clients; `None` when off.
+    pub leases: Option<LeaseConfig>,
     /// Where `jwt:CLAIM` attributes are read.
     pub jwt: JwtSource,
 }
@@ -399,7 +401,22 @@ pub struct ResponseConfig {
     pub headers: HeaderStyle,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseConfig {
+    /// Shared-data slots for leases (one check's lease each).
+    pub slots: u32,
+    /// Most units one lease asks for.
+    pub max_units: u64,
+    /// How long a client's rate is observed to size its next lease; a
+    /// token bucket's lease lives this long, and any lease unused for this
+    /// long is given back.
+    pub interval_ms: u64,
+    /// What remains is divided by this to bound a lease:
+    /// `2 * local.expected_replicas`.
+    pub share: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalConfig {
     /// Shared-data slots for fallback counters (each holds a few clients).
     pub slots: u32,

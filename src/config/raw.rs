@@ -27,7 +27,31 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) group_commit: RawGroupCommit,
     #[serde(default)]
+    pub(super) leases: RawLeases,
+    #[serde(default)]
     pub(super) jwt: RawJwt,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawLeases {
+    pub(super) enabled: bool,
+    pub(super) max_units: u64,
+    pub(super) interval: String,
+    pub(super) slots: u32,
+}
+
+impl Default for RawLeases {
+    fn default() -> Self {
+        RawLeases {
+            // On: a busy client's requests are decided without a call,
+            // and every unit was charged in Redis before it was used.
+            enabled: true,
+            max_units: 10_000,
+            interval: "1s".into(),
+            slots: 1024,
+        }
+    }
 }
 
 #[derive(Deserialize)]

@@ -10,8 +10,9 @@ use super::duration;
 use super::raw::*;
 use super::{
     err, Attribute, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, HeaderCondition,
-    HeaderTest, HostPattern, JwtSource, LimitConfig, LocalConfig, Match, PathMatch, Reserve,
-    ResponseConfig, Rule, Scope, ServiceConfig, StaticOverride, TokenCost, TokenMode, UsageSource,
+    HeaderTest, HostPattern, JwtSource, LeaseConfig, LimitConfig, LocalConfig, Match, PathMatch,
+    Reserve, ResponseConfig, Rule, Scope, ServiceConfig, StaticOverride, TokenCost, TokenMode,
+    UsageSource,
 };
 
 /// Parts per million, so the config stays `Eq`.
@@ -78,6 +79,7 @@ pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
         breaker,
         deny_cache_slots: raw.deny_cache.slots,
         group_commit: validate_group_commit(raw.group_commit)?,
+        leases: validate_leases(raw.leases, raw.local.expected_replicas)?,
         jwt: validate_jwt(raw.jwt)?,
     })
 }
@@ -194,6 +196,38 @@ fn validate_jwt(raw: RawJwt) -> Result<JwtSource, ConfigError> {
         filter: raw.filter,
         payload_in_metadata: raw.payload_in_metadata,
     })
+}
+
+/// Quota leases: `None` when off. A lease takes at most half of what is
+/// left divided by `local.expected_replicas`, so every replica can still
+/// get its share and the last units are decided one by one.
+fn validate_leases(
+    raw: RawLeases,
+    expected_replicas: u32,
+) -> Result<Option<LeaseConfig>, ConfigError> {
+    if !(1..=bounds::MAX_LEASE_UNITS).contains(&raw.max_units) {
+        return Err(err(
+            "leases.max_units",
+            format!("must be between 1 and {}", bounds::MAX_LEASE_UNITS),
+        ));
+    }
+    let interval_ms =
+        duration::parse_millis(&raw.interval).map_err(|e| err("leases.interval", e.to_string()))?;
+    if !(100..=60_000).contains(&interval_ms) {
+        return Err(err("leases.interval", "must be between 100ms and 60s"));
+    }
+    if !(MIN_SLOTS..=MAX_SLOTS).contains(&raw.slots) {
+        return Err(err(
+            "leases.slots",
+            format!("must be between {MIN_SLOTS} and {MAX_SLOTS}"),
+        ));
+    }
+    Ok(raw.enabled.then_some(LeaseConfig {
+        slots: raw.slots,
+        max_units: raw.max_units,
+        interval_ms,
+        share: 2 * u64::from(expected_replicas),
+    }))
 }
 
 fn validate_group_commit(

@@ -111,7 +111,7 @@ impl Worker {
         let mut tally = Tally::new(&self.metrics, host);
         let (mut checks, mut settled) = (0, 0);
         for queued in batch {
-            if let Job::Settle { settlements } = &queued.job {
+            if let Job::Settle { settlements } | Job::Return { settlements } = &queued.job {
                 let outcomes = match &answers {
                     Ok((_, outcomes)) => Ok(outcomes
                         .get(settled..settled + settlements.len())
@@ -120,7 +120,11 @@ impl Worker {
                     Err(e) => Err(e.clone()),
                 };
                 settled += settlements.len();
-                self.on_settled(host, queued.context_id, outcomes);
+                if matches!(queued.job, Job::Return { .. }) {
+                    self.on_returned(host, settlements, outcomes);
+                } else {
+                    self.on_settled(host, queued.context_id, outcomes);
+                }
                 continue;
             }
             // Each check has its own outcome: one refused check (or one
@@ -141,10 +145,12 @@ impl Worker {
                     // reset, or an upstream that answered before the
                     // request's body was in): nothing to act on, and a
                     // reservation made for it is given back.
-                    if let Ok(result) = &outcome {
+                    if let Ok(mut result) = outcome {
                         // Counted: meshlimitd charged it.
                         tally.decided(result.allowed);
-                        self.give_back(host, queued.context_id, check, result);
+                        self.give_back(host, queued.context_id, check, &result);
+                        // A lease granted with it serves the next requests.
+                        self.install_lease(host, now, queued.context_id, check, &mut result);
                     }
                 }
                 Job::Admit { check, local } => {
@@ -158,7 +164,7 @@ impl Worker {
                     self.act_for(host, queued.context_id, verdict);
                 }
                 Job::TopUp { check } => self.on_top_up(host, queued.context_id, check, outcome),
-                Job::Settle { .. } => {}
+                Job::Settle { .. } | Job::Return { .. } => {}
             }
         }
     }
@@ -189,8 +195,9 @@ impl Worker {
         outcome: Result<CheckResult, ServiceError>,
     ) -> Verdict {
         let (decided, place) = match outcome {
-            Ok(result) => {
+            Ok(mut result) => {
                 tally.decided(result.allowed);
+                self.install_lease(host, now, context_id, check, &mut result);
                 self.count_shadow(host, now, &check.global, &result);
                 if let Some(cache) = self.deny_cache(host, now) {
                     let evicted = decision::remember_denials(check, &result, &cache, now);
@@ -233,6 +240,7 @@ impl Worker {
                 allowed: true,
                 limits: Vec::new(),
                 receipts: None,
+                leased: 0,
             }),
             FailureMode::Deny => Err(decision::failure_deny(config)),
             FailureMode::Local => {

@@ -24,6 +24,7 @@
 //! `set_effective_context`. Both paths end in `verdict_after_call`.
 
 mod answer;
+mod leases;
 mod metrics;
 #[cfg(test)]
 mod tests;
@@ -127,6 +128,10 @@ enum Job {
     Settle {
         settlements: Vec<meshlimit_protocol::Settlement>,
     },
+    /// Give back leased units left unused (settlements at 0).
+    Return {
+        settlements: Vec<meshlimit_protocol::Settlement>,
+    },
 }
 
 impl Queued {
@@ -134,13 +139,13 @@ impl Queued {
     fn check(&self) -> Option<&Check> {
         match &self.job {
             Job::Admit { check, .. } | Job::TopUp { check } => Some(check),
-            Job::Settle { .. } => None,
+            Job::Settle { .. } | Job::Return { .. } => None,
         }
     }
 
     fn settlements(&self) -> &[meshlimit_protocol::Settlement] {
         match &self.job {
-            Job::Settle { settlements } => settlements,
+            Job::Settle { settlements } | Job::Return { settlements } => settlements,
             _ => &[],
         }
     }
@@ -185,6 +190,13 @@ pub struct Worker {
     /// Top-ups and settlements sent one per call (group commit off), by
     /// token.
     solo_calls: RefCell<HashMap<u32, Vec<Queued>>>,
+    /// Leases this worker installed, until their units are spent or back.
+    lease_records: RefCell<Vec<leases::LeaseRecord>>,
+    /// The last lease id this worker gave out (ids start at a random
+    /// point, so two workers' ids do not meet).
+    lease_ids: Cell<u64>,
+    /// Lease hits not yet added to their stat.
+    lease_hits: Cell<u64>,
     /// The millisecond in which this worker last found the breaker closed.
     /// Within that millisecond the shared state is not read again: a
     /// hostcall per request saved, and another worker's opening is seen at
@@ -218,7 +230,7 @@ impl Worker {
                 wake_queue,
             })
         });
-        Worker {
+        let worker = Worker {
             metrics: Metrics::define(host),
             config,
             root_context_id,
@@ -234,8 +246,17 @@ impl Worker {
             awaiting: RefCell::new(std::collections::HashSet::new()),
             budgets: RefCell::new(HashMap::new()),
             solo_calls: RefCell::new(HashMap::new()),
+            lease_records: RefCell::new(Vec::new()),
+            lease_ids: Cell::new(host.random_seed().1),
+            lease_hits: Cell::new(0),
             breaker_closed_at: Cell::new(None),
+        };
+        if let Some(ms) = worker.lease_tick_ms() {
+            if !host.set_tick_period(ms) {
+                warn!("cannot set a tick period; leased units are not given back before their window ends");
+            }
         }
+        worker
     }
 
     /// The state of a new stream.
@@ -328,6 +349,13 @@ impl Worker {
             }
             Some(decided.result)
         };
+        // A lease's units were charged in Redis already: a hit needs no
+        // call, and comes before the deny cache (a deny cached on another
+        // request does not make those units any less this client's).
+        let mut check = check;
+        if let Some(result) = self.lease_hit(host, now, &mut check) {
+            return stream.apply(with_local(config, &check, local.as_ref(), &result));
+        }
         if let Some(cache) = self.deny_cache(host, now) {
             if let Some(verdict) = decision::cached_deny(config, &check, &cache, now) {
                 self.metrics.bump(host, Stat::DenyCacheHits);

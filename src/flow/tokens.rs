@@ -658,6 +658,7 @@ impl Worker {
                 })
                 .collect(),
             receipts: None,
+            leased: 0,
         };
         if result.limits.len() != limits.len() {
             return b.held_headers.clone();
@@ -684,7 +685,7 @@ impl Worker {
 
     /// Sends a top-up or a settlement: in the worker's next batch (group
     /// commit), or in a call of its own, as the root.
-    fn send_job(&self, host: &impl Host, id: u32, job: Job) -> Result<(), ServiceError> {
+    pub(super) fn send_job(&self, host: &impl Host, id: u32, job: Job) -> Result<(), ServiceError> {
         let now = host.now_ms();
         let mut queued = Queued {
             context_id: id,

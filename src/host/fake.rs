@@ -138,6 +138,8 @@ pub struct FakeHost {
     /// When set, local replies cannot be sent.
     pub reply_fails: Cell<bool>,
     pub wakes: Cell<u32>,
+    /// The tick period the flow asked for.
+    pub tick_ms: Cell<Option<u32>>,
     /// The response of the call being answered.
     pub response: RefCell<CallResponse>,
     pub acted: RefCell<Vec<Acted>>,
@@ -169,6 +171,7 @@ impl Default for FakeHost {
             metrics_refused: Cell::new(false),
             reply_fails: Cell::new(false),
             wakes: Cell::new(0),
+            tick_ms: Cell::new(None),
             response: RefCell::default(),
             acted: RefCell::default(),
             response_headers: RefCell::default(),
@@ -275,6 +278,12 @@ impl Host for FakeHost {
             assert_eq!(m.1, MetricKind::Gauge, "{} is not a gauge", m.0);
             m.2 = value;
         }
+    }
+
+    fn set_tick_period(&self, ms: u32) -> bool {
+        self.hostcall("set_tick_period");
+        self.tick_ms.set(Some(ms));
+        true
     }
 
     fn register_queue(&self, _name: &str) -> Option<u32> {

@@ -132,6 +132,10 @@ pub trait Host: SharedStore {
     fn increment_metric(&self, id: u32, delta: u64);
     fn record_metric(&self, id: u32, value: u64);
 
+    /// Calls the root's `on_tick` every `ms` milliseconds (from the root
+    /// context); false if the host refused.
+    fn set_tick_period(&self, ms: u32) -> bool;
+
     /// Registers this worker's wake-up queue; its id.
     fn register_queue(&self, name: &str) -> Option<u32>;
     /// Puts a wake-up on `queue` (the root is called back); false if not.

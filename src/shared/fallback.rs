@@ -88,6 +88,7 @@ impl LocalLimiter {
                     })
                     .collect(),
                 receipts: None,
+                leased: 0,
             },
             degraded: true,
         }
@@ -182,6 +183,7 @@ impl LocalLimiter {
             allowed,
             limits: statuses,
             receipts: None,
+            leased: 0,
         })
     }
 }

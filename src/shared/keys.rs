@@ -13,6 +13,11 @@ pub(crate) fn fallback_slot(slot: u64) -> String {
     format!("meshlimit.fb.{slot}")
 }
 
+/// A slot of the quota leases.
+pub(crate) fn lease_slot(slot: u64) -> String {
+    format!("meshlimit.lease.{slot}")
+}
+
 /// A slot of the deny cache.
 pub(crate) fn deny_slot(slot: u64) -> String {
     format!("meshlimit.deny.{slot}")
@@ -36,6 +41,7 @@ mod tests {
             DENY_RECENT.to_string(),
             fallback_slot(0),
             deny_slot(0),
+            lease_slot(0),
             wake_queue(0),
         ];
         for (i, a) in keys.iter().enumerate() {

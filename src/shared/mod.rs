@@ -7,6 +7,7 @@
 //! - [`fallback`]: per-Envoy counters for when meshlimitd cannot be asked.
 //! - [`breaker`]: the circuit breaker around calls to meshlimitd.
 //! - [`deny_cache`]: subjects known to be out of quota, denied without a call.
+//! - [`lease`]: quota leased from meshlimitd, spent without a call.
 //!
 //! Shared data never expires, so every user keeps to a fixed set of keys:
 //! memory is bounded by configuration, never by the number of clients.
@@ -15,6 +16,7 @@ pub(crate) mod breaker;
 pub(crate) mod deny_cache;
 pub(crate) mod fallback;
 pub(crate) mod keys;
+pub(crate) mod lease;
 pub mod store;
 
 pub use store::{SharedStore, StoreError};

@@ -65,6 +65,7 @@ pub(crate) fn le_words(words: &[u64]) -> Vec<u8> {
 pub(crate) enum Purpose {
     Fallback,
     DenyCache,
+    Lease,
 }
 
 /// A keyed 64-bit fingerprint of a subject on a limit. Keyed with the

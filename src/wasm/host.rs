@@ -80,6 +80,10 @@ impl Host for WasmHost {
         let _ = hostcalls::record_metric(id, value);
     }
 
+    fn set_tick_period(&self, ms: u32) -> bool {
+        hostcalls::set_tick_period(std::time::Duration::from_millis(u64::from(ms))).is_ok()
+    }
+
     fn register_queue(&self, name: &str) -> Option<u32> {
         hostcalls::register_shared_queue(name).ok()
     }

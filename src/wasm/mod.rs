@@ -64,6 +64,12 @@ impl RootContext for Root {
         }
     }
 
+    fn on_tick(&mut self) {
+        if let Some(worker) = &self.worker {
+            worker.on_tick(&WasmHost);
+        }
+    }
+
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None, so an unconfigured plugin gets a stream
         // that does nothing (Envoy does not send traffic to it anyway).

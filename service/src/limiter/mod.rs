@@ -196,11 +196,13 @@ impl Limiter {
         };
         let mut invocation = self.scripts.check.prepare_invoke();
         let nonce = self.add_fixed_args(&mut invocation);
+        let (want, share) = lease_args(check);
+        invocation.arg(want).arg(share);
         self.add_limits(&mut invocation, check, &check.limits);
         let values = self.run(slot, &invocation).await?;
         let (clock, reply) = split_clock(&values)?;
         let mut result = parse_reply(check, reply)?;
-        if check.receipt {
+        if check.receipt || result.leased > 0 {
             result.receipts = receipts(&result, clock, &nonce);
         }
         Ok(result)
@@ -282,7 +284,8 @@ impl Limiter {
         let nonce = self.add_fixed_args(&mut invocation);
         invocation.arg(checks.len());
         for check in checks {
-            invocation.arg(check.limits.len());
+            let (want, share) = lease_args(check);
+            invocation.arg(check.limits.len()).arg(want).arg(share);
             self.add_limits(&mut invocation, check, &check.limits);
         }
         // On a Cluster the checks of one run share a slot.
@@ -294,10 +297,10 @@ impl Limiter {
         let (clock, mut rest) = split_clock(&values)?;
         let mut results = Vec::with_capacity(checks.len());
         for (c, check) in checks.iter().enumerate() {
-            let n = (1 + script::REPLY_PER_LIMIT * check.limits.len()).min(rest.len());
+            let n = (2 + script::REPLY_PER_LIMIT * check.limits.len()).min(rest.len());
             let (mine, after) = rest.split_at(n);
             let mut result = parse_reply(check, mine)?;
-            if check.receipt {
+            if check.receipt || result.leased > 0 {
                 result.receipts = receipts(&result, clock, &format!("{nonce}.{}", c + 1));
             }
             results.push(result);
@@ -461,6 +464,18 @@ fn split_clock(values: &[i64]) -> Result<(i64, &[i64]), LimiterError> {
         .ok_or_else(|| LimiterError::Reply("empty reply".into()))
 }
 
+/// The lease a check asks for, as the scripts take it: units wanted and
+/// their share; `(0, 1)` for none. (The API has checked the bounds.)
+fn lease_args(check: &Check) -> (u64, u64) {
+    check.lease.map_or((0, 1), |ask| {
+        (
+            ask.units.min(meshlimit_protocol::bounds::MAX_LEASE_UNITS),
+            ask.share
+                .clamp(1, meshlimit_protocol::bounds::MAX_LEASE_SHARE),
+        )
+    })
+}
+
 /// A limit's calendar as the scripts take it: `month:120`, or "".
 fn calendar_arg(limit: &Limit) -> String {
     limit.calendar.map_or_else(String::new, |c| {
@@ -488,7 +503,7 @@ fn impossible(limit: &Limit, effective: u64) -> Option<String> {
 
 fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterError> {
     let per = script::REPLY_PER_LIMIT;
-    let expected = 1 + per * check.limits.len();
+    let expected = 2 + per * check.limits.len();
     if values.len() != expected {
         return Err(LimiterError::Reply(format!(
             "{} values, expected {expected}",
@@ -496,10 +511,13 @@ fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterErro
         )));
     }
     let allowed = values.first() == Some(&1);
+    // Never more than was asked, whatever the reply says.
+    let asked = check.lease.map_or(0, |ask| ask.units);
+    let leased = values.get(1).map_or(0, |&v| v.max(0) as u64).min(asked);
     let limits = check
         .limits
         .iter()
-        .zip(values.get(1..).unwrap_or_default().chunks_exact(per))
+        .zip(values.get(2..).unwrap_or_default().chunks_exact(per))
         .map(|(limit, v)| {
             let effective = v[4].max(1) as u64;
             let reason = impossible(limit, effective);
@@ -524,6 +542,7 @@ fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterErro
         allowed,
         limits,
         receipts: None,
+        leased: if allowed { leased } else { 0 },
     })
 }
 
@@ -551,12 +570,13 @@ mod tests {
                 })
                 .collect(),
             receipt: false,
+            lease: None,
         }
     }
 
     #[test]
     fn reply_maps_to_statuses() {
-        let r = parse_reply(&check(2, 1), &[0, 1, 3, 400, 0, 10, 0, 0, 900, 900, 10]).unwrap();
+        let r = parse_reply(&check(2, 1), &[0, 0, 1, 3, 400, 0, 10, 0, 0, 900, 900, 10]).unwrap();
         assert!(!r.allowed);
         assert_eq!(r.limits[0].remaining, 3);
         assert_eq!(r.limits[0].retry_after_ms, 0);
@@ -566,7 +586,7 @@ mod tests {
 
     #[test]
     fn impossible_costs_carry_a_reason() {
-        let r = parse_reply(&check(1, 11), &[0, 0, 10, 0, 5, 10]).unwrap();
+        let r = parse_reply(&check(1, 11), &[0, 0, 0, 10, 0, 5, 10]).unwrap();
         assert_eq!(
             r.limits[0].reason.as_deref(),
             Some("cost 11 exceeds the capacity 10 of limit r/l0")

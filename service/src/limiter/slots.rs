@@ -43,6 +43,8 @@ impl Limiter {
             async move {
                 let mut invocation = self.scripts.check.prepare_invoke();
                 let nonce = self.add_fixed_args(&mut invocation);
+                // No lease: a check spread over slots is decided per request.
+                invocation.arg(0).arg(1);
                 self.add_limits(&mut invocation, check, &limits);
                 let values = self.run(*slot, &invocation).await?;
                 let (clock, reply) = split_clock(&values)?;
@@ -50,6 +52,7 @@ impl Limiter {
                     subject: check.subject.clone(),
                     limits: limits.clone(),
                     receipt: check.receipt,
+                    lease: None,
                 };
                 let mut result = parse_reply(&part, reply)?;
                 if check.receipt {
@@ -106,6 +109,7 @@ impl Limiter {
             allowed,
             limits,
             receipts,
+            leased: 0,
         })
     }
 

@@ -79,9 +79,12 @@ end
 -- One check: its counters are KEYS[k + 1 .. k + n], followed, when `ovr`
 -- is 1 (live overrides on), by the limits' override keys
 -- KEYS[k + n + 1 .. k + 2n]; its limits' arguments are
--- ARGV[a + 1 .. a + ARGS_PER_LIMIT * n]. Returns allowed, then
--- REPLY_PER_LIMIT values per limit.
-local function decide(k, n, a, nonce, now_us, ovr)
+-- ARGV[a + 1 .. a + ARGS_PER_LIMIT * n]. `want` and `share` ask for a
+-- lease (0 and 1 for none): up to `want` units more on every limit, at
+-- most what the tightest limit has left after the request divided by
+-- `share`. Returns allowed, the units leased, then REPLY_PER_LIMIT values
+-- per limit (remaining after the lease).
+local function decide(k, n, a, nonce, now_us, ovr, want, share)
 local now = math.floor(now_us / 1000)
 local st = {}
 local allowed = 1
@@ -165,10 +168,28 @@ for i = 1, n do
   if not s.fits and not s.shadow then allowed = 0 end
   st[i] = s
 end
-local out = { allowed }
+-- A lease: the same number of units on every limit, only what fits after
+-- the request on the tightest one, divided by `share`; none on a sliding
+-- log (its members carry times) or where a limit does not fit.
+local leased = 0
+if allowed == 1 and want > 0 then
+  leased = want
+  for i = 1, n do
+    local s, room = st[i], 0
+    if s.fits and s.alg == 'fw' then room = s.limit - s.used - s.cost
+    elseif s.fits and s.alg == 'swc' then room = math.floor(s.limit - s.used - s.cost)
+    elseif s.fits and s.alg == 'tb' then
+      room = math.floor((s.T * s.burst - (s.tat + s.T * s.cost - now_us)) / s.T)
+    end
+    leased = math.min(leased, math.floor(math.max(0, room) / share))
+  end
+end
+local out = { allowed, leased }
 for i = 1, n do
   local s, key = st[i], KEYS[k + i]
   local charge = allowed == 1 and s.fits
+  -- What this limit is charged: the request's cost and the lease.
+  local units = s.cost + leased
   local remaining, reset
   if s.alg == 'fw' then
     local used = s.used
@@ -178,11 +199,11 @@ for i = 1, n do
     -- old count (a deny with a full window's retry, or an increment lost
     -- with the dying key).
     if charge and s.stale then
-      redis.call('SET', key, s.cost, 'PXAT', num(now + s.reset - 1))
-      used = s.cost
+      redis.call('SET', key, units, 'PXAT', num(now + s.reset - 1))
+      used = units
     elseif charge then
-      used = redis.call('INCRBY', key, s.cost)
-      if used == s.cost or redis.call('PTTL', key) < 0 then
+      used = redis.call('INCRBY', key, units)
+      if used == units or redis.call('PTTL', key) < 0 then
         redis.call('PEXPIREAT', key, num(now + s.reset - 1))
       end
     end
@@ -210,8 +231,8 @@ for i = 1, n do
   elseif s.alg == 'swc' then
     local used, cur = s.used, s.cur
     if charge then
-      cur = cur + s.cost
-      used = used + s.cost
+      cur = cur + units
+      used = used + units
       redis.call('HSET', key, 'w', num(s.idx), 'c', num(cur), 'p', num(s.prev))
       redis.call('PEXPIREAT', key, num((s.idx + 2) * s.window))
     end
@@ -222,7 +243,7 @@ for i = 1, n do
   elseif s.alg == 'tb' then
     local tat = s.tat
     if charge then
-      tat = tat + s.T * s.cost
+      tat = tat + s.T * units
       redis.call('SET', key, num(math.ceil(tat)), 'PX', num(math.ceil((tat - now_us) / 1000) + 1))
     end
     remaining = math.floor((s.T * s.burst - (tat - now_us)) / s.T)

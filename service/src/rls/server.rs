@@ -172,6 +172,7 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
         subject: format!("rls:{}", request.domain),
         limits,
         receipt: false,
+        lease: None,
     });
     Ok(Plan { check, slots })
 }
@@ -434,6 +435,7 @@ descriptors:
                 reason: None,
             }],
             receipts: None,
+            leased: 0,
         };
         let response = answer(&p, Some(&result));
         assert_eq!(response.overall_code, Code::OverLimit as i32);

@@ -1,0 +1,160 @@
+//! Quota leases (the service side), against a real redis-server: a check
+//! may ask for up to `units` more units on every limit; the script grants
+//! only what fits after the request, divided by `share`, on fixed and
+//! sliding-counter windows and token buckets, never on a sliding log;
+//! unused units come back as a settlement at 0 in the counter they were
+//! charged to.
+
+use std::path::Path;
+
+use meshlimit_testbed::http;
+use meshlimit_testbed::services::Standalone;
+use serde_json::{json, Value};
+
+fn start() -> Standalone {
+    Standalone::start(Path::new(env!("CARGO_BIN_EXE_meshlimitd")), &[])
+}
+
+fn call(f: &Standalone, body: &Value) -> Value {
+    let r = http::request(
+        &f.service.addr,
+        "POST",
+        "/v1/check",
+        &[],
+        &serde_json::to_vec(body).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    serde_json::from_str(&r.body).unwrap()
+}
+
+fn limit(algorithm: &str, requests: u64) -> Value {
+    json!({"name": format!("hot/{algorithm}"), "requests": requests, "window_ms": 60_000,
+           "algorithm": algorithm})
+}
+
+/// A check of one request on `limits`, asking for a lease of `units`.
+fn leased_check(subject: &str, limits: &[Value], units: u64, share: u64) -> Value {
+    json!({"subject": subject, "limits": limits, "lease": {"units": units, "share": share}})
+}
+
+fn ask(f: &Standalone, subject: &str, limits: &[Value], units: u64, share: u64) -> Value {
+    let v = call(
+        f,
+        &json!({"checks": [leased_check(subject, limits, units, share)]}),
+    );
+    v["results"][0].clone()
+}
+
+fn leased(result: &Value) -> u64 {
+    result["leased"].as_u64().unwrap_or(0)
+}
+
+fn remaining(result: &Value, i: usize) -> u64 {
+    result["limits"][i]["remaining"].as_u64().unwrap()
+}
+
+#[test]
+fn a_lease_is_what_fits_divided_by_the_share_and_never_more_than_the_limit() {
+    let f = start();
+    for algorithm in ["fixed_window", "sliding_window_counter", "token_bucket"] {
+        let subject = format!("client-{algorithm}");
+        let l = limit(algorithm, 100);
+        // 99 left after the request; a quarter of that is 24.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 50, 4);
+        assert_eq!(r["allowed"], json!(true), "{algorithm}: {r}");
+        assert_eq!(leased(&r), 24, "{algorithm}: {r}");
+        assert_eq!(remaining(&r, 0), 75, "{algorithm}: {r}");
+        assert_eq!(r["receipts"].as_array().map(Vec::len), Some(1), "{r}");
+        // Asking for less than fits gets what was asked.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 10, 1);
+        assert_eq!((leased(&r), remaining(&r, 0)), (10, 64), "{algorithm}: {r}");
+        // Until the tail: each lease takes at most half of what is left,
+        // and the last units are decided one by one.
+        let mut total = 1 + 24 + 1 + 10;
+        let mut calls = 2;
+        loop {
+            let r = ask(&f, &subject, std::slice::from_ref(&l), 1_000, 2);
+            if r["allowed"] != json!(true) {
+                assert_eq!(leased(&r), 0, "a denied check leases nothing: {r}");
+                break;
+            }
+            assert!(leased(&r) <= remaining(&r, 0) + leased(&r), "{r}");
+            total += 1 + leased(&r);
+            calls += 1;
+            assert!(calls < 100, "{algorithm}: no end");
+        }
+        assert_eq!(total, 100, "{algorithm}: the limit, and not one unit more");
+    }
+}
+
+#[test]
+fn the_tightest_limit_sizes_the_lease_and_a_sliding_log_gets_none() {
+    let f = start();
+    let tight = json!({"name": "hot/tight", "requests": 9, "window_ms": 60_000,
+                       "algorithm": "fixed_window"});
+    let wide = limit("sliding_window_counter", 1000);
+    let r = ask(&f, "both", &[tight.clone(), wide.clone()], 100, 2);
+    // 8 left on the tight one: 4 leased on both.
+    assert_eq!(leased(&r), 4, "{r}");
+    assert_eq!((remaining(&r, 0), remaining(&r, 1)), (4, 995), "{r}");
+    let log = limit("sliding_window_log", 1000);
+    let r = ask(&f, "both", &[wide, log], 100, 1);
+    assert_eq!(r["allowed"], json!(true), "{r}");
+    assert_eq!(leased(&r), 0, "a sliding log is never leased: {r}");
+    assert!(r.get("receipts").is_none(), "{r}");
+    // A check that asks for no lease gets none, in a batch too.
+    let v = call(
+        &f,
+        &json!({"checks": [{"subject": "plain", "limits": [limit("fixed_window", 10)]},
+                           leased_check("batched", &[limit("fixed_window", 10)], 3, 1)]}),
+    );
+    assert_eq!(leased(&v["results"][0]), 0, "{v}");
+    assert_eq!(leased(&v["results"][1]), 3, "{v}");
+    assert_eq!(remaining(&v["results"][1], 0), 6, "{v}");
+}
+
+#[test]
+fn unused_units_come_back_as_a_settlement_at_zero() {
+    let f = start();
+    for algorithm in ["fixed_window", "sliding_window_counter", "token_bucket"] {
+        let subject = format!("idle-{algorithm}");
+        let l = limit(algorithm, 100);
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 40, 1);
+        assert_eq!((leased(&r), remaining(&r, 0)), (40, 59), "{algorithm}: {r}");
+        // 15 of the 40 used; 25 go back.
+        let mut unused = l.clone();
+        unused["cost"] = json!(25);
+        let v = call(
+            &f,
+            &json!({"checks": [], "settlements": [{"subject": subject, "limits": [unused],
+                                                    "actual": [0], "receipts": r["receipts"]}]}),
+        );
+        let left = v["settled"][0]["remaining"][0].as_u64().unwrap();
+        assert!((84..=85).contains(&left), "{algorithm}: {v}");
+    }
+}
+
+#[test]
+fn lease_bounds_are_checked_and_named() {
+    let f = start();
+    for (lease, field) in [
+        (
+            json!({"units": 2_000_000, "share": 1}),
+            "checks[0].lease.units",
+        ),
+        (json!({"units": 5, "share": 0}), "checks[0].lease.share"),
+    ] {
+        let body = json!({"checks": [{"subject": "s", "limits": [limit("fixed_window", 10)],
+                                      "lease": lease}]});
+        let r = http::request(
+            &f.service.addr,
+            "POST",
+            "/v1/check",
+            &[],
+            &serde_json::to_vec(&body).unwrap(),
+        )
+        .unwrap();
+        assert!(r.body.contains(field), "{}", r.body);
+    }
+}

@@ -1,0 +1,288 @@
+//! Quota leases on the request path: a busy check's requests are admitted
+//! from units meshlimitd already charged (no pause, no call), and units
+//! left unused go back.
+//!
+//! - Before calling, [`Worker::lease_hit`] looks in the check's slot
+//!   (`crate::shared::lease`): a hit is the verdict; a miss may put a
+//!   lease ask on the check's call.
+//! - When an answer grants units, [`Worker::install_lease`] puts them in
+//!   the slot and keeps what a return needs (the check, its receipts).
+//! - The root's tick ([`Worker::on_tick`]) takes back the units of leases
+//!   this worker installed that expired or went idle, and sends them to
+//!   meshlimitd as settlements at 0.
+
+use log::warn;
+use meshlimit_protocol::{Algorithm, CheckResult, LimitStatus, Receipt, SettleOutcome, Settlement};
+
+use super::{Job, Worker};
+use crate::check::{Check, LeaseIdentity, LeaseTicket};
+use crate::decision::ServiceError;
+use crate::host::Host;
+use crate::shared::lease::{Grant, Leases, Reclaim, Take};
+use crate::stats::Stat;
+
+/// Lease hits are added to their stat this many at a time (and on every
+/// tick, so the stat is at most a tick behind).
+const HITS_PER_STAT_UPDATE: u64 = 64;
+
+/// Returns per job: a batch of 64 jobs stays within meshlimitd's 1024
+/// settlements per call.
+const RETURNS_PER_JOB: usize = 16;
+
+/// A lease this worker installed: what giving its units back needs.
+pub(super) struct LeaseRecord {
+    slot: u64,
+    lease_id: u64,
+    check: Check,
+    receipts: Vec<Receipt>,
+    /// Only fixed windows: once expired, their window is gone and so is
+    /// any point in giving units back.
+    fixed_only: bool,
+}
+
+impl Worker {
+    /// The lease slots, when leases are on.
+    fn leases<'h, H: Host>(&self, host: &'h H, now: u64) -> Option<Leases<'h, H>> {
+        Some(Leases {
+            config: self.config.leases?,
+            seed: self.seed(host, now),
+            store: host,
+        })
+    }
+
+    /// The tick period that reclaims leases: a quarter of the interval
+    /// (25 ms to 250 ms), so an idle lease goes back soon after it idles.
+    pub(super) fn lease_tick_ms(&self) -> Option<u32> {
+        let interval = self.config.leases?.interval_ms;
+        Some((interval / 4).clamp(25, 250) as u32)
+    }
+
+    /// A request's check, before any call: admitted from its lease (the
+    /// result to decide by), or given a lease ask for its call when busy.
+    pub(super) fn lease_hit(
+        &self,
+        host: &impl Host,
+        now: u64,
+        check: &mut Check,
+    ) -> Option<CheckResult> {
+        let cost = check.lease_cost()?;
+        let leases = self.leases(host, now)?;
+        let place = leases.place(&LeaseIdentity(&check.global), &check.subject);
+        match leases.take(place, cost, now, self.config.service.timeout_ms) {
+            Take::Hit { left, reset_at_ms } => {
+                // Counted in bulk: a hostcall per request is a tenth of
+                // what a hit costs.
+                let hits = self.lease_hits.get() + 1;
+                if hits >= HITS_PER_STAT_UPDATE {
+                    self.metrics.add(host, Stat::LeaseHits, hits as usize);
+                    self.lease_hits.set(0);
+                } else {
+                    self.lease_hits.set(hits);
+                }
+                Some(hit_result(check, left, reset_at_ms.saturating_sub(now)))
+            }
+            Take::Miss { want } => {
+                check.lease = Some(LeaseTicket {
+                    place,
+                    want,
+                    share: leases.config.share,
+                    asked_ms: now,
+                });
+                None
+            }
+        }
+    }
+
+    /// An admitted answer granted a lease: its units go in the check's
+    /// slot (or straight back when the slot still holds units), and the
+    /// statuses count them as what remains, since they are this client's.
+    /// `context_id` is the current stream's (the context to return to).
+    pub(super) fn install_lease(
+        &self,
+        host: &impl Host,
+        now: u64,
+        context_id: u32,
+        check: &Check,
+        result: &mut CheckResult,
+    ) {
+        let (Some(ticket), units) = (check.lease, result.leased) else {
+            return;
+        };
+        if units == 0 || !result.allowed {
+            return;
+        }
+        let Some(receipts) = result.receipts.clone() else {
+            // Not from this meshlimitd's script: nothing to return them by.
+            return;
+        };
+        for status in &mut result.limits {
+            status.remaining = status.remaining.saturating_add(units);
+        }
+        let Some(leases) = self.leases(host, now) else {
+            return;
+        };
+        let lifetime = lease_lifetime(check, result, &receipts, leases.config.interval_ms);
+        let reset = result.limits.iter().map(|s| s.reset_after_ms).max();
+        let lease_id = self.next_lease_id();
+        let grant = Grant {
+            lease_id,
+            units,
+            expires_ms: ticket.asked_ms.saturating_add(lifetime.unwrap_or(0)),
+            reset_at_ms: ticket.asked_ms.saturating_add(reset.unwrap_or(0)),
+        };
+        let room = self.lease_records.borrow().len() < leases.config.slots as usize;
+        if room && lifetime.is_some() && leases.install(ticket.place, grant, now) {
+            self.metrics.bump(host, Stat::LeaseGrants);
+            self.metrics.add(host, Stat::LeaseUnits, units as usize);
+            self.lease_records.borrow_mut().push(LeaseRecord {
+                slot: ticket.place.slot,
+                lease_id,
+                check: check.clone(),
+                receipts,
+                fixed_only: check
+                    .global
+                    .iter()
+                    .all(|a| a.limit.algorithm == Algorithm::FixedWindow),
+            });
+            return;
+        }
+        // The slot still holds units (another worker's lease came first):
+        // these go back at once.
+        let settlement = check.lease_return(units, &receipts);
+        self.send_returns(host, context_id, vec![settlement]);
+    }
+
+    /// A fresh lease id: unique among this Envoy's leases.
+    fn next_lease_id(&self) -> u64 {
+        let next = self.lease_ids.get().wrapping_add(1).max(1);
+        self.lease_ids.set(next);
+        next
+    }
+
+    /// The root's tick: leases this worker installed that expired or went
+    /// idle give their units back.
+    pub fn on_tick(&self, host: &impl Host) {
+        let hits = self.lease_hits.replace(0);
+        if hits > 0 {
+            self.metrics.add(host, Stat::LeaseHits, hits as usize);
+        }
+        let now = host.now_ms();
+        let Some(leases) = self.leases(host, now) else {
+            return;
+        };
+        let mut returns = Vec::new();
+        self.lease_records.borrow_mut().retain(|record| {
+            match leases.reclaim(record.slot, record.lease_id, now) {
+                // A store that fails is asked again next tick.
+                Ok(Reclaim::Keep) | Err(_) => true,
+                Ok(Reclaim::Gone) => false,
+                Ok(Reclaim::Back { units, expired }) => {
+                    if !(expired && record.fixed_only) {
+                        returns.push(record.check.lease_return(units, &record.receipts));
+                    }
+                    false
+                }
+            }
+        });
+        if returns.is_empty() {
+            return;
+        }
+        while !returns.is_empty() {
+            let rest = returns.split_off(returns.len().min(RETURNS_PER_JOB));
+            self.send_returns(host, self.root_context_id, returns);
+            returns = rest;
+        }
+        // The tick runs as the root: send now rather than at the wake-up.
+        self.flush(host, now);
+    }
+
+    /// Sends returns in the worker's next batch (or a call of their own);
+    /// `context_id` is the context current now (it is current again after).
+    fn send_returns(&self, host: &impl Host, context_id: u32, settlements: Vec<Settlement>) {
+        if let Err(e) = self.send_job(host, context_id, Job::Return { settlements }) {
+            self.return_failed(host, &e.to_string());
+        }
+    }
+
+    fn return_failed(&self, host: &impl Host, why: &str) {
+        if let Some(skipped) = self.error_log.allow(host.now_ms()) {
+            warn!(
+                "cannot give leased units back ({why}); they stay charged until their window ends ({skipped} similar lines suppressed)"
+            );
+        }
+    }
+
+    /// meshlimitd answered returns (or their call failed).
+    pub(super) fn on_returned(
+        &self,
+        host: &impl Host,
+        settlements: &[Settlement],
+        outcomes: Result<Vec<SettleOutcome>, ServiceError>,
+    ) {
+        let outcomes = match outcomes {
+            Ok(outcomes) => outcomes,
+            Err(e) => return self.return_failed(host, &e.to_string()),
+        };
+        for (settlement, outcome) in settlements.iter().zip(outcomes) {
+            match outcome {
+                SettleOutcome::Settled { .. } => {
+                    let units = settlement.limits.first().map_or(0, |l| l.cost);
+                    self.metrics.add(host, Stat::LeaseReturns, units as usize);
+                }
+                SettleOutcome::Failed(f) => self.return_failed(host, &f.error),
+            }
+        }
+    }
+}
+
+/// The result of a request admitted from a lease: `left` units remain
+/// for it here (a floor: meshlimitd may hold more), on every limit.
+fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> CheckResult {
+    CheckResult {
+        allowed: true,
+        limits: check
+            .global
+            .iter()
+            .map(|a| LimitStatus {
+                allowed: true,
+                limit: a.limit.requests,
+                remaining: left,
+                reset_after_ms,
+                retry_after_ms: 0,
+                shadow: a.shadow,
+                reason: None,
+            })
+            .collect(),
+        receipts: None,
+        leased: 0,
+    }
+}
+
+/// How long a lease may be used, from when it was asked: until the end of
+/// the window its units were charged to (fixed window: the reset the
+/// answer gives; sliding counter: the end of the window the run's clock
+/// is in), or one interval for a token bucket; the shortest of the
+/// check's limits.
+fn lease_lifetime(
+    check: &Check,
+    result: &CheckResult,
+    receipts: &[Receipt],
+    interval_ms: u64,
+) -> Option<u64> {
+    let clock_ms = receipts.first()?.clock_us / 1000;
+    check
+        .global
+        .iter()
+        .zip(&result.limits)
+        .map(|(a, status)| match a.limit.algorithm {
+            Algorithm::FixedWindow => Some(status.reset_after_ms),
+            Algorithm::SlidingWindowCounter => {
+                let window = a.limit.window_ms.max(1);
+                Some(window - clock_ms % window)
+            }
+            Algorithm::TokenBucket => Some(interval_ms),
+            Algorithm::SlidingWindowLog => None,
+        })
+        .try_fold(u64::MAX, |least, l| Some(least.min(l?)))
+        .filter(|&l| l > 0 && l < u64::MAX)
+}

@@ -1,0 +1,235 @@
+//! Quota leases through the flow, on the fake host: a busy client's second
+//! request asks for a lease, the grant serves the next requests without a
+//! call, and units left unused go back on the root's tick.
+
+use super::*;
+
+/// An admitted answer for one limit of 20 that grants `leased` units,
+/// with the receipt returns need.
+fn granted(remaining: u64, leased: u64) -> String {
+    format!(
+        r#"{{"allowed":true,"leased":{leased},"limits":[{{"allowed":true,"limit":20,"remaining":{remaining},"reset_after_ms":30000,"retry_after_ms":0}}],"receipts":[{{"clock_us":7000,"nonce":"n.1","place":1}}]}}"#
+    )
+}
+
+impl Harness {
+    /// The root's tick.
+    fn tick(&self) {
+        self.host.context.set(ROOT);
+        self.worker.on_tick(&self.host);
+    }
+
+    /// `a`'s first two requests through group commit; the second asks for
+    /// a lease, answered with `grant`. Returns the number of calls sent.
+    fn lease_for_a(&mut self, grant: &str) -> usize {
+        let (_, step) = self.request("a");
+        assert_eq!(step, Step::Pause);
+        self.wake();
+        assert!(self.last_call_body()["checks"][0].get("lease").is_none());
+        self.answer_batch(1, Some(200), &answer(&[result(true, 19)]));
+        let (_, step) = self.request("a");
+        assert_eq!(step, Step::Pause);
+        self.wake();
+        assert_eq!(
+            self.last_call_body()["checks"][0]["lease"],
+            json!({"units": 2, "share": 2})
+        );
+        self.answer_batch(2, Some(200), &answer(&[grant.to_string()]));
+        self.calls()
+    }
+}
+
+#[test]
+fn a_busy_client_is_served_from_its_lease_without_a_call() {
+    let mut h = harness("");
+    assert_eq!(h.host.tick_ms.get(), Some(250));
+    let calls = h.lease_for_a(&granted(13, 5));
+    assert_eq!((h.stat("lease_grants"), h.stat("lease_units")), (1, 5));
+    for left in (0..5).rev() {
+        let (mut s, step) = h.request("a");
+        assert_eq!(step, Step::Continue, "a hit goes on at once");
+        h.worker.on_response_headers(&h.host, &mut s);
+        let headers = h.host.response_headers.borrow();
+        // What remains is what this Envoy holds: never more than is true.
+        assert!(
+            headers.iter().any(|(c, k, v)| *c == s.context_id
+                && k.to_lowercase() == "ratelimit"
+                && v.contains(&format!("r={left}"))),
+            "{headers:?}"
+        );
+    }
+    assert_eq!(h.calls(), calls, "no call while the lease lasts");
+    // Spent: the next request calls and asks for its rate.
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Pause);
+    h.wake();
+    assert_eq!(h.last_call_body()["checks"][0]["lease"]["units"], 8);
+    h.tick();
+    assert_eq!(h.stat("lease_hits"), 5);
+    // Other clients are not served from a's lease.
+    let (_, step) = h.request("b");
+    assert_eq!(step, Step::Pause);
+}
+
+/// The hostcalls of a request admitted from a lease: its headers, the
+/// clock, the lease slot read and written. No pause, no call, no stat.
+#[test]
+fn hostcalls_per_request_from_a_lease() {
+    let mut h = harness("");
+    h.lease_for_a(&granted(10, 8));
+    h.host.take_hostcalls();
+    let (mut s, step) = h.request("a");
+    assert_eq!(step, Step::Continue);
+    assert_eq!(
+        h.host.take_hostcalls(),
+        [
+            "get_header_map_pairs",
+            "get_current_time",
+            "get_shared_data", // the lease slot
+            "set_shared_data", // one unit fewer
+        ]
+    );
+    h.worker.on_response_headers(&h.host, &mut s);
+    assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
+}
+
+#[test]
+fn an_idle_lease_gives_its_units_back_on_the_tick() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    h.request("a");
+    h.tick();
+    assert_eq!(h.calls(), calls, "in use: kept");
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    let body = h.last_call_body();
+    assert_eq!(body["checks"], json!([]));
+    let back = &body["settlements"][0];
+    assert_eq!(back["limits"][0]["cost"], 7, "{body}");
+    assert_eq!(back["actual"], json!([0]));
+    assert_eq!(back["receipts"][0]["nonce"], "n.1");
+    let token = *h.host.sent.borrow().last().map(|c| &c.token).unwrap();
+    h.answer_batch(
+        token,
+        Some(200),
+        r#"{"results":[],"settled":[{"remaining":[17]}]}"#,
+    );
+    assert_eq!(h.stat("lease_returns"), 7);
+    // Given back: the next request calls.
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Pause);
+}
+
+#[test]
+fn an_expired_fixed_window_lease_is_dropped_and_a_token_bucket_one_given_back() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    // The window (30 s) ends: its units are gone with it; nothing to send.
+    h.advance(30_000);
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Pause, "an expired lease admits nothing");
+    h.tick();
+    assert_eq!(h.calls(), calls, "no return for a window that ended");
+    let mut h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
+                "rules": [{"name": "api", "limits": [{"name": "b", "requests": 20, "window": "60s",
+                           "algorithm": "token_bucket"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    let calls = h.lease_for_a(&granted(10, 8));
+    h.request("a");
+    // A bucket's lease lives one interval, then its units go back.
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    assert_eq!(h.last_call_body()["settlements"][0]["limits"][0]["cost"], 7);
+}
+
+#[test]
+fn a_grant_for_a_slot_that_still_holds_units_goes_back_at_once() {
+    let mut h = harness("");
+    h.request("a");
+    h.wake();
+    h.answer_batch(1, Some(200), &answer(&[result(true, 19)]));
+    let asked = h.host.now.get();
+    h.request("a");
+    h.wake();
+    assert!(h.last_call_body()["checks"][0].get("lease").is_some());
+    // That ask is slow; past its deadline another request asks again (as
+    // another worker's would) and is granted first.
+    h.advance(100);
+    h.request("a");
+    h.wake();
+    assert!(h.last_call_body()["checks"][0].get("lease").is_some());
+    h.answer_batch(3, Some(200), &answer(&[granted(10, 8)]));
+    assert_eq!(h.stat("lease_grants"), 1);
+    // The first grant comes back now: the slot holds units, so these
+    // cannot be merged in; they go back at once.
+    h.host.now.set(asked + 1);
+    let calls = h.calls();
+    h.answer_batch(2, Some(200), &answer(&[granted(2, 4)]));
+    assert_eq!(h.stat("lease_grants"), 1, "not installed");
+    h.wake();
+    assert_eq!(h.calls(), calls + 1);
+    assert_eq!(h.last_call_body()["settlements"][0]["limits"][0]["cost"], 4);
+}
+
+#[test]
+fn checks_that_cannot_be_leased_never_ask() {
+    let mut h = harness_with(
+        crate::config::parse(
+            br#"{"client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
+                "rules": [{"name": "api", "limits": [{"name": "log", "requests": 20, "window": "60s",
+                           "algorithm": "sliding_window_log"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    for token in 1..=3 {
+        h.request("a");
+        h.wake();
+        assert!(h.last_call_body()["checks"][0].get("lease").is_none());
+        h.answer_batch(token, Some(200), &answer(&[result(true, 10)]));
+    }
+    // Leases off: nothing asks, and no tick is set.
+    let mut h = harness(r#""leases": {"enabled": false},"#);
+    assert_eq!(h.host.tick_ms.get(), None);
+    for token in 1..=3 {
+        h.request("a");
+        h.wake();
+        assert!(h.last_call_body()["checks"][0].get("lease").is_none());
+        h.answer_batch(token, Some(200), &answer(&[result(true, 10)]));
+    }
+}
+
+#[test]
+fn a_lease_keeps_serving_while_meshlimitd_is_away() {
+    let mut h = harness(r#""failure_mode": "local","#);
+    let calls = h.lease_for_a(&granted(10, 8));
+    // Calls fail from now on; the lease's units were charged already.
+    h.host.dispatch_fails.set(true);
+    for _ in 0..8 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue);
+    }
+    assert_eq!(h.calls(), calls);
+    assert_eq!(h.fallbacks(), 0);
+}
+
+#[test]
+fn a_lease_granted_to_a_stream_that_left_still_serves_the_next_requests() {
+    let mut h = harness("");
+    h.request("a");
+    h.wake();
+    h.answer_batch(1, Some(200), &answer(&[result(true, 19)]));
+    let (s, _) = h.request("a");
+    h.wake();
+    h.host.context.set(s.context_id);
+    h.worker.on_stream_end(&h.host, &s);
+    h.answer_batch(2, Some(200), &answer(&[granted(10, 8)]));
+    assert_eq!(h.stat("lease_grants"), 1);
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue);
+}
