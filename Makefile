@@ -79,4 +79,5 @@ images: build
 ## bench: configurations side by side, as ratios to bare Envoy (oha, redis-benchmark); writes docs/benchmarks.md and .svg.
 bench: build
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
+	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench

@@ -137,10 +137,12 @@ impl Slot {
             };
             return (Some(self), take);
         }
-        // Busy: at least two units in an interval; the lease is about one
-        // interval's worth.
+        // Busy: another request in this interval or the last one, and two
+        // units or more in one of them; the lease is about one interval's
+        // worth of units.
         let rate = self.seen.max(self.seen_before);
-        let want = if rate >= 2 && now >= self.asking_until_ms {
+        let busy = (self.seen > cost || self.seen_before > 0) && rate >= 2;
+        let want = if busy && now >= self.asking_until_ms {
             rate.min(config.max_units)
         } else {
             0
@@ -342,6 +344,9 @@ mod tests {
         // The ask expired unanswered: ask again, for the rate seen.
         let (_, t) = take(slot, 1, 200);
         assert_eq!(t, Take::Miss { want: 4 });
+        // One request is never busy, whatever its cost.
+        let (_, t) = Slot::default().take(1, 50, 10, &CONFIG, 100);
+        assert_eq!(t, Take::Miss { want: 0 });
         // A check seen once an interval stays cold.
         let mut slot = Slot::default();
         for i in 0..5 {

@@ -382,6 +382,20 @@ impl Topology {
             .sum()
     }
 
+    /// Requests admitted from quota leases, on every replica. The filter
+    /// adds them to the stat on each tick (every 250 ms by default), so
+    /// this first waits for one.
+    pub fn lease_hits(&self) -> u64 {
+        std::thread::sleep(Duration::from_millis(300));
+        self.stat_total("meshlimit.lease_hits")
+    }
+
+    /// Requests decided with the global count: by meshlimitd's answer, or
+    /// from a lease meshlimitd granted (see [`Topology::lease_hits`]).
+    pub fn globally_allowed(&self) -> u64 {
+        self.lease_hits() + self.stat_total("meshlimit.requests_allowed")
+    }
+
     /// Requests replica `i` received from downstream.
     pub fn replica_requests(&self, i: usize) -> u64 {
         http::envoy_stats(

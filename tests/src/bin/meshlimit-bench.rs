@@ -18,6 +18,15 @@
 //!  9. as 7, the request matched by three rules with header conditions (a
 //!     plan, a route cap `by: []`, a tenant limit `by` a header and the
 //!     path): what mesh policies cost over 7's single rule.
+//! 10. as 7, a token budget; 11. Envoy's native ratelimit filter asking
+//!     meshlimitd over gRPC.
+//! 12-18. Envoy answering itself (`direct_response`, no upstream), so that
+//!     the filter's cost is most of what is measured: bare Envoy, a
+//!     do-nothing Rust wasm filter that reads one header (the practical
+//!     limit of any wasm filter; tests/noop-filter), and meshlimit's
+//!     default (quota leases) beside leases off, for one hot client and
+//!     for 1000 clients whose request rates follow a Zipf distribution
+//!     (a few clients send most requests, as real traffic has).
 //!
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The load generator is oha.
@@ -100,16 +109,10 @@ fn pin(pid: Option<u32>, cpus: &str) {
     assert!(ok, "taskset could not pin process {pid} to CPUs {cpus}");
 }
 
-/// One oha run; `rate` None means as fast as possible. `url` is a regex
-/// (oha's `--rand-regex-url`) when `url_is_regex` says so, each request
-/// then going to a URL drawn from it.
-fn load(
-    url: &str,
-    headers: &[&str],
-    rate: Option<u64>,
-    post: Option<&str>,
-    url_is_regex: bool,
-) -> Sample {
+/// One oha run; `rate` None means as fast as possible. `url` is a URL, a
+/// regex or a file of URLs, as `how` says; each request then goes to a
+/// URL drawn from it.
+fn load(url: &str, headers: &[&str], rate: Option<u64>, post: Option<&str>, how: Url) -> Sample {
     let connections = if rate.is_some() {
         CONNECTIONS
     } else {
@@ -138,8 +141,14 @@ fn load(
     for h in headers {
         cmd.args(["-H", h]);
     }
-    if url_is_regex {
-        cmd.arg("--rand-regex-url");
+    match how {
+        Url::One => {}
+        Url::Regex => {
+            cmd.arg("--rand-regex-url");
+        }
+        Url::File => {
+            cmd.arg("--urls-from-file");
+        }
     }
     if let Some(body) = post {
         cmd.args(["-m", "POST", "-T", "application/json", "-d", body]);
@@ -323,6 +332,9 @@ struct Target {
     headers: &'static [&'static str],
     /// A JSON body to POST (else a GET).
     post: Option<&'static str>,
+    /// A file of URLs, one drawn per request (oha's `--urls-from-file`):
+    /// the Zipf mix of clients.
+    urls_file: Option<std::path::PathBuf>,
 }
 
 /// The query string of the many-clients configuration: one of 1000 client
@@ -340,17 +352,129 @@ fn replica_target(name: &'static str, t: &Topology, headers: &'static [&'static 
         many_clients: false,
         headers,
         post: None,
+        urls_file: None,
     }
 }
 
 fn run(t: &Target, key: &str, rate: Option<u64>) -> Sample {
-    // The many-clients run sends no id header: it would win over the
+    // The many-clients runs send no id header: it would win over the
     // query parameter.
     let mut headers: Vec<&str> = t.headers.to_vec();
     if !t.many_clients {
         headers.push(key);
     }
-    load(&t.url, &headers, rate, t.post, t.many_clients)
+    match &t.urls_file {
+        Some(file) => load(
+            &file.display().to_string(),
+            &headers,
+            rate,
+            t.post,
+            Url::File,
+        ),
+        None if t.many_clients => load(&t.url, &headers, rate, t.post, Url::Regex),
+        None => load(&t.url, &headers, rate, t.post, Url::One),
+    }
+}
+
+/// How oha finds the URL of each request.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Url {
+    One,
+    /// Drawn from a regex (`--rand-regex-url`).
+    Regex,
+    /// Drawn from the lines of a file (`--urls-from-file`).
+    File,
+}
+
+/// Clients of the Zipf mix, and URLs drawn for it.
+const ZIPF_CLIENTS: usize = 1000;
+const ZIPF_URLS: usize = 200_000;
+
+/// A file of `ZIPF_URLS` URLs of `base` with a `?key=` drawn from
+/// `ZIPF_CLIENTS` clients by Zipf's law (exponent 1: the busiest client
+/// sends about 13% of the requests, the top ten 39%, half the clients
+/// fewer than one in 2000 each). Deterministic: the same file every run.
+fn zipf_urls(dir: &std::path::Path, base: &str) -> std::path::PathBuf {
+    let weights: Vec<f64> = (1..=ZIPF_CLIENTS).map(|k| 1.0 / k as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let mut cdf = Vec::with_capacity(ZIPF_CLIENTS);
+    let mut acc = 0.0;
+    for w in &weights {
+        acc += w / total;
+        cdf.push(acc);
+    }
+    // xorshift64*: no dependency for a reproducible draw.
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut out = String::with_capacity(ZIPF_URLS * (base.len() + 12));
+    for _ in 0..ZIPF_URLS {
+        let u = next();
+        let client = cdf.partition_point(|&c| c < u).min(ZIPF_CLIENTS - 1);
+        let _ = writeln!(out, "{base}?key=z{client:03}");
+    }
+    let path = dir.join("zipf-urls.txt");
+    std::fs::write(&path, out).unwrap_or_else(|e| panic!("cannot write the Zipf URLs: {e}"));
+    path
+}
+
+/// An Envoy config that answers every request itself (`direct_response`)
+/// instead of routing to the upstream.
+fn answering_itself(config: &str) -> String {
+    let route = "route: { cluster: upstream }";
+    assert!(config.contains(route), "the template has no upstream route");
+    config.replace(
+        route,
+        r#"direct_response: { status: 200, body: { inline_string: "ok\n" } }"#,
+    )
+}
+
+/// The do-nothing wasm filter (tests/noop-filter), as an HTTP filter of
+/// envoy/bench-baseline.yaml: the same runtime and VM settings as
+/// meshlimit's in envoy/replica.yaml.
+fn noop_filter() -> String {
+    let wasm = tools::root().join("target/wasm32-wasip1/release/meshlimit_bench_noop.wasm");
+    assert!(
+        wasm.exists(),
+        "{} is missing: `make bench` builds it (cargo build --release --target wasm32-wasip1 -p meshlimit-bench-noop)",
+        wasm.display()
+    );
+    format!(
+        r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: noop
+                root_id: noop
+                vm_config:
+                  vm_id: noop
+                  runtime: envoy.wasm.runtime.v8
+                  code:
+                    local: {{ filename: {} }}"#,
+        wasm.display()
+    )
+}
+
+/// A meshlimit topology whose one replica answers requests itself.
+fn meshlimit_answering(config: &str) -> (Topology, Proc) {
+    let t = Topology::start(TopologyOptions {
+        plugin_config: config.into(),
+        replicas: 0,
+        front: false,
+        replica_workers: 1,
+        ..TopologyOptions::default()
+    });
+    let replica = t.start_replica(1, &answering_itself(&t.replica_config(1)));
+    (t, replica)
+}
+
+/// Leases off (group commit, as before leases).
+fn leases_off(config: PluginConfig) -> String {
+    config.set("leases", json!({"enabled": false})).build()
 }
 
 fn main() {
@@ -437,6 +561,52 @@ fn main() {
         llm: true,
         ..TopologyOptions::default()
     });
+    // 12..18: Envoy answering itself, so that the filter is most of the
+    // cost: bare, the do-nothing filter, and meshlimit's default (leases)
+    // beside leases off, for one hot client and the Zipf mix.
+    let (bare_direct, bare_direct_addr) = {
+        let mut vars = base.base_vars(19_905, FRONT_PORT + 5);
+        vars.insert("UPSTREAM_HOST", base.host.clone());
+        vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
+        vars.insert("HTTP_FILTERS", String::new());
+        let config = answering_itself(&render(&template("bench-baseline.yaml"), &vars));
+        (
+            base.start_envoy("replica-5", &config, 1),
+            base.addr(FRONT_PORT + 5),
+        )
+    };
+    let (noop_direct, noop_direct_addr) = {
+        let mut vars = base.base_vars(19_906, FRONT_PORT + 6);
+        vars.insert("UPSTREAM_HOST", base.host.clone());
+        vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
+        vars.insert("HTTP_FILTERS", noop_filter());
+        let config = answering_itself(&render(&template("bench-baseline.yaml"), &vars));
+        (
+            base.start_envoy("replica-6", &config, 1),
+            base.addr(FRONT_PORT + 6),
+        )
+    };
+    let many = || allow_all().client_id(json!({"headers": ["x-api-key"], "query_params": ["key"]}));
+    let (leased_hot, leased_hot_envoy) = meshlimit_answering(&allow_all().build());
+    let (unleased_hot, unleased_hot_envoy) = meshlimit_answering(&leases_off(allow_all()));
+    let (leased_zipf, leased_zipf_envoy) = meshlimit_answering(&many().build());
+    let (unleased_zipf, unleased_zipf_envoy) = meshlimit_answering(&leases_off(many()));
+    let zipf_dir = TempDir::new("bench-zipf");
+    let direct_target =
+        |name: &'static str, addr: &str, admin: String, pid: Option<u32>, zipf: bool| Target {
+            name,
+            url: format!("http://{addr}/"),
+            admin,
+            pid: pid.unwrap_or(0),
+            many_clients: zipf,
+            headers: &[],
+            post: None,
+            urls_file: zipf.then(|| {
+                let dir = zipf_dir.path().join(addr.replace([':', '.'], "-"));
+                let _ = std::fs::create_dir_all(&dir);
+                zipf_urls(&dir, &format!("http://{addr}/"))
+            }),
+        };
     // The compare build, for 3 and 7.
     let compared: Vec<Topology> = compare_wasm()
         .map(|wasm| {
@@ -455,6 +625,7 @@ fn main() {
             many_clients: false,
             headers: &[],
             post: None,
+            urls_file: None,
         },
         Target {
             name: "2. Envoy + local_ratelimit",
@@ -464,6 +635,7 @@ fn main() {
             many_clients: false,
             headers: &[],
             post: None,
+            urls_file: None,
         },
         replica_target("3. meshlimit, global, one call per request", &global, &[]),
         replica_target("4. meshlimit, over limit (deny cache)", &deny, &[]),
@@ -481,6 +653,7 @@ fn main() {
             many_clients: true,
             headers: &[],
             post: None,
+            urls_file: None,
         },
         replica_target(
             "9. as 7, three rules with header conditions",
@@ -506,7 +679,57 @@ fn main() {
             many_clients: false,
             headers: &["x-user: bench"],
             post: None,
+            urls_file: None,
         },
+        direct_target(
+            "12. Envoy alone, answering itself",
+            &bare_direct_addr,
+            base.addr(19_905),
+            bare_direct.pid(),
+            false,
+        ),
+        direct_target(
+            "13. a do-nothing Rust wasm filter reading one header, answering itself",
+            &noop_direct_addr,
+            base.addr(19_906),
+            noop_direct.pid(),
+            false,
+        ),
+        direct_target(
+            "14. meshlimit's default (leases), one hot client, answering itself",
+            &leased_hot.replica_addr(1),
+            leased_hot.replica_admin(1),
+            leased_hot_envoy.pid(),
+            false,
+        ),
+        direct_target(
+            "15. as 14, leases off",
+            &unleased_hot.replica_addr(1),
+            unleased_hot.replica_admin(1),
+            unleased_hot_envoy.pid(),
+            false,
+        ),
+        direct_target(
+            "16. as 13, the Zipf mix of 1000 clients",
+            &noop_direct_addr,
+            base.addr(19_906),
+            noop_direct.pid(),
+            true,
+        ),
+        direct_target(
+            "17. meshlimit's default (leases), the Zipf mix of 1000 clients, answering itself",
+            &leased_zipf.replica_addr(1),
+            leased_zipf.replica_admin(1),
+            leased_zipf_envoy.pid(),
+            true,
+        ),
+        direct_target(
+            "18. as 17, leases off",
+            &unleased_zipf.replica_addr(1),
+            unleased_zipf.replica_admin(1),
+            unleased_zipf_envoy.pid(),
+            true,
+        ),
     ];
     for (topology, name) in compared.iter().zip([
         "3'. as 3, with the compare build",
@@ -528,6 +751,10 @@ fn main() {
         &policies,
         &tokens,
         &native,
+        &leased_hot,
+        &unleased_hot,
+        &leased_zipf,
+        &unleased_zipf,
     ]
     .into_iter()
     .chain(&compared)
@@ -692,7 +919,7 @@ fn main() {
     let mut grpc_rps = Vec::new();
     let mut redis_rps = Vec::new();
     for rep in 0..REPEATS {
-        let s = load(&service_url, &[], None, Some(check), false);
+        let s = load(&service_url, &[], None, Some(check), Url::One);
         service_rps.push(s.rps);
         let g = grpc_load(&native.addr(GRPC_PORT));
         grpc_rps.push(g);
@@ -721,6 +948,14 @@ fn main() {
         wasm_bytes,
     );
     drop((bare, lrl, grouped_hot, grouped_many, policies, tokens));
+    drop((bare_direct, noop_direct, zipf_dir));
+    drop((
+        leased_hot_envoy,
+        unleased_hot_envoy,
+        leased_zipf_envoy,
+        unleased_zipf_envoy,
+    ));
+    drop((leased_hot, unleased_hot, leased_zipf, unleased_zipf));
     drop((native_envoy, native, rls_dir));
 }
 
@@ -1028,6 +1263,41 @@ fn report(
         envoy_cpu(8),
         envoy_cpu(5),
         check(per_rq(8) < 0.2)
+    );
+    // 12..18: answering itself (indices 10..16).
+    let (bare_d, noop_d, leased, unleased, noop_zipf, leased_zipf, unleased_zipf) =
+        (10, 11, 12, 13, 14, 15, 16);
+    let _ = writeln!(
+        md,
+        "| (14) one busy client, meshlimit's default (leases) >= 0.9 of the do-nothing wasm filter (13) | {:.2} of (13) ({:.2} of (12); leases off (15): {:.2} of (13)) | {} |",
+        sat(leased) / sat(noop_d).max(1.0),
+        sat(leased) / sat(bare_d).max(1.0),
+        sat(unleased) / sat(noop_d).max(1.0),
+        check(sat(leased) >= 0.9 * sat(noop_d))
+    );
+    let _ = writeln!(
+        md,
+        "| (14) calls to meshlimitd per request under 0.01 | {:.4} (leases off (15): {:.3}) | {} |",
+        per_rq(leased),
+        per_rq(unleased),
+        check(per_rq(leased) < 0.01)
+    );
+    let _ = writeln!(
+        md,
+        "| (17) 1000 clients, Zipf: >= 0.7 of the do-nothing wasm filter on the same mix (16) | {:.2} of (16), {:.4} calls per request (leases off (18): {:.2} of (16), {:.3} calls per request) | {} |",
+        sat(leased_zipf) / sat(noop_zipf).max(1.0),
+        per_rq(leased_zipf),
+        sat(unleased_zipf) / sat(noop_zipf).max(1.0),
+        per_rq(unleased_zipf),
+        check(sat(leased_zipf) >= 0.7 * sat(noop_zipf))
+    );
+    let added_p50 = p50(leased) - p50(bare_d);
+    let _ = writeln!(
+        md,
+        "| (14) a leased client: p50 added at the fixed rate, vs (12), under 0.1 ms | {added_p50:+.3} ms (the do-nothing filter (13): {:+.3} ms; leases off (15): {:+.3} ms) | {} |",
+        p50(noop_d) - p50(bare_d),
+        p50(unleased) - p50(bare_d),
+        check(added_p50 < 0.1)
     );
     if !unpinned.is_empty() {
         let free = |i: usize| median_rps(unpinned, i);

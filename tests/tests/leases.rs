@@ -1,0 +1,171 @@
+//! Quota leases end to end (real Envoy, Redis, meshlimitd): a busy client's
+//! requests are decided from units meshlimitd charged ahead of time, and
+//! the limit still holds exactly across replicas; units a replica does not
+//! use go back; headers never promise more than there is.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use meshlimit_testbed::Topology;
+
+/// The usual two replicas behind the front, with the `api` rule limited
+/// by `limits`.
+fn leased(limits: Value) -> Topology {
+    topology(PluginConfig::new().limits(limits).build())
+}
+
+/// `threads` connections, each sending requests for `id` until one sends
+/// `per_thread`; (admitted, denied).
+fn hammer(t: &Topology, id: &str, threads: usize, per_thread: usize) -> (usize, usize) {
+    let (ok, denied) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                for _ in 0..per_thread {
+                    let r = send(t, &key(id));
+                    match r.status {
+                        200 => ok.fetch_add(1, Ordering::Relaxed),
+                        429 => denied.fetch_add(1, Ordering::Relaxed),
+                        other => panic!("unexpected status {other}: {}", r.body),
+                    };
+                }
+            });
+        }
+    });
+    (ok.into_inner(), denied.into_inner())
+}
+
+/// Calls both replicas made to meshlimitd.
+fn calls(t: &Topology) -> u64 {
+    (1..=2)
+        .map(|i| {
+            meshlimit_testbed::http::envoy_stats(
+                &t.replica_admin(i),
+                "^cluster\\.meshlimit\\.upstream_rq_total$",
+            )
+            .first()
+            .map_or(0, |(_, v)| *v)
+        })
+        .sum()
+}
+
+/// Waits until `what` holds, for at most `within`.
+fn eventually(within: Duration, what: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while !what() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    true
+}
+
+#[test]
+fn two_replicas_sharing_a_hot_clients_quota_admit_the_full_limit_and_no_more() {
+    let limit = 2000;
+    let t = leased(json!([{"name": "per-minute", "requests": limit, "window": "60s"}]));
+    wait_for_fresh_window(Duration::from_secs(20));
+    // 16 connections through the front (both replicas), 3000 requests.
+    let (ok, denied) = hammer(&t, "hot", 16, 3000 / 16);
+    eprintln!(
+        "hot client: {ok} admitted, {denied} denied; {} lease hits, {} leases, {} calls",
+        t.lease_hits(),
+        t.stat_total("meshlimit.lease_grants"),
+        calls(&t)
+    );
+    assert!(ok <= limit, "never more than the limit: {ok}");
+    // No stranded units: within 1% of the limit.
+    assert!(ok * 100 >= limit * 99, "{ok} of {limit}: units stranded");
+    assert_eq!(ok + denied, 16 * (3000 / 16));
+    assert!(t.stat_total("meshlimit.lease_grants") > 0);
+    assert!(
+        t.lease_hits() > ok as u64 / 2,
+        "most requests from leases: {}",
+        t.lease_hits()
+    );
+    assert!(calls(&t) < (ok + denied) as u64 / 4, "{} calls", calls(&t));
+    assert_eq!(t.stat_total("meshlimit.fallback_allowed"), 0);
+}
+
+#[test]
+fn every_leasable_algorithm_holds_exactly_across_two_replicas_with_64_connections() {
+    for algorithm in ["fixed_window", "sliding_window_counter", "token_bucket"] {
+        let t = leased(json!([{"name": "per-hour", "requests": 100, "window": "1h",
+                                "algorithm": algorithm}]));
+        let (ok, _) = hammer(&t, &format!("many-{algorithm}"), 64, 4);
+        assert_eq!(ok, 100, "{algorithm}: exactly the limit");
+        assert!(
+            t.stat_total("meshlimit.lease_grants") > 0,
+            "{algorithm}: leases were used"
+        );
+    }
+}
+
+#[test]
+fn a_client_that_goes_idle_gives_its_units_back() {
+    let t = leased(json!([{"name": "per-hour", "requests": 1000, "window": "1h"}]));
+    let (ok, _) = hammer(&t, "sleeper", 8, 25);
+    assert_eq!(ok, 200);
+    assert!(t.stat_total("meshlimit.lease_grants") > 0);
+    // Redis holds the admitted requests and the leased units not used ...
+    let counted = t.key_count("api/per-hour", "sleeper");
+    assert!(counted >= 200, "{counted}");
+    // ... until the client has been idle an interval (1 s): then only the
+    // admitted ones.
+    assert!(
+        eventually(Duration::from_secs(5), || t
+            .key_count("api/per-hour", "sleeper")
+            == 200),
+        "Redis still counts {} for 200 admitted",
+        t.key_count("api/per-hour", "sleeper")
+    );
+    assert!(
+        t.stat_total("meshlimit.lease_returns") >= counted - 200,
+        "every unit not used came back"
+    );
+    // And the client is decided as before: the next 800 fit, no more.
+    assert_eq!(hammer(&t, "sleeper", 8, 110).0, 800);
+}
+
+#[test]
+fn remaining_is_never_over_reported_from_a_lease() {
+    let t = leased(json!([{"name": "per-minute", "requests": LIMIT, "window": "60s"}]));
+    wait_for_fresh_window(Duration::from_secs(10));
+    for n in 1..=LIMIT {
+        let r = send(&t, &key("reader"));
+        assert_eq!(r.status, 200);
+        let rl = r.header("ratelimit").unwrap_or_default().to_string();
+        let remaining: usize = rl
+            .split(";r=")
+            .nth(1)
+            .and_then(|v| v.split(';').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("request {n}: {rl}"));
+        // At most what is really left once this one is counted.
+        assert!(remaining <= LIMIT - n, "request {n}: {rl}");
+        assert!(rl.starts_with("\"api/per-minute\";r="), "{rl}");
+    }
+    assert!(t.lease_hits() > 0, "some requests came from a lease");
+    let r = send(&t, &key("reader"));
+    assert_eq!(r.status, 429);
+    assert!(r.header("retry-after").is_some());
+}
+
+#[test]
+fn leases_keep_admitting_while_redis_is_away_and_never_past_what_was_charged() {
+    let mut t = leased(json!([{"name": "per-hour", "requests": 10_000, "window": "1h"}]));
+    let (ok, _) = hammer(&t, "steady", 8, 50);
+    assert_eq!(ok, 400);
+    let leased_units = t.stat_total("meshlimit.lease_units");
+    assert!(leased_units > 0);
+    t.stop_redis();
+    // What the replicas still hold is admitted without a call; the rest
+    // by failure_mode (local), never a 5xx.
+    let (ok, denied) = hammer(&t, "steady", 8, 20);
+    assert_eq!((ok, denied), (160, 0));
+    assert!(t.stat_total("meshlimit.fallback_allowed") > 0 || t.lease_hits() > 400);
+}
