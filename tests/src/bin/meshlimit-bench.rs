@@ -20,9 +20,9 @@
 //!     path): what mesh policies cost over 7's single rule.
 //! 10. as 7, a token budget; 11. Envoy's native ratelimit filter asking
 //!     meshlimitd over gRPC.
-//! 12-18. Envoy answering itself (`direct_response`, no upstream), so that
-//!     the filter's cost is most of what is measured: bare Envoy, a
-//!     do-nothing Rust wasm filter that reads one header (the practical
+//! 12. to 18. Envoy answering itself (`direct_response`, no upstream),
+//!     so that the filter's cost is most of what is measured: bare Envoy,
+//!     a do-nothing Rust wasm filter that reads one header (the practical
 //!     limit of any wasm filter; tests/noop-filter), and meshlimit's
 //!     default (quota leases) beside leases off, for one hot client and
 //!     for 1000 clients whose request rates follow a Zipf distribution
