@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench
+.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile
 
 all: build
 
@@ -81,3 +81,13 @@ bench: build
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
+
+## bench-profile: what each step of the asynchronous path costs Envoy (builds that skip one each); writes docs/benchmarks-profile.md.
+PROFILE_VARIANTS := skip-headers skip-pause skip-call skip-decide skip-plan
+bench-profile: build
+	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
+	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+	for v in $(PROFILE_VARIANTS); do \
+	  $(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-$$v --target-dir target/profile-$$v || exit 1; \
+	done
+	MESHLIMIT_BENCH_PROFILE=1 $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench

@@ -405,7 +405,11 @@ pub fn read_batch_answer(
 
 /// What the client sees for a decided check.
 pub fn verdict(cfg: &Config, limits: &[Applied], result: &CheckResult) -> Verdict {
-    let mut hdrs = headers::rate_limit_headers(cfg.response.headers, limits, result);
+    let mut hdrs = if crate::flow::profile::SKIP_HEADERS {
+        Vec::new()
+    } else {
+        headers::rate_limit_headers(cfg.response.headers, limits, result)
+    };
     if result.allowed {
         return Verdict::Allow { headers: hdrs };
     }

@@ -49,7 +49,7 @@ impl Default for RawLeases {
             enabled: true,
             max_units: 10_000,
             interval: "1s".into(),
-            slots: 1024,
+            slots: 4096,
         }
     }
 }

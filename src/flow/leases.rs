@@ -68,7 +68,16 @@ impl Worker {
         let cost = check.lease_cost()?;
         let leases = self.leases(host, now)?;
         let place = leases.place(&LeaseIdentity(&check.global), &check.subject);
-        match leases.take(place, cost, now, self.config.service.timeout_ms) {
+        // A cold check costs no shared-data access: only busy ones have
+        // leases, or ask for one.
+        let want =
+            self.lease_observer
+                .borrow_mut()
+                .observe(place.fingerprint, cost, now, &leases.config);
+        if want == 0 {
+            return None;
+        }
+        match leases.take(place, cost, now, want, self.config.service.timeout_ms) {
             Take::Hit { left, reset_at_ms } => {
                 // Counted in bulk: a hostcall per request is a tenth of
                 // what a hit costs.
@@ -105,9 +114,11 @@ impl Worker {
         check: &Check,
         result: &mut CheckResult,
     ) {
-        let (Some(ticket), units) = (check.lease, result.leased) else {
+        // Never more than was asked, whatever the answer says.
+        let Some(ticket) = check.lease else {
             return;
         };
+        let units = result.leased.min(ticket.want);
         if units == 0 || !result.allowed {
             return;
         }
@@ -237,7 +248,7 @@ impl Worker {
 
 /// The result of a request admitted from a lease: `left` units remain
 /// for it here (a floor: meshlimitd may hold more), on every limit.
-fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> CheckResult {
+pub(super) fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> CheckResult {
     CheckResult {
         allowed: true,
         limits: check

@@ -26,6 +26,7 @@
 mod answer;
 mod leases;
 mod metrics;
+pub(crate) mod profile;
 #[cfg(test)]
 mod tests;
 mod tokens;
@@ -197,6 +198,8 @@ pub struct Worker {
     lease_ids: Cell<u64>,
     /// Lease hits not yet added to their stat.
     lease_hits: Cell<u64>,
+    /// How busy each check is, as this worker sees it (sizes leases).
+    lease_observer: RefCell<crate::shared::lease::Observer>,
     /// The millisecond in which this worker last found the breaker closed.
     /// Within that millisecond the shared state is not read again: a
     /// hostcall per request saved, and another worker's opening is seen at
@@ -230,6 +233,8 @@ impl Worker {
                 wake_queue,
             })
         });
+        // The busy-check table: as many entries as lease slots.
+        let observed = config.leases.map_or(1, |l| l.slots);
         let worker = Worker {
             metrics: Metrics::define(host),
             config,
@@ -249,6 +254,7 @@ impl Worker {
             lease_records: RefCell::new(Vec::new()),
             lease_ids: Cell::new(host.random_seed().1),
             lease_hits: Cell::new(0),
+            lease_observer: RefCell::new(crate::shared::lease::Observer::new(observed)),
             breaker_closed_at: Cell::new(None),
         };
         if let Some(ms) = worker.lease_tick_ms() {
@@ -287,6 +293,9 @@ impl Worker {
         // cost headers are then read without crossing into Envoy again,
         // and a repeated header is seen as such.
         let request = Request::read(host);
+        if profile::SKIP_PLAN {
+            return Step::Continue;
+        }
         let (method, path) = (request.text(":method"), request.text(":path"));
         let check = match decision::plan(&self.config, &request, &method, &path) {
             Plan::Pass { skipped } => {
@@ -310,6 +319,9 @@ impl Worker {
         };
         self.metrics
             .add(host, Stat::SkippedMissingAttribute, check.skipped as usize);
+        if profile::SKIP_DECIDE {
+            return Step::Continue;
+        }
         if check.reserves_from_body().is_some() && !end_of_stream {
             // The reservation is in the body: decide once it is in. The
             // headers go on (a paused stream would get no body callbacks);
@@ -374,6 +386,10 @@ impl Worker {
                     Err(verdict) => verdict,
                 };
                 stream.apply(verdict)
+            }
+            Gate::Call | Gate::Probe if profile::SKIP_CALL => {
+                let result = leases::hit_result(&check, 0, 0);
+                stream.apply(with_local(config, &check, local.as_ref(), &result))
             }
             Gate::Call | Gate::Probe => match &self.group {
                 Some(group) => self.enqueue(host, group, stream, now, check, local),
@@ -471,11 +487,18 @@ impl Worker {
             job: Job::Admit { check, local },
         };
         let outcome = batcher.borrow_mut().enqueue(queued, now);
+        let paused = if profile::SKIP_PAUSE {
+            // Its answer will find it gone, and act on nothing.
+            self.awaiting.borrow_mut().remove(&stream.context_id);
+            Step::Continue
+        } else {
+            Step::Pause
+        };
         match outcome {
-            Enqueued::Wait => Step::Pause,
+            Enqueued::Wait => paused,
             Enqueued::Wake => {
                 if host.enqueue(group.wake_queue) {
-                    return Step::Pause;
+                    return paused;
                 }
                 // The root cannot be woken: call for this check ourselves.
                 let mut b = batcher.borrow_mut();

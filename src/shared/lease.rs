@@ -4,10 +4,11 @@
 //! A lease belongs to one check (a subject and the limits its requests
 //! match) and lives in one of a fixed set of slots, found by a keyed
 //! fingerprint as the fallback counters are, and shared by every worker.
-//! Each slot also observes how many units its check asked for in the last
-//! interval: that rate sizes the next lease, so a cold client (one request
-//! per interval) never gets one and a busy one gets about an interval's
-//! worth. The slot's life:
+//! Each worker also observes, in its own memory ([`Observer`]), how many
+//! units each check asked for in the last interval: that rate sizes the
+//! next lease, so a cold client (one request per interval) never gets one,
+//! and costs no shared-data access at all, and a busy one gets about an
+//! interval's worth. The slot's life:
 //!
 //! - [`Slot::take`] on each request: a live lease with room admits it (a
 //!   hit: no pause, no call); otherwise the request calls, asking for a
@@ -29,7 +30,10 @@ use super::store::{self, le_word, le_words, retry_on_conflict, Purpose, SharedSt
 use crate::config::LeaseConfig;
 
 /// Words per slot.
-const WORDS: usize = 10;
+const WORDS: usize = 7;
+/// A clock this far behind a lease's last use stepped back: the lease is
+/// treated as expired (its window can no longer be told from the clock).
+const CLOCK_SLACK_MS: u64 = 100;
 
 /// One slot's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -47,13 +51,75 @@ pub(crate) struct Slot {
     reset_at_ms: u64,
     /// The last request admitted from the lease (idle leases go back).
     last_hit_ms: u64,
-    /// The observation interval: when it started, units asked in it, and
-    /// units asked in the one before.
+    /// A lease ask is out until then: other workers call without asking.
+    asking_until_ms: u64,
+}
+
+/// What one worker saw of one check: units asked in the current
+/// observation interval and in the one before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Seen {
+    fingerprint: u64,
     interval_start_ms: u64,
     seen: u64,
     seen_before: u64,
-    /// A lease ask is out until then: others call without asking.
-    asking_until_ms: u64,
+}
+
+/// A worker's view of how busy each check is: a direct-mapped table in
+/// the worker's own memory (a check whose entry another one took starts
+/// over, as a cold check), so watching every request costs no hostcall.
+pub(crate) struct Observer {
+    entries: Vec<Seen>,
+}
+
+impl Observer {
+    pub(crate) fn new(entries: u32) -> Observer {
+        Observer {
+            entries: vec![Seen::default(); entries.max(1) as usize],
+        }
+    }
+
+    /// Counts a request of `cost` units of the check `fingerprint`; the
+    /// units to ask for when the check is busy (another request in this
+    /// interval or the last one, two units or more in one of them: about
+    /// one interval's worth), else 0.
+    pub(crate) fn observe(
+        &mut self,
+        fingerprint: u64,
+        cost: u64,
+        now: u64,
+        config: &LeaseConfig,
+    ) -> u64 {
+        let len = self.entries.len() as u64;
+        let Some(e) = self.entries.get_mut((fingerprint % len.max(1)) as usize) else {
+            return 0;
+        };
+        if e.fingerprint != fingerprint {
+            *e = Seen {
+                fingerprint,
+                interval_start_ms: now,
+                ..Seen::default()
+            };
+        }
+        let since = now.saturating_sub(e.interval_start_ms);
+        if since >= config.interval_ms {
+            e.seen_before = if since < 2 * config.interval_ms {
+                e.seen
+            } else {
+                0
+            };
+            e.seen = 0;
+            e.interval_start_ms = now;
+        }
+        e.seen = e.seen.saturating_add(cost);
+        let rate = e.seen.max(e.seen_before);
+        let busy = (e.seen > cost || e.seen_before > 0) && rate >= 2;
+        if busy {
+            rate.min(config.max_units)
+        } else {
+            0
+        }
+    }
 }
 
 /// What a request gets from its check's slot.
@@ -91,29 +157,23 @@ impl Slot {
         self.lease_id != 0 && self.units > 0
     }
 
-    /// Counts `cost` units asked in the current interval.
-    fn observe(&mut self, cost: u64, now: u64, interval_ms: u64) {
-        let since = now.saturating_sub(self.interval_start_ms);
-        if since >= interval_ms {
-            self.seen_before = if since < 2 * interval_ms {
-                self.seen
-            } else {
-                0
-            };
-            self.seen = 0;
-            self.interval_start_ms = now;
-        }
-        self.seen = self.seen.saturating_add(cost);
+    /// Whether the lease may admit at `now`: not expired, and the clock
+    /// has not stepped back past its last use.
+    fn usable(&self, now: u64) -> bool {
+        self.lease_id != 0
+            && now < self.expires_ms
+            && now.saturating_add(CLOCK_SLACK_MS) >= self.last_hit_ms
     }
 
-    /// The slot after a request of `cost` for the check `fingerprint`, and
-    /// what the request gets. `None` for the slot: nothing to write.
+    /// The slot after a busy check's request of `cost` (`want`: the units
+    /// it would ask for), and what the request gets. `None` for the slot:
+    /// nothing to write.
     pub(crate) fn take(
         mut self,
         fingerprint: u64,
         cost: u64,
         now: u64,
-        config: &LeaseConfig,
+        want: u64,
         ask_for_ms: u64,
     ) -> (Option<Slot>, Take) {
         if self.fingerprint != fingerprint {
@@ -123,12 +183,10 @@ impl Slot {
             }
             self = Slot {
                 fingerprint,
-                interval_start_ms: now,
                 ..Slot::default()
             };
         }
-        self.observe(cost, now, config.interval_ms);
-        if self.lease_id != 0 && now < self.expires_ms && self.units >= cost {
+        if self.usable(now) && self.units >= cost {
             self.units -= cost;
             self.last_hit_ms = now;
             let take = Take::Hit {
@@ -137,19 +195,11 @@ impl Slot {
             };
             return (Some(self), take);
         }
-        // Busy: another request in this interval or the last one, and two
-        // units or more in one of them; the lease is about one interval's
-        // worth of units.
-        let rate = self.seen.max(self.seen_before);
-        let busy = (self.seen > cost || self.seen_before > 0) && rate >= 2;
-        let want = if busy && now >= self.asking_until_ms {
-            rate.min(config.max_units)
-        } else {
-            0
-        };
-        if want > 0 {
-            self.asking_until_ms = now + ask_for_ms;
+        if want == 0 || now < self.asking_until_ms {
+            // One ask at a time.
+            return (None, Take::Miss { want: 0 });
         }
+        self.asking_until_ms = now + ask_for_ms;
         (Some(self), Take::Miss { want })
     }
 
@@ -163,7 +213,6 @@ impl Slot {
         if self.fingerprint != fingerprint {
             self = Slot {
                 fingerprint,
-                interval_start_ms: now,
                 ..Slot::default()
             };
         }
@@ -187,7 +236,7 @@ impl Slot {
         if self.lease_id != lease_id || self.units == 0 {
             return (None, Reclaim::Gone);
         }
-        let expired = now >= self.expires_ms;
+        let expired = !self.usable(now);
         if !expired && now.saturating_sub(self.last_hit_ms) < idle_ms {
             return (None, Reclaim::Keep);
         }
@@ -209,10 +258,7 @@ impl Slot {
             expires_ms: w(3),
             reset_at_ms: w(4),
             last_hit_ms: w(5),
-            interval_start_ms: w(6),
-            seen: w(7),
-            seen_before: w(8),
-            asking_until_ms: w(9),
+            asking_until_ms: w(6),
         }
     }
 
@@ -224,9 +270,6 @@ impl Slot {
             self.expires_ms,
             self.reset_at_ms,
             self.last_hit_ms,
-            self.interval_start_ms,
-            self.seen,
-            self.seen_before,
             self.asking_until_ms,
         ];
         le_words(&words)
@@ -258,19 +301,15 @@ impl<S: SharedStore> Leases<'_, S> {
         }
     }
 
-    /// A request of `cost` on the check at `place`. A store that fails or
-    /// stays contended gives a miss without an ask: the request calls.
-    pub fn take(&self, place: Place, cost: u64, now: u64, ask_for_ms: u64) -> Take {
+    /// A request of `cost` on the busy check at `place`, which would ask
+    /// for `want` units. A store that fails or stays contended gives a miss
+    /// without an ask: the request calls.
+    pub fn take(&self, place: Place, cost: u64, now: u64, want: u64, ask_for_ms: u64) -> Take {
         let key = keys::lease_slot(place.slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
-            let (slot, take) = Slot::decode(bytes.as_deref()).take(
-                place.fingerprint,
-                cost,
-                now,
-                &self.config,
-                ask_for_ms,
-            );
+            let (slot, take) =
+                Slot::decode(bytes.as_deref()).take(place.fingerprint, cost, now, want, ask_for_ms);
             if let Some(slot) = slot {
                 self.store.set(&key, &slot.encode(), cas)?;
             }
@@ -319,7 +358,7 @@ mod tests {
     };
 
     fn take(slot: Slot, fp: u64, now: u64) -> (Slot, Take) {
-        let (next, take) = slot.take(fp, 1, now, &CONFIG, 100);
+        let (next, take) = slot.take(fp, 1, now, 8, 100);
         (next.unwrap_or(slot), take)
     }
 
@@ -334,26 +373,37 @@ mod tests {
 
     #[test]
     fn a_cold_check_asks_for_nothing_and_a_busy_one_for_its_rate() {
-        let (slot, t) = take(Slot::default(), 1, 10);
-        assert_eq!(t, Take::Miss { want: 0 });
-        let (slot, t) = take(slot, 1, 20);
-        assert_eq!(t, Take::Miss { want: 2 });
-        // One ask at a time.
+        let mut seen = Observer::new(64);
+        assert_eq!(seen.observe(1, 1, 10, &CONFIG), 0);
+        assert_eq!(seen.observe(1, 1, 20, &CONFIG), 2);
+        assert_eq!(seen.observe(1, 1, 30, &CONFIG), 3);
+        // The next interval asks for the last one's count until it is
+        // busier itself.
+        assert_eq!(seen.observe(1, 1, 1_020, &CONFIG), 3);
+        // One request is never busy, whatever its cost.
+        assert_eq!(seen.observe(2, 50, 10, &CONFIG), 0);
+        // A check seen once an interval stays cold.
+        for i in 0..5 {
+            assert_eq!(seen.observe(3, 1, 10 + i * 1500, &CONFIG), 0);
+        }
+        // Asks are bounded.
+        assert_eq!(seen.observe(2, 5_000, 20, &CONFIG), 1000);
+    }
+
+    #[test]
+    fn one_ask_at_a_time_per_slot() {
+        let (slot, t) = take(Slot::default(), 1, 20);
+        assert_eq!(t, Take::Miss { want: 8 });
         let (slot, t) = take(slot, 1, 30);
         assert_eq!(t, Take::Miss { want: 0 });
-        // The ask expired unanswered: ask again, for the rate seen.
+        // The ask expired unanswered: ask again.
         let (_, t) = take(slot, 1, 200);
-        assert_eq!(t, Take::Miss { want: 4 });
-        // One request is never busy, whatever its cost.
-        let (_, t) = Slot::default().take(1, 50, 10, &CONFIG, 100);
-        assert_eq!(t, Take::Miss { want: 0 });
-        // A check seen once an interval stays cold.
-        let mut slot = Slot::default();
-        for i in 0..5 {
-            let (next, t) = take(slot, 1, 10 + i * 1500);
-            assert_eq!(t, Take::Miss { want: 0 });
-            slot = next;
-        }
+        assert_eq!(t, Take::Miss { want: 8 });
+        // Not busy: nothing to write.
+        assert_eq!(
+            Slot::default().take(1, 1, 20, 0, 100),
+            (None, Take::Miss { want: 0 })
+        );
     }
 
     #[test]
@@ -375,7 +425,7 @@ mod tests {
         let (_, t) = take(full, 1, 500);
         assert!(matches!(t, Take::Miss { .. }), "expired at 500");
         // A cost above what is left calls.
-        let (_, t) = full.take(1, 6, 20, &CONFIG, 100);
+        let (_, t) = full.take(1, 6, 20, 8, 100);
         assert!(matches!(t, Take::Miss { .. }));
         assert_eq!(slot.units, 0);
     }
@@ -383,7 +433,7 @@ mod tests {
     #[test]
     fn units_are_never_overwritten_by_another_check_or_another_grant() {
         let slot = Slot::default().install(1, grant(5, 500), 10).unwrap();
-        let (next, t) = slot.take(2, 1, 20, &CONFIG, 100);
+        let (next, t) = slot.take(2, 1, 20, 8, 100);
         assert_eq!((next, t), (None, Take::Miss { want: 0 }));
         assert_eq!(slot.install(2, grant(3, 500), 20), None);
         assert_eq!(slot.install(1, grant(3, 500), 20), None);
@@ -419,6 +469,25 @@ mod tests {
         // A hit keeps it from going idle.
         let (hit, _) = take(slot, 1, 900);
         assert_eq!(hit.reclaim(7, 1500, 1000).1, Reclaim::Keep);
+    }
+
+    #[test]
+    fn a_clock_stepping_back_ends_a_lease() {
+        let slot = Slot::default()
+            .install(1, grant(5, 60_000), 10_000)
+            .unwrap();
+        let (_, t) = take(slot, 1, 9_950);
+        assert!(matches!(t, Take::Hit { .. }), "a little skew is fine");
+        let (_, t) = take(slot, 1, 5_000);
+        assert!(matches!(t, Take::Miss { .. }));
+        let (_, r) = slot.reclaim(7, 5_000, 1000);
+        assert_eq!(
+            r,
+            Reclaim::Back {
+                units: 5,
+                expired: true
+            }
+        );
     }
 
     #[test]

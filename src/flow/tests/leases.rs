@@ -19,22 +19,26 @@ impl Harness {
         self.worker.on_tick(&self.host);
     }
 
-    /// `a`'s first two requests through group commit; the second asks for
-    /// a lease, answered with `grant`. Returns the number of calls sent.
+    /// `a` sends eight requests through group commit (the second asks for
+    /// a lease, refused), then a ninth past that ask's deadline asks for
+    /// its rate, 9 units, answered with `grant`. Returns the number of
+    /// calls sent.
     fn lease_for_a(&mut self, grant: &str) -> usize {
-        let (_, step) = self.request("a");
-        assert_eq!(step, Step::Pause);
-        self.wake();
-        assert!(self.last_call_body()["checks"][0].get("lease").is_none());
-        self.answer_batch(1, Some(200), &answer(&[result(true, 19)]));
+        for token in 1..=8 {
+            let (_, step) = self.request("a");
+            assert_eq!(step, Step::Pause);
+            self.wake();
+            self.answer_batch(token, Some(200), &answer(&[result(true, 19)]));
+        }
+        self.advance(100);
         let (_, step) = self.request("a");
         assert_eq!(step, Step::Pause);
         self.wake();
         assert_eq!(
             self.last_call_body()["checks"][0]["lease"],
-            json!({"units": 2, "share": 2})
+            json!({"units": 9, "share": 2})
         );
-        self.answer_batch(2, Some(200), &answer(&[grant.to_string()]));
+        self.answer_batch(9, Some(200), &answer(&[grant.to_string()]));
         self.calls()
     }
 }
@@ -63,7 +67,7 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Pause);
     h.wake();
-    assert_eq!(h.last_call_body()["checks"][0]["lease"]["units"], 8);
+    assert_eq!(h.last_call_body()["checks"][0]["lease"]["units"], 15);
     h.tick();
     assert_eq!(h.stat("lease_hits"), 5);
     // Other clients are not served from a's lease.
@@ -170,11 +174,12 @@ fn a_grant_for_a_slot_that_still_holds_units_goes_back_at_once() {
     // cannot be merged in; they go back at once.
     h.host.now.set(asked + 1);
     let calls = h.calls();
+    // (It asked for 2 and gets 2: never more than was asked is taken.)
     h.answer_batch(2, Some(200), &answer(&[granted(2, 4)]));
     assert_eq!(h.stat("lease_grants"), 1, "not installed");
     h.wake();
     assert_eq!(h.calls(), calls + 1);
-    assert_eq!(h.last_call_body()["settlements"][0]["limits"][0]["cost"], 4);
+    assert_eq!(h.last_call_body()["settlements"][0]["limits"][0]["cost"], 2);
 }
 
 #[test]

@@ -461,11 +461,17 @@ fn noop_filter() -> String {
 
 /// A meshlimit topology whose one replica answers requests itself.
 fn meshlimit_answering(config: &str) -> (Topology, Proc) {
+    meshlimit_answering_with(config, None)
+}
+
+/// The same, running the filter build `wasm` (None: the project's).
+fn meshlimit_answering_with(config: &str, wasm: Option<std::path::PathBuf>) -> (Topology, Proc) {
     let t = Topology::start(TopologyOptions {
         plugin_config: config.into(),
         replicas: 0,
         front: false,
         replica_workers: 1,
+        wasm,
         ..TopologyOptions::default()
     });
     let replica = t.start_replica(1, &answering_itself(&t.replica_config(1)));
@@ -479,6 +485,9 @@ fn leases_off(config: PluginConfig) -> String {
 
 fn main() {
     cores();
+    if std::env::var_os("MESHLIMIT_BENCH_PROFILE").is_some() {
+        return profile();
+    }
     println!("meshlimit bench: {SECONDS}s runs, {CONNECTIONS} connections, {REPEATS} repeats, interleaved");
     // 1 and 2: baselines from envoy/bench-baseline.yaml.
     let base = Topology::start(TopologyOptions {
@@ -1407,4 +1416,234 @@ fn chart(targets: &[Target], sat: &dyn Fn(usize) -> f64, p99: &dyn Fn(usize) -> 
     }
     s.push_str("</svg>\n");
     s
+}
+
+/// `make bench-profile`: what each step of the asynchronous path costs
+/// Envoy. The shipped filter with leases off (every request of the hot
+/// client calls, through group commit) beside builds that skip one step
+/// each (src/flow/profile.rs), Envoy answering itself, pinned as in
+/// `make bench`; Envoy's CPU per request, interleaved runs, medians.
+/// Writes docs/benchmarks-profile.md.
+fn profile() {
+    let built = |name: &str| {
+        let p = tools::root().join(format!(
+            "target/profile-{name}/wasm32-wasip1/release/meshlimit.wasm"
+        ));
+        assert!(
+            p.exists(),
+            "{} is missing: `make bench-profile` builds it",
+            p.display()
+        );
+        Some(p)
+    };
+    // (row, build, leases on)
+    let variants: [(&str, Option<std::path::PathBuf>, bool); 9] = [
+        (
+            "A. as shipped, leases off: every request calls (group commit)",
+            None,
+            false,
+        ),
+        (
+            "B. A without RateLimit headers",
+            built("skip-headers"),
+            false,
+        ),
+        (
+            "C. A without pause and resume (the check still queued, sent, answered)",
+            built("skip-pause"),
+            false,
+        ),
+        (
+            "D. A without the call: admitted at once (no queue, wake-up, dispatch, answer)",
+            built("skip-call"),
+            false,
+        ),
+        (
+            "E. as shipped, leases on: every request a lease hit",
+            None,
+            true,
+        ),
+        (
+            "F. E without RateLimit headers",
+            built("skip-headers"),
+            true,
+        ),
+        (
+            "G. going on once the check is planned (headers read, rules matched, subject made)",
+            built("skip-decide"),
+            true,
+        ),
+        (
+            "H. going on once the request's headers are read",
+            built("skip-plan"),
+            true,
+        ),
+        (
+            "I. E with group commit off (a lease hit needs no call either way)",
+            None,
+            true,
+        ),
+    ];
+    let base = Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        start_service: false,
+        ..TopologyOptions::default()
+    });
+    let direct = |i: u16, filters: String| -> (Proc, String) {
+        let mut vars = base.base_vars(19_900 + i, FRONT_PORT + i);
+        vars.insert("UPSTREAM_HOST", base.host.clone());
+        vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
+        vars.insert("HTTP_FILTERS", filters);
+        let config = answering_itself(&render(&template("bench-baseline.yaml"), &vars));
+        (
+            base.start_envoy(&format!("replica-{i}"), &config, 1),
+            base.addr(FRONT_PORT + i),
+        )
+    };
+    let (bare, bare_addr) = direct(5, String::new());
+    let (noop, noop_addr) = direct(6, noop_filter());
+    let runs: Vec<(Topology, Proc)> = variants
+        .iter()
+        .enumerate()
+        .map(|(i, (_, wasm, leases))| {
+            let config = match (leases, i) {
+                (false, _) => leases_off(allow_all()),
+                (true, 8) => allow_all()
+                    .set("group_commit", json!({"enabled": false}))
+                    .build(),
+                (true, _) => allow_all().build(),
+            };
+            meshlimit_answering_with(&config, wasm.clone())
+        })
+        .collect();
+    let mut targets = vec![
+        direct_row(
+            "Envoy alone, answering itself",
+            &bare_addr,
+            base.addr(19_905),
+            bare.pid(),
+        ),
+        direct_row(
+            "the do-nothing wasm filter",
+            &noop_addr,
+            base.addr(19_906),
+            noop.pid(),
+        ),
+    ];
+    for ((name, _, _), (t, envoy)) in variants.iter().zip(&runs) {
+        targets.push(direct_row(
+            name,
+            &t.replica_addr(1),
+            t.replica_admin(1),
+            envoy.pid(),
+        ));
+    }
+    let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
+        panic!("bench-profile pins Envoy to a core of its own: it needs two cores");
+    };
+    for t in &targets {
+        pin(Some(t.pid), &envoy_cpus);
+    }
+    for p in std::iter::once(&base)
+        .chain(runs.iter().map(|(t, _)| t))
+        .flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()])
+    {
+        pin(p, &other_cpus);
+    }
+    if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
+        *cpus = Some(other_cpus);
+    }
+    let key = "x-api-key: bench";
+    for t in &targets {
+        let _ = run(t, key, Some(2_000));
+    }
+    let mut samples: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
+    for rep in 0..REPEATS {
+        for (i, t) in targets.iter().enumerate() {
+            let before = cpu_ticks(Some(t.pid));
+            let mut s = run(t, key, None);
+            s.envoy_cpu_us = (cpu_ticks(Some(t.pid)) - before) as f64 * 10_000.0
+                / (s.rps * SECONDS as f64).max(1.0);
+            println!(
+                "  profile {rep} {:<64} {:>8.0} req/s {:>5.1} µs",
+                t.name, s.rps, s.envoy_cpu_us
+            );
+            samples.entry(i).or_default().push(s);
+        }
+    }
+    let rps = |i: usize| median_rps(&samples, i);
+    let cpu = |i: usize| {
+        median(
+            samples
+                .get(&i)
+                .map(|v| v.iter().map(|s| s.envoy_cpu_us).collect())
+                .unwrap_or_default(),
+        )
+    };
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "# Where the time goes, step by step\n\nGenerated by `make bench-profile` \
+         (tests/src/bin/meshlimit-bench.rs, `profile`). Envoy (one worker, pinned to a core of its own) \
+         answers every request itself; one hot client; oha with {SATURATION_CONNECTIONS} connections; \
+         {REPEATS} interleaved runs of {SECONDS} s, medians. Rows B, C, D, F, G and H are builds of the \
+         filter that skip one step (src/flow/profile.rs): a step's cost is the drop in Envoy's CPU per \
+         request when it is skipped. The machine is noisy: differences under about 2 µs are within the \
+         runs' spread.\n\n| configuration | throughput (req/s) | ratio to Envoy alone | ratio to the do-nothing filter | Envoy CPU per request |\n|---|---|---|---|---|"
+    );
+    for (i, t) in targets.iter().enumerate() {
+        let _ = writeln!(
+            md,
+            "| {} | {:.0} | {:.2} | {:.2} | {:.1} µs |",
+            t.name,
+            rps(i),
+            rps(i) / rps(0).max(1.0),
+            rps(i) / rps(1).max(1.0),
+            cpu(i)
+        );
+    }
+    // Rows: 0 bare, 1 noop, 2..=10 the variants A..I.
+    let row = |letter: char| 2 + (letter as usize - 'A' as usize);
+    let d = |a: char, b: char| cpu(row(a)) - cpu(row(b));
+    let _ = writeln!(
+        md,
+        "\n## What each step costs Envoy, per request\n\n| step | µs |\n|---|---|\n\
+         | the do-nothing filter over Envoy alone (a VM crossing per callback, one header read) | {:.1} |\n\
+         | reading every request header in one hostcall, over reading one (H - do-nothing) | {:.1} |\n\
+         | planning: rules matched, client id, subject (G - H) | {:.1} |\n\
+         | a lease hit: the clock, the slot read and written, the verdict (F - G) | {:.1} |\n\
+         | RateLimit headers, made and added (E - F) | {:.1} |\n\
+         | the asynchronous path over a lease hit (A - E) | {:.1} |\n\
+         | ... of which pause and resume (A - C) | {:.1} |\n\
+         | ... of which queue, wake-up, dispatch, reading the answer (C - D) | {:.1} |\n\
+         | RateLimit headers on the asynchronous path (A - B) | {:.1} |\n",
+        cpu(1) - cpu(0),
+        cpu(row('H')) - cpu(1),
+        d('G', 'H'),
+        d('F', 'G'),
+        d('E', 'F'),
+        d('A', 'E'),
+        d('A', 'C'),
+        d('C', 'D'),
+        d('A', 'B'),
+    );
+    let path = tools::root().join("docs/benchmarks-profile.md");
+    let _ = std::fs::write(&path, &md);
+    println!("\n{md}\nwritten to {}", path.display());
+    drop((runs, bare, noop, base));
+}
+
+/// A row of the profile: an Envoy answering itself.
+fn direct_row(name: &'static str, addr: &str, admin: String, pid: Option<u32>) -> Target {
+    Target {
+        name,
+        url: format!("http://{addr}/"),
+        admin,
+        pid: pid.unwrap_or(0),
+        many_clients: false,
+        headers: &[],
+        post: None,
+        urls_file: None,
+    }
 }
