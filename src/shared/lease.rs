@@ -31,6 +31,9 @@ use crate::config::LeaseConfig;
 
 /// Words per slot.
 const WORDS: usize = 7;
+/// An owner takes an expired lease's units back on its next tick (250 ms
+/// at most); units still there this long after the expiry have none.
+const ABANDONED_AFTER_MS: u64 = 2_000;
 /// A clock this far behind a lease's last use stepped back: the lease is
 /// treated as expired (its window can no longer be told from the clock).
 const CLOCK_SLACK_MS: u64 = 100;
@@ -153,8 +156,14 @@ pub(crate) enum Reclaim {
 }
 
 impl Slot {
-    fn holds_units(&self) -> bool {
-        self.lease_id != 0 && self.units > 0
+    /// Whether units are in the slot that someone may still use or give
+    /// back. A lease expired for [`ABANDONED_AFTER_MS`] whose units nobody
+    /// took back has lost its owner (the worker was replaced by a
+    /// configuration push): its slot is free again.
+    fn holds_units(&self, now: u64) -> bool {
+        self.lease_id != 0
+            && self.units > 0
+            && now < self.expires_ms.saturating_add(ABANDONED_AFTER_MS)
     }
 
     /// Whether the lease may admit at `now`: not expired, and the clock
@@ -177,7 +186,7 @@ impl Slot {
         ask_for_ms: u64,
     ) -> (Option<Slot>, Take) {
         if self.fingerprint != fingerprint {
-            if self.holds_units() {
+            if self.holds_units(now) {
                 // Another check's units: its owner gives them back first.
                 return (None, Take::Miss { want: 0 });
             }
@@ -207,7 +216,7 @@ impl Slot {
     /// units (another worker's lease, or this check's, not yet given
     /// back): the grant must then go back at once.
     pub(crate) fn install(mut self, fingerprint: u64, grant: Grant, now: u64) -> Option<Slot> {
-        if self.holds_units() {
+        if self.holds_units(now) {
             return None;
         }
         if self.fingerprint != fingerprint {
@@ -469,6 +478,20 @@ mod tests {
         // A hit keeps it from going idle.
         let (hit, _) = take(slot, 1, 900);
         assert_eq!(hit.reclaim(7, 1500, 1000).1, Reclaim::Keep);
+    }
+
+    #[test]
+    fn units_whose_owner_is_gone_free_their_slot_after_expiry() {
+        let slot = Slot::default().install(1, grant(5, 500), 10).unwrap();
+        assert_eq!(
+            slot.install(1, grant(3, 900), 600),
+            None,
+            "its owner may still return them"
+        );
+        let next = slot.install(1, grant(3, 5_000), 2_500).unwrap();
+        assert_eq!(next.units, 3);
+        let (next, _) = slot.take(2, 1, 2_500, 8, 100);
+        assert!(next.is_some(), "another check may take the slot");
     }
 
     #[test]

@@ -227,6 +227,18 @@ fn main() {
         &[("alice", &alice), ("bob", &bob)],
         &format!("{LIMIT} allowed each, in total across both replicas (an in-memory limiter would allow {})", 2 * LIMIT),
     );
+    // Lease hits reach the stat on the filter's next tick.
+    let _ = t.lease_hits();
+    println!("  how the allowed ones were decided (Envoy stats, wasmcustom.*):");
+    for name in [
+        "meshlimit.requests_allowed",
+        "meshlimit.lease_grants",
+        "meshlimit.lease_hits",
+    ] {
+        println!("    {}", stats_line(&t, name));
+    }
+    println!("  (busy clients get quota leases: units meshlimitd charged in Redis ahead of time,");
+    println!("   spent by the replica without a call; never more than the limit, docs/leases.md)");
     let last = t.get("/api/orders", &[("x-api-key", b"alice")]);
     println!("\n  what alice's next request gets back:");
     println!("    HTTP {}", last.status);
