@@ -9,7 +9,9 @@
 
 use std::rc::Rc;
 
-use meshlimit_protocol::{Algorithm, CheckRequest, LeaseAsk, Limit, Receipt, Settlement};
+use meshlimit_protocol::{
+    Algorithm, CheckRequest, LeaseAsk, Limit, LimitStatus, Receipt, Settlement,
+};
 
 use crate::config::{LimitConfig, Reserve, TokenCost, TokenMode};
 use crate::shared::lease::Place;
@@ -44,6 +46,20 @@ impl Applied {
             shadow: self.shadow,
             subject: (self.subject != check_subject).then(|| self.subject.clone()),
             calendar: self.limit.calendar,
+        }
+    }
+
+    /// The status of this limit in a request admitted without meshlimitd's
+    /// word on it (a lease, a fallback that could not count).
+    pub fn admitted(&self, remaining: u64, reset_after_ms: u64) -> LimitStatus {
+        LimitStatus {
+            allowed: true,
+            limit: self.limit.requests,
+            remaining,
+            reset_after_ms,
+            retry_after_ms: 0,
+            shadow: self.shadow,
+            reason: None,
         }
     }
 
@@ -181,27 +197,25 @@ impl Check {
     /// say: a settlement at 0 of a reservation of `units` on every global
     /// limit.
     pub fn lease_return(&self, units: u64, receipts: &[Receipt]) -> Settlement {
-        let limits: Vec<Limit> = self
-            .global
-            .iter()
-            .map(|a| Limit {
-                cost: units,
-                ..a.to_wire(&self.subject)
-            })
-            .collect();
-        Settlement {
-            subject: self.subject.clone(),
-            actual: vec![0; limits.len()],
-            limits,
-            receipts: receipts.to_vec(),
-        }
+        self.settle(self.global.iter(), units, 0, receipts)
     }
 
     /// The settlement of a reservation of `units` charged where `receipts`
     /// say (one per token-priced limit), for `actual` units used.
     pub fn settlement(&self, units: u64, actual: u64, receipts: &[Receipt]) -> Settlement {
-        let limits: Vec<Limit> = self
-            .token_limits()
+        self.settle(self.token_limits(), units, actual, receipts)
+    }
+
+    /// A reservation of `units` on `limits`, charged where `receipts` say,
+    /// settled at `actual` units used.
+    fn settle<'a>(
+        &self,
+        limits: impl Iterator<Item = &'a Applied>,
+        units: u64,
+        actual: u64,
+        receipts: &[Receipt],
+    ) -> Settlement {
+        let limits: Vec<Limit> = limits
             .map(|a| Limit {
                 cost: units,
                 ..a.to_wire(&self.subject)

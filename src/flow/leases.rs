@@ -12,7 +12,7 @@
 //!   meshlimitd as settlements at 0.
 
 use log::warn;
-use meshlimit_protocol::{Algorithm, CheckResult, LimitStatus, Receipt, SettleOutcome, Settlement};
+use meshlimit_protocol::{Algorithm, CheckResult, Receipt, SettleOutcome, Settlement};
 
 use super::{Job, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
@@ -254,15 +254,7 @@ pub(super) fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> Check
         limits: check
             .global
             .iter()
-            .map(|a| LimitStatus {
-                allowed: true,
-                limit: a.limit.requests,
-                remaining: left,
-                reset_after_ms,
-                retry_after_ms: 0,
-                shadow: a.shadow,
-                reason: None,
-            })
+            .map(|a| a.admitted(left, reset_after_ms))
             .collect(),
         receipts: None,
         leased: 0,

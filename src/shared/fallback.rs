@@ -77,15 +77,7 @@ impl LocalLimiter {
                 allowed: true,
                 limits: limits
                     .iter()
-                    .map(|a| LimitStatus {
-                        allowed: true,
-                        limit: a.limit.requests,
-                        remaining: a.limit.requests.saturating_sub(a.cost),
-                        reset_after_ms: a.limit.window_ms,
-                        retry_after_ms: 0,
-                        shadow: a.shadow,
-                        reason: None,
-                    })
+                    .map(|a| a.admitted(a.limit.requests.saturating_sub(a.cost), a.limit.window_ms))
                     .collect(),
                 receipts: None,
                 leased: 0,
