@@ -459,6 +459,25 @@ fn noop_filter() -> String {
     )
 }
 
+/// An Envoy from envoy/bench-baseline.yaml (replica `i` of `base`, admin on
+/// 19900 + i) with `filters` as its HTTP filters, routing to the upstream
+/// or, with `answering`, answering every request itself. The process and
+/// its listener's address.
+fn baseline_envoy(base: &Topology, i: u16, filters: &str, answering: bool) -> (Proc, String) {
+    let mut vars = base.base_vars(19_900 + i, FRONT_PORT + i);
+    vars.insert("UPSTREAM_HOST", base.host.clone());
+    vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
+    vars.insert("HTTP_FILTERS", filters.to_string());
+    let mut config = render(&template("bench-baseline.yaml"), &vars);
+    if answering {
+        config = answering_itself(&config);
+    }
+    (
+        base.start_envoy(&format!("replica-{i}"), &config, 1),
+        base.addr(FRONT_PORT + i),
+    )
+}
+
 /// A meshlimit topology whose one replica answers requests itself.
 fn meshlimit_answering(config: &str) -> (Topology, Proc) {
     meshlimit_answering_with(config, None)
@@ -496,18 +515,7 @@ fn main() {
         start_service: false,
         ..TopologyOptions::default()
     });
-    let baseline = |i: u16, filters: &str| -> (Proc, String) {
-        let mut vars = base.base_vars(19_900 + i, FRONT_PORT + i);
-        vars.insert("UPSTREAM_HOST", base.host.clone());
-        vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
-        vars.insert("HTTP_FILTERS", filters.to_string());
-        let config = render(&template("bench-baseline.yaml"), &vars);
-        (
-            base.start_envoy(&format!("replica-{i}"), &config, 1),
-            base.addr(FRONT_PORT + i),
-        )
-    };
-    let (bare, bare_addr) = baseline(3, "");
+    let (bare, bare_addr) = baseline_envoy(&base, 3, "", false);
     let local_rl = r#"          - name: envoy.filters.http.local_ratelimit
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
@@ -515,7 +523,7 @@ fn main() {
               token_bucket: { max_tokens: 1000000000, tokens_per_fill: 1000000000, fill_interval: 1s }
               filter_enabled: { default_value: { numerator: 100, denominator: HUNDRED } }
               filter_enforced: { default_value: { numerator: 100, denominator: HUNDRED } }"#;
-    let (lrl, lrl_addr) = baseline(4, local_rl);
+    let (lrl, lrl_addr) = baseline_envoy(&base, 4, local_rl, false);
     // 3, 4, 5: meshlimit in envoy/replica.yaml.
     // Group commit is the default; 3 turns it off to show the cost of one
     // call per request.
@@ -573,28 +581,8 @@ fn main() {
     // 12..18: Envoy answering itself, so that the filter is most of the
     // cost: bare, the do-nothing filter, and meshlimit's default (leases)
     // beside leases off, for one hot client and the Zipf mix.
-    let (bare_direct, bare_direct_addr) = {
-        let mut vars = base.base_vars(19_905, FRONT_PORT + 5);
-        vars.insert("UPSTREAM_HOST", base.host.clone());
-        vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
-        vars.insert("HTTP_FILTERS", String::new());
-        let config = answering_itself(&render(&template("bench-baseline.yaml"), &vars));
-        (
-            base.start_envoy("replica-5", &config, 1),
-            base.addr(FRONT_PORT + 5),
-        )
-    };
-    let (noop_direct, noop_direct_addr) = {
-        let mut vars = base.base_vars(19_906, FRONT_PORT + 6);
-        vars.insert("UPSTREAM_HOST", base.host.clone());
-        vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
-        vars.insert("HTTP_FILTERS", noop_filter());
-        let config = answering_itself(&render(&template("bench-baseline.yaml"), &vars));
-        (
-            base.start_envoy("replica-6", &config, 1),
-            base.addr(FRONT_PORT + 6),
-        )
-    };
+    let (bare_direct, bare_direct_addr) = baseline_envoy(&base, 5, "", true);
+    let (noop_direct, noop_direct_addr) = baseline_envoy(&base, 6, &noop_filter(), true);
     let many = || allow_all().client_id(json!({"headers": ["x-api-key"], "query_params": ["key"]}));
     let (leased_hot, leased_hot_envoy) = meshlimit_answering(&allow_all().build());
     let (unleased_hot, unleased_hot_envoy) = meshlimit_answering(&leases_off(allow_all()));
@@ -603,18 +591,13 @@ fn main() {
     let zipf_dir = TempDir::new("bench-zipf");
     let direct_target =
         |name: &'static str, addr: &str, admin: String, pid: Option<u32>, zipf: bool| Target {
-            name,
-            url: format!("http://{addr}/"),
-            admin,
-            pid: pid.unwrap_or(0),
             many_clients: zipf,
-            headers: &[],
-            post: None,
             urls_file: zipf.then(|| {
                 let dir = zipf_dir.path().join(addr.replace([':', '.'], "-"));
                 let _ = std::fs::create_dir_all(&dir);
                 zipf_urls(&dir, &format!("http://{addr}/"))
             }),
+            ..direct_row(name, addr, admin, pid)
         };
     // The compare build, for 3 and 7.
     let compared: Vec<Topology> = compare_wasm()
@@ -1490,19 +1473,8 @@ fn profile() {
         start_service: false,
         ..TopologyOptions::default()
     });
-    let direct = |i: u16, filters: String| -> (Proc, String) {
-        let mut vars = base.base_vars(19_900 + i, FRONT_PORT + i);
-        vars.insert("UPSTREAM_HOST", base.host.clone());
-        vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
-        vars.insert("HTTP_FILTERS", filters);
-        let config = answering_itself(&render(&template("bench-baseline.yaml"), &vars));
-        (
-            base.start_envoy(&format!("replica-{i}"), &config, 1),
-            base.addr(FRONT_PORT + i),
-        )
-    };
-    let (bare, bare_addr) = direct(5, String::new());
-    let (noop, noop_addr) = direct(6, noop_filter());
+    let (bare, bare_addr) = baseline_envoy(&base, 5, "", true);
+    let (noop, noop_addr) = baseline_envoy(&base, 6, &noop_filter(), true);
     let runs: Vec<(Topology, Proc)> = variants
         .iter()
         .enumerate()
