@@ -7,25 +7,11 @@
 
 use std::path::Path;
 
-use meshlimit_testbed::http;
 use meshlimit_testbed::services::Standalone;
 use serde_json::{json, Value};
 
 fn start() -> Standalone {
     Standalone::start(Path::new(env!("CARGO_BIN_EXE_meshlimitd")), &[])
-}
-
-fn call(f: &Standalone, body: &Value) -> Value {
-    let r = http::request(
-        &f.service.addr,
-        "POST",
-        "/v1/check",
-        &[],
-        &serde_json::to_vec(body).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
-    serde_json::from_str(&r.body).unwrap()
 }
 
 fn limit(algorithm: &str, requests: u64) -> Value {
@@ -39,10 +25,7 @@ fn leased_check(subject: &str, limits: &[Value], units: u64, share: u64) -> Valu
 }
 
 fn ask(f: &Standalone, subject: &str, limits: &[Value], units: u64, share: u64) -> Value {
-    let v = call(
-        f,
-        &json!({"checks": [leased_check(subject, limits, units, share)]}),
-    );
+    let v = f.check(&json!({"checks": [leased_check(subject, limits, units, share)]}));
     v["results"][0].clone()
 }
 
@@ -104,8 +87,7 @@ fn the_tightest_limit_sizes_the_lease_and_a_sliding_log_gets_none() {
     assert_eq!(leased(&r), 0, "a sliding log is never leased: {r}");
     assert!(r.get("receipts").is_none(), "{r}");
     // A check that asks for no lease gets none, in a batch too.
-    let v = call(
-        &f,
+    let v = f.check(
         &json!({"checks": [{"subject": "plain", "limits": [limit("fixed_window", 10)]},
                            leased_check("batched", &[limit("fixed_window", 10)], 3, 1)]}),
     );
@@ -125,8 +107,7 @@ fn unused_units_come_back_as_a_settlement_at_zero() {
         // 15 of the 40 used; 25 go back.
         let mut unused = l.clone();
         unused["cost"] = json!(25);
-        let v = call(
-            &f,
+        let v = f.check(
             &json!({"checks": [], "settlements": [{"subject": subject, "limits": [unused],
                                                     "actual": [0], "receipts": r["receipts"]}]}),
         );
@@ -147,14 +128,7 @@ fn lease_bounds_are_checked_and_named() {
     ] {
         let body = json!({"checks": [{"subject": "s", "limits": [limit("fixed_window", 10)],
                                       "lease": lease}]});
-        let r = http::request(
-            &f.service.addr,
-            "POST",
-            "/v1/check",
-            &[],
-            &serde_json::to_vec(&body).unwrap(),
-        )
-        .unwrap();
+        let r = f.post_check(&body);
         assert!(r.body.contains(field), "{}", r.body);
     }
 }

@@ -6,25 +6,11 @@
 
 use std::path::Path;
 
-use meshlimit_testbed::http;
 use meshlimit_testbed::services::Standalone;
 use serde_json::{json, Value};
 
 fn start() -> Standalone {
     Standalone::start(Path::new(env!("CARGO_BIN_EXE_meshlimitd")), &[])
-}
-
-fn call(f: &Standalone, body: &Value) -> Value {
-    let r = http::request(
-        &f.service.addr,
-        "POST",
-        "/v1/check",
-        &[],
-        &serde_json::to_vec(body).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
-    serde_json::from_str(&r.body).unwrap()
 }
 
 fn limit(algorithm: &str, cost: u64) -> Value {
@@ -34,9 +20,7 @@ fn limit(algorithm: &str, cost: u64) -> Value {
 
 /// A reservation of `cost`: the result (with its receipts when admitted).
 fn reserve(f: &Standalone, subject: &str, algorithm: &str, cost: u64) -> Value {
-    let v = call(
-        f,
-        &json!({"checks": [{"subject": subject, "limits": [limit(algorithm, cost)], "receipt": true}]}),
+    let v = f.check(&json!({"checks": [{"subject": subject, "limits": [limit(algorithm, cost)], "receipt": true}]}),
     );
     v["results"][0].clone()
 }
@@ -50,9 +34,7 @@ fn settle(
     actual: u64,
     receipts: &Value,
 ) -> i64 {
-    let v = call(
-        f,
-        &json!({"checks": [], "settlements": [{"subject": subject, "limits": [limit(algorithm, reserved)],
+    let v = f.check(&json!({"checks": [], "settlements": [{"subject": subject, "limits": [limit(algorithm, reserved)],
                                                 "actual": [actual], "receipts": receipts}]}),
     );
     assert!(v["results"].as_array().unwrap().is_empty());
@@ -113,14 +95,11 @@ fn refunds_and_extra_charges_land_in_the_charged_counter_for_every_algorithm() {
 #[test]
 fn receipts_in_batches_and_bad_settlements_alone() {
     let f = start();
-    let v = call(
-        &f,
-        &json!({"checks": [
-            {"subject": "a", "limits": [limit("fixed_window", 10)], "receipt": true},
-            {"subject": "b", "limits": [limit("fixed_window", 10)], "receipt": true},
-            {"subject": "c", "limits": [limit("fixed_window", 10)]}
-        ]}),
-    );
+    let v = f.check(&json!({"checks": [
+        {"subject": "a", "limits": [limit("fixed_window", 10)], "receipt": true},
+        {"subject": "b", "limits": [limit("fixed_window", 10)], "receipt": true},
+        {"subject": "c", "limits": [limit("fixed_window", 10)]}
+    ]}));
     let nonce = |i: usize| {
         v["results"][i]["receipts"][0]["nonce"]
             .as_str()
@@ -130,9 +109,7 @@ fn receipts_in_batches_and_bad_settlements_alone() {
     assert_ne!(nonce(0), nonce(1));
     assert!(v["results"][2].get("receipts").is_none(), "not asked for");
     let receipts = v["results"][1]["receipts"].clone();
-    let v = call(
-        &f,
-        &json!({"checks": [{"subject": "d", "limits": [limit("fixed_window", 1)]}],
+    let v = f.check(&json!({"checks": [{"subject": "d", "limits": [limit("fixed_window", 1)]}],
         "settlements": [
             {"subject": "b", "limits": [limit("fixed_window", 10)], "actual": [4], "receipts": receipts},
             {"subject": "b", "limits": [limit("fixed_window", 10)], "actual": [4, 5], "receipts": receipts},
@@ -149,9 +126,6 @@ fn receipts_in_batches_and_bad_settlements_alone() {
             .contains("actual[0]"),
         "{v}"
     );
-    let b = call(
-        &f,
-        &json!({"checks": [{"subject": "b", "limits": [limit("fixed_window", 1)]}]}),
-    );
+    let b = f.check(&json!({"checks": [{"subject": "b", "limits": [limit("fixed_window", 1)]}]}));
     assert_eq!(b["results"][0]["limits"][0]["remaining"], json!(995));
 }

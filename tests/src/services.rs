@@ -152,6 +152,21 @@ impl Standalone {
             dir,
         }
     }
+
+    /// POSTs `body` to meshlimitd's check API.
+    pub fn post_check(&self, body: &serde_json::Value) -> http::Response {
+        let bytes = serde_json::to_vec(body).unwrap_or_default();
+        http::request(&self.service.addr, "POST", "/v1/check", &[], &bytes)
+            .unwrap_or_else(|e| panic!("POST /v1/check to {}: {e}", self.service.addr))
+    }
+
+    /// The answer of a check call meshlimitd must accept (200).
+    pub fn check(&self, body: &serde_json::Value) -> serde_json::Value {
+        let r = self.post_check(body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        serde_json::from_str(&r.body)
+            .unwrap_or_else(|e| panic!("meshlimitd's answer is not JSON ({e}): {}", r.body))
+    }
 }
 
 /// A node of a [`RedisCluster`], as `CLUSTER NODES` describes it.
