@@ -58,6 +58,9 @@ pub const ARGS_PER_LIMIT: usize = 7;
 /// Values per limit in the reply after the overall decision
 /// (`REPLY_PER_LIMIT` in `decide.lua`).
 pub const REPLY_PER_LIMIT: usize = 5;
+/// Values of a check's reply before its limits' (`allowed`, the units
+/// leased).
+pub const REPLY_HEAD: usize = 2;
 /// Arguments per limit of [`SETTLE`] (`SETTLE_ARGS` in `settle.lua`).
 pub const SETTLE_ARGS: usize = 10;
 
@@ -102,6 +105,8 @@ mod tests {
         let lua = include_str!("lua/decide.lua");
         assert!(lua.contains(&format!("local ARGS_PER_LIMIT = {ARGS_PER_LIMIT}\n")));
         assert!(lua.contains(&format!("local REPLY_PER_LIMIT = {REPLY_PER_LIMIT}\n")));
+        // The reply's head: the decision, then the units leased.
+        assert!(lua.contains("local out = { allowed, leased }") && REPLY_HEAD == 2);
         // No stray literal stride left behind.
         assert!(!CHECK_MANY.contains("* 7") && !CHECK.contains("* 7"));
         let settle = include_str!("lua/settle.lua");

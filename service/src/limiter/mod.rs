@@ -202,7 +202,7 @@ impl Limiter {
         let values = self.run(slot, &invocation).await?;
         let (clock, reply) = split_clock(&values)?;
         let mut result = parse_reply(check, reply)?;
-        if check.receipt || result.leased > 0 {
+        if wants_receipts(check, &result) {
             result.receipts = receipts(&result, clock, &nonce);
         }
         Ok(result)
@@ -297,10 +297,11 @@ impl Limiter {
         let (clock, mut rest) = split_clock(&values)?;
         let mut results = Vec::with_capacity(checks.len());
         for (c, check) in checks.iter().enumerate() {
-            let n = (2 + script::REPLY_PER_LIMIT * check.limits.len()).min(rest.len());
+            let n =
+                (script::REPLY_HEAD + script::REPLY_PER_LIMIT * check.limits.len()).min(rest.len());
             let (mine, after) = rest.split_at(n);
             let mut result = parse_reply(check, mine)?;
-            if check.receipt || result.leased > 0 {
+            if wants_receipts(check, &result) {
                 result.receipts = receipts(&result, clock, &format!("{nonce}.{}", c + 1));
             }
             results.push(result);
@@ -464,6 +465,13 @@ fn split_clock(values: &[i64]) -> Result<(i64, &[i64]), LimiterError> {
         .ok_or_else(|| LimiterError::Reply("empty reply".into()))
 }
 
+/// Whether a result carries receipts: its check asked for them (a
+/// reservation), or it was granted a lease (whose unused units are given
+/// back by them).
+fn wants_receipts(check: &Check, result: &CheckResult) -> bool {
+    check.receipt || result.leased > 0
+}
+
 /// The lease a check asks for, as the scripts take it: units wanted and
 /// their share; `(0, 1)` for none. (The API has checked the bounds.)
 fn lease_args(check: &Check) -> (u64, u64) {
@@ -503,7 +511,7 @@ fn impossible(limit: &Limit, effective: u64) -> Option<String> {
 
 fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterError> {
     let per = script::REPLY_PER_LIMIT;
-    let expected = 2 + per * check.limits.len();
+    let expected = script::REPLY_HEAD + per * check.limits.len();
     if values.len() != expected {
         return Err(LimiterError::Reply(format!(
             "{} values, expected {expected}",
@@ -517,7 +525,12 @@ fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterErro
     let limits = check
         .limits
         .iter()
-        .zip(values.get(2..).unwrap_or_default().chunks_exact(per))
+        .zip(
+            values
+                .get(script::REPLY_HEAD..)
+                .unwrap_or_default()
+                .chunks_exact(per),
+        )
         .map(|(limit, v)| {
             let effective = v[4].max(1) as u64;
             let reason = impossible(limit, effective);
