@@ -230,9 +230,15 @@ impl SharedStore for FakeHost {
 }
 
 impl Host for FakeHost {
-    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
+    fn request_headers(&self) -> HeaderMap {
         self.hostcall("get_header_map_pairs");
-        self.request.borrow().headers.clone()
+        let request = self.request.borrow();
+        let pairs: Vec<(&str, &[u8])> = request
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .collect();
+        HeaderMap::from_pairs(&pairs)
     }
 
     fn source_address(&self) -> Option<String> {

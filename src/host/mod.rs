@@ -14,6 +14,8 @@ use crate::stats::MetricKind;
 pub mod fake;
 pub mod pairs;
 
+pub use pairs::HeaderMap;
+
 /// A request header, as the decision logic must tell its cases apart.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HeaderValue {
@@ -60,7 +62,7 @@ pub fn values_of(headers: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
 /// The request being decided: its headers, read from the host in one
 /// hostcall, and the host for what is read only when needed.
 pub struct Request<'h, H: Host> {
-    headers: Vec<(String, Vec<u8>)>,
+    headers: HeaderMap,
     host: &'h H,
 }
 
@@ -76,16 +78,15 @@ impl<'h, H: Host> Request<'h, H> {
     /// when absent; the first when repeated (pseudo-headers are unique).
     pub fn text(&self, name: &str) -> String {
         self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .first(name)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
             .unwrap_or_default()
     }
 }
 
 impl<H: Host> RequestView for Request<'_, H> {
     fn header_values(&self, name: &str) -> Vec<Vec<u8>> {
-        values_of(&self.headers, name)
+        self.headers.values(name).map(<[u8]>::to_vec).collect()
     }
 
     fn source_address(&self) -> Option<String> {
@@ -116,7 +117,7 @@ pub struct Call<'a> {
 pub trait Host: SharedStore {
     /// Every header of the current request, in order (one hostcall; the
     /// flow reads them all at once rather than one crossing per header).
-    fn request_headers(&self) -> Vec<(String, Vec<u8>)>;
+    fn request_headers(&self) -> HeaderMap;
     /// Envoy's `source.address` property (`ip:port`) of the current request.
     fn source_address(&self) -> Option<String>;
     /// A property of the current request (see [`RequestView::property`]).

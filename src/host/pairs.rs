@@ -6,42 +6,92 @@
 //! (name, value); then each name and each value in order, each followed by
 //! a NUL byte.
 
-/// The decoded pairs, or `None` when the bytes do not hold a whole map.
-pub fn decode(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
-    if bytes.is_empty() {
-        return Some(Vec::new());
-    }
-    let word = |at: usize| -> Option<usize> {
-        let b = bytes.get(at..at.checked_add(4)?)?;
-        Some(u32::from_le_bytes(<[u8; 4]>::try_from(b).ok()?) as usize)
-    };
-    let n = word(0)?;
-    // Each pair takes at least 8 bytes of sizes and 2 NULs.
-    if n > bytes.len() / 10 {
-        return None;
-    }
-    let mut data = 4 + n * 8;
-    let mut pairs = Vec::with_capacity(n);
-    for i in 0..n {
-        let name_len = word(4 + i * 8)?;
-        let value_len = word(8 + i * 8)?;
-        let (name, after) = field(bytes, data, name_len)?;
-        let (value, after) = field(bytes, after, value_len)?;
-        data = after;
-        pairs.push((String::from_utf8_lossy(name).into_owned(), value.to_vec()));
-    }
-    Some(pairs)
+/// A header map as the host sent it: the bytes, kept whole, and where
+/// each name and value lies in them. Reading a request's headers is one
+/// allocation (the host's buffer) and one for this index, not two per
+/// header: measured in Envoy, decoding into owned pairs cost about as much
+/// as the hostcall that fetched them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderMap {
+    bytes: Vec<u8>,
+    /// Per header: the name's start and end, the value's start and end.
+    fields: Vec<[usize; 4]>,
 }
 
-/// `len` bytes at `at` and their NUL terminator; the bytes and where the
-/// next field starts.
-fn field(bytes: &[u8], at: usize, len: usize) -> Option<(&[u8], usize)> {
+impl HeaderMap {
+    /// The map in `bytes`, or `None` when they do not hold a whole map.
+    pub fn parse(bytes: Vec<u8>) -> Option<HeaderMap> {
+        if bytes.is_empty() {
+            return Some(HeaderMap::default());
+        }
+        let word = |at: usize| -> Option<usize> {
+            let b = bytes.get(at..at.checked_add(4)?)?;
+            Some(u32::from_le_bytes(<[u8; 4]>::try_from(b).ok()?) as usize)
+        };
+        let n = word(0)?;
+        // Each pair takes at least 8 bytes of sizes and 2 NULs.
+        if n > bytes.len() / 10 {
+            return None;
+        }
+        let mut data = 4 + n * 8;
+        let mut fields = Vec::with_capacity(n);
+        for i in 0..n {
+            let name_len = word(4 + i * 8)?;
+            let value_len = word(8 + i * 8)?;
+            let name_end = field(&bytes, data, name_len)?;
+            let value_end = field(&bytes, name_end + 1, value_len)?;
+            fields.push([data, name_end, name_end + 1, value_end]);
+            data = value_end + 1;
+        }
+        Some(HeaderMap { bytes, fields })
+    }
+
+    /// The map holding `pairs` (tests and the fake host).
+    pub fn from_pairs(pairs: &[(&str, &[u8])]) -> HeaderMap {
+        HeaderMap::parse(encode(pairs)).unwrap_or_default()
+    }
+
+    /// Every header, in order: name and value.
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+        self.fields.iter().map(|[ns, ne, vs, ve]| {
+            (
+                self.bytes.get(*ns..*ne).unwrap_or_default(),
+                self.bytes.get(*vs..*ve).unwrap_or_default(),
+            )
+        })
+    }
+
+    /// Every value of header `name`, in order.
+    pub fn values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.iter()
+            .filter(move |(n, _)| *n == name.as_bytes())
+            .map(|(_, v)| v)
+    }
+
+    /// The first value of header `name`.
+    pub fn first(&self, name: &str) -> Option<&[u8]> {
+        self.iter()
+            .find(|(n, _)| *n == name.as_bytes())
+            .map(|(_, v)| v)
+    }
+
+    pub fn len(&self) -> usize {
+        self.fields.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
+    }
+}
+
+/// Checks that `len` bytes at `at` are followed by their NUL terminator;
+/// where the field ends (the NUL's index).
+fn field(bytes: &[u8], at: usize, len: usize) -> Option<usize> {
     let end = at.checked_add(len)?;
-    (bytes.get(end) == Some(&0)).then_some(())?;
-    Some((bytes.get(at..end)?, end + 1))
+    (bytes.get(end) == Some(&0)).then_some(end)
 }
 
-/// The encoding [`decode`] reads (for tests and the fake host).
+/// The encoding [`HeaderMap::parse`] reads (for tests and the fake host).
 pub fn encode(pairs: &[(&str, &[u8])]) -> Vec<u8> {
     let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
     for (name, value) in pairs {
@@ -70,30 +120,41 @@ mod tests {
             ("x-api-key", &[0xff, 0, 0xfe]),
             ("empty", b""),
         ];
-        let decoded = decode(&encode(pairs)).unwrap();
-        assert_eq!(decoded.len(), 4);
-        assert_eq!(decoded[2], ("x-api-key".to_string(), vec![0xff, 0, 0xfe]));
-        assert_eq!(decode(&[]), Some(Vec::new()));
+        let map = HeaderMap::parse(encode(pairs)).unwrap();
+        assert_eq!(map.len(), 4);
+        assert_eq!(
+            map.iter().nth(2),
+            Some((&b"x-api-key"[..], &[0xff, 0, 0xfe][..]))
+        );
+        let keys: Vec<&[u8]> = map.values("x-api-key").collect();
+        assert_eq!(keys, [&b"victim"[..], &[0xff, 0, 0xfe][..]]);
+        assert_eq!(map.first("empty"), Some(&b""[..]));
+        assert_eq!(map.first("absent"), None);
+        assert!(HeaderMap::parse(Vec::new()).unwrap().is_empty());
     }
 
     #[test]
     fn truncated_or_lying_maps_are_refused() {
         let good = encode(&[("a", b"b")]);
         for cut in 1..good.len() {
-            assert_eq!(decode(&good[..cut]), None, "cut at {cut}");
+            assert_eq!(HeaderMap::parse(good[..cut].to_vec()), None, "cut at {cut}");
         }
         let mut huge = good.clone();
         huge[0..4].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(decode(&huge), None);
+        assert_eq!(HeaderMap::parse(huge), None);
         let mut long = good;
         long[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(decode(&long), None);
+        assert_eq!(HeaderMap::parse(long), None);
     }
 
     proptest! {
         #[test]
         fn any_bytes_decode_or_are_refused_never_a_panic(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
-            let _ = decode(&bytes);
+            if let Some(map) = HeaderMap::parse(bytes) {
+                for (name, value) in map.iter() {
+                    let _ = (name.len(), value.len());
+                }
+            }
         }
     }
 }

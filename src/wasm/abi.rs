@@ -12,6 +12,8 @@ use std::ptr::null_mut;
 
 use proxy_wasm::types::{BufferType, MapType};
 
+use crate::host::HeaderMap;
+
 const STATUS_OK: u32 = 0;
 
 #[link(wasm_import_module = "env")]
@@ -86,7 +88,7 @@ pub fn call_response_body(max: usize) -> Option<Vec<u8>> {
 /// Every header of the current request, decoded without trusting the
 /// encoding (the SDK's `get_map_bytes` panics on an unexpected status and
 /// unwraps as it decodes).
-pub fn request_headers() -> Option<Vec<(String, Vec<u8>)>> {
+pub fn request_headers() -> Option<HeaderMap> {
     let mut data: *mut u8 = null_mut();
     let mut size: usize = 0;
     // SAFETY: pointers to live locals; the host fills them on success.
@@ -95,5 +97,5 @@ pub fn request_headers() -> Option<Vec<(String, Vec<u8>)>> {
     if status != STATUS_OK {
         return None;
     }
-    crate::host::pairs::decode(&owned(data, size))
+    HeaderMap::parse(owned(data, size))
 }

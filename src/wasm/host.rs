@@ -7,7 +7,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
 use super::abi;
-use crate::host::{Call, Host, SharedStore, StoreError};
+use crate::host::{Call, HeaderMap, Host, SharedStore, StoreError};
 use crate::reply::DenyResponse;
 use crate::stats::MetricKind;
 
@@ -29,7 +29,7 @@ impl SharedStore for WasmHost {
 }
 
 impl Host for WasmHost {
-    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
+    fn request_headers(&self) -> HeaderMap {
         abi::request_headers().unwrap_or_default()
     }
 
