@@ -18,4 +18,5 @@ pub(crate) const SKIP_HEADERS: bool = cfg!(feature = "profile-skip-headers");
 pub(crate) const SKIP_PAUSE: bool = cfg!(feature = "profile-skip-pause");
 pub(crate) const SKIP_CALL: bool = cfg!(feature = "profile-skip-call");
 pub(crate) const SKIP_DECIDE: bool = cfg!(feature = "profile-skip-decide");
+pub(crate) const SKIP_READ: bool = cfg!(feature = "profile-skip-read");
 pub(crate) const SKIP_PLAN: bool = cfg!(feature = "profile-skip-plan");
