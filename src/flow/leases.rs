@@ -59,6 +59,9 @@ impl Worker {
 
     /// A request's check, before any call: admitted from its lease (the
     /// result to decide by), or given a lease ask for its call when busy.
+    /// Most hits spend this worker's draw and cross into Envoy for nothing;
+    /// a draw spent goes to the slot for the next one (half of what is
+    /// left there).
     pub(super) fn lease_hit(
         &self,
         host: &impl Host,
@@ -68,38 +71,58 @@ impl Worker {
         let cost = check.lease_cost()?;
         let leases = self.leases(host, now)?;
         let place = leases.place(&LeaseIdentity(&check.global), &check.subject);
+        let mut observer = self.lease_observer.borrow_mut();
         // A cold check costs no shared-data access: only busy ones have
         // leases, or ask for one.
-        let want =
-            self.lease_observer
-                .borrow_mut()
-                .observe(place.fingerprint, cost, now, &leases.config);
+        let (want, evicted) = observer.observe(place.fingerprint, cost, now, &leases.config);
+        if let Some(draw) = evicted {
+            // Rare (two busy checks in one entry): its slot gets it back now.
+            let _ = leases.put_back(&draw);
+        }
         if want == 0 {
             return None;
         }
-        match leases.take(place, cost, now, want, self.config.service.timeout_ms) {
-            Take::Hit { left, reset_at_ms } => {
-                // Counted in bulk: a hostcall per request is a tenth of
-                // what a hit costs.
-                let hits = self.lease_hits.get() + 1;
-                if hits >= HITS_PER_STAT_UPDATE {
-                    self.metrics.add(host, Stat::LeaseHits, hits as usize);
-                    self.lease_hits.set(0);
-                } else {
-                    self.lease_hits.set(hits);
+        let draw = match observer.spend(place.fingerprint, cost, now) {
+            Some(draw) => draw,
+            None => {
+                let previous = observer.take_draw(place.fingerprint);
+                let timeout = self.config.service.timeout_ms;
+                match leases.take(place, cost, now, want, timeout, previous) {
+                    (Take::Hit(draw), _) => {
+                        observer.keep_draw(place.fingerprint, draw);
+                        draw
+                    }
+                    (Take::Miss { want }, kept) => {
+                        if let Some(draw) = kept {
+                            observer.keep_draw(place.fingerprint, draw);
+                        }
+                        if want > 0 {
+                            check.lease = Some(LeaseTicket {
+                                place,
+                                want,
+                                share: leases.config.share,
+                                asked_ms: now,
+                            });
+                        }
+                        return None;
+                    }
                 }
-                Some(hit_result(check, left, reset_at_ms.saturating_sub(now)))
             }
-            Take::Miss { want } => {
-                check.lease = Some(LeaseTicket {
-                    place,
-                    want,
-                    share: leases.config.share,
-                    asked_ms: now,
-                });
-                None
-            }
+        };
+        // Counted in bulk: a hostcall per request is a tenth of what a hit
+        // costs.
+        let hits = self.lease_hits.get() + 1;
+        if hits >= HITS_PER_STAT_UPDATE {
+            self.metrics.add(host, Stat::LeaseHits, hits as usize);
+            self.lease_hits.set(0);
+        } else {
+            self.lease_hits.set(hits);
         }
+        Some(hit_result(
+            check,
+            draw.left,
+            draw.reset_at_ms.saturating_sub(now),
+        ))
     }
 
     /// An admitted answer granted a lease: its units go in the check's
@@ -170,17 +193,30 @@ impl Worker {
         next
     }
 
-    /// The root's tick: leases this worker installed that expired or went
-    /// idle give their units back.
+    /// The root's tick: this worker's draws that idled (no hit since the
+    /// last tick) or expired go back to their slots, then leases this
+    /// worker installed that expired or went idle give their units back.
     pub fn on_tick(&self, host: &impl Host) {
         let hits = self.lease_hits.replace(0);
         if hits > 0 {
             self.metrics.add(host, Stat::LeaseHits, hits as usize);
         }
         let now = host.now_ms();
-        let Some(leases) = self.leases(host, now) else {
+        let (Some(leases), Some(tick_ms)) = (self.leases(host, now), self.lease_tick_ms()) else {
             return;
         };
+        let due = self
+            .lease_observer
+            .borrow_mut()
+            .due_draws(now, u64::from(tick_ms));
+        for (fingerprint, draw) in due {
+            if leases.put_back(&draw).is_err() {
+                // Asked again next tick.
+                self.lease_observer
+                    .borrow_mut()
+                    .keep_draw(fingerprint, draw);
+            }
+        }
         let mut returns = Vec::new();
         self.lease_records.borrow_mut().retain(|record| {
             match leases.reclaim(record.slot, record.lease_id, now) {
@@ -247,7 +283,8 @@ impl Worker {
 }
 
 /// The result of a request admitted from a lease: `left` units remain
-/// for it here (a floor: meshlimitd may hold more), on every limit.
+/// for it in this worker's draw (a floor: the slot and meshlimitd may
+/// hold more), on every limit.
 pub(super) fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> CheckResult {
     CheckResult {
         allowed: true,

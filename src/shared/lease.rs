@@ -10,14 +10,21 @@
 //! and costs no shared-data access at all, and a busy one gets about an
 //! interval's worth. The slot's life:
 //!
-//! - [`Slot::take`] on each request: a live lease with room admits it (a
-//!   hit: no pause, no call); otherwise the request calls, asking for a
-//!   lease when its check is busy and no other ask is out.
+//! - [`Slot::take`] when a worker has no units of its own for a busy
+//!   check's request: a live lease with room gives the worker a draw, half
+//!   of what is left (at least the request's cost), which admits the
+//!   request and the worker's next ones with no hostcall at all
+//!   ([`Observer::spend`]); otherwise the request calls, asking for a
+//!   lease when no other ask is out. The slot counts the units drawn and
+//!   not yet accounted for (`lent`); a worker accounts for its draw when it
+//!   draws again, or on its tick once the draw idles or expires
+//!   ([`Slot::put_back`], unused units back in the slot).
 //! - [`Slot::install`] when an answer grants units: only into a slot that
 //!   holds no units, so units are never merged across windows or lost.
 //! - [`Slot::reclaim`] on the granting worker's tick: a lease that expired
-//!   or went idle gives its units back (the worker sends them to meshlimitd
-//!   as a settlement at 0, in the very counter and window they came from).
+//!   or went idle, with no draw out, gives its units back (the worker sends
+//!   them to meshlimitd as a settlement at 0, in the very counter and
+//!   window they came from).
 //!
 //! Every unit was charged in Redis before any request used it, so leases
 //! never admit more than the limit; what they can cost is admitting less
@@ -30,13 +37,17 @@ use super::store::{self, le_word, le_words, retry_on_conflict, Purpose, SharedSt
 use crate::config::LeaseConfig;
 
 /// Words per slot.
-const WORDS: usize = 7;
+const WORDS: usize = 8;
 /// An owner takes an expired lease's units back on its next tick (250 ms
 /// at most); units still there this long after the expiry have none.
 const ABANDONED_AFTER_MS: u64 = 2_000;
 /// A clock this far behind a lease's last use stepped back: the lease is
 /// treated as expired (its window can no longer be told from the clock).
 const CLOCK_SLACK_MS: u64 = 100;
+/// An expired lease waits this long for the workers' draws to come back
+/// (each worker puts back an expired draw on its next tick, 250 ms at
+/// most) before its owner takes back what is in the slot.
+const DRAWS_BACK_WITHIN_MS: u64 = 600;
 
 /// One slot's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -56,6 +67,31 @@ pub(crate) struct Slot {
     last_hit_ms: u64,
     /// A lease ask is out until then: other workers call without asking.
     asking_until_ms: u64,
+    /// Units workers drew and have not accounted for yet (spent, or put
+    /// back): the lease is not given back while any are out.
+    lent: u64,
+}
+
+/// Units of a lease one worker drew from its slot: spent with no hostcall
+/// until they run out, idle or expire, then accounted for in the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Draw {
+    pub slot: u64,
+    pub lease_id: u64,
+    /// Units drawn (the slot's `lent` holds them until put back).
+    pub drawn: u64,
+    /// Units of the draw not spent yet.
+    pub left: u64,
+    pub expires_ms: u64,
+    pub reset_at_ms: u64,
+    pub last_hit_ms: u64,
+}
+
+impl Draw {
+    /// Whether it may admit at `now` (see [`Slot::usable`]).
+    fn usable(&self, now: u64) -> bool {
+        now < self.expires_ms && now.saturating_add(CLOCK_SLACK_MS) >= self.last_hit_ms
+    }
 }
 
 /// What one worker saw of one check: units asked in the current
@@ -66,11 +102,14 @@ struct Seen {
     interval_start_ms: u64,
     seen: u64,
     seen_before: u64,
+    /// The units this worker drew for the check.
+    draw: Option<Draw>,
 }
 
-/// A worker's view of how busy each check is: a direct-mapped table in
-/// the worker's own memory (a check whose entry another one took starts
-/// over, as a cold check), so watching every request costs no hostcall.
+/// A worker's view of how busy each check is, and the units it drew for
+/// it: a direct-mapped table in the worker's own memory (a check whose
+/// entry another one took starts over, as a cold check, and its draw goes
+/// back), so watching every request costs no hostcall.
 pub(crate) struct Observer {
     entries: Vec<Seen>,
 }
@@ -82,22 +121,29 @@ impl Observer {
         }
     }
 
+    fn entry(&mut self, fingerprint: u64) -> Option<&mut Seen> {
+        let len = self.entries.len() as u64;
+        self.entries.get_mut((fingerprint % len.max(1)) as usize)
+    }
+
     /// Counts a request of `cost` units of the check `fingerprint`; the
     /// units to ask for when the check is busy (another request in this
     /// interval or the last one, two units or more in one of them: about
-    /// one interval's worth), else 0.
+    /// one interval's worth), else 0. Also the draw of the check whose
+    /// entry this one took, which must go back to its slot.
     pub(crate) fn observe(
         &mut self,
         fingerprint: u64,
         cost: u64,
         now: u64,
         config: &LeaseConfig,
-    ) -> u64 {
-        let len = self.entries.len() as u64;
-        let Some(e) = self.entries.get_mut((fingerprint % len.max(1)) as usize) else {
-            return 0;
+    ) -> (u64, Option<Draw>) {
+        let Some(e) = self.entry(fingerprint) else {
+            return (0, None);
         };
+        let mut evicted = None;
         if e.fingerprint != fingerprint {
+            evicted = e.draw;
             *e = Seen {
                 fingerprint,
                 interval_start_ms: now,
@@ -117,20 +163,66 @@ impl Observer {
         e.seen = e.seen.saturating_add(cost);
         let rate = e.seen.max(e.seen_before);
         let busy = (e.seen > cost || e.seen_before > 0) && rate >= 2;
-        if busy {
-            rate.min(config.max_units)
-        } else {
-            0
+        let want = if busy { rate.min(config.max_units) } else { 0 };
+        (want, evicted)
+    }
+
+    /// Admits a request of `cost` from this worker's draw for the check,
+    /// if it has the units and they are live: the draw after it.
+    pub(crate) fn spend(&mut self, fingerprint: u64, cost: u64, now: u64) -> Option<Draw> {
+        let e = self.entry(fingerprint)?;
+        if e.fingerprint != fingerprint {
+            return None;
         }
+        let draw = e.draw.as_mut()?;
+        if !draw.usable(now) || draw.left < cost {
+            return None;
+        }
+        draw.left -= cost;
+        draw.last_hit_ms = now;
+        Some(*draw)
+    }
+
+    /// Takes the check's draw out, to account for it in its slot.
+    pub(crate) fn take_draw(&mut self, fingerprint: u64) -> Option<Draw> {
+        let e = self.entry(fingerprint)?;
+        if e.fingerprint != fingerprint {
+            return None;
+        }
+        e.draw.take()
+    }
+
+    /// Keeps a draw for the check (its entry is the check's: `observe`
+    /// came first).
+    pub(crate) fn keep_draw(&mut self, fingerprint: u64, draw: Draw) {
+        if let Some(e) = self.entry(fingerprint) {
+            if e.fingerprint == fingerprint {
+                e.draw = Some(draw);
+            }
+        }
+    }
+
+    /// Takes out the draws to account for on this tick: those with no hit
+    /// for `idle_ms`, and those expired (or whose clock stepped back).
+    pub(crate) fn due_draws(&mut self, now: u64, idle_ms: u64) -> Vec<(u64, Draw)> {
+        let mut due = Vec::new();
+        for e in &mut self.entries {
+            let Some(draw) = e.draw else { continue };
+            if !draw.usable(now) || now.saturating_sub(draw.last_hit_ms) >= idle_ms {
+                due.push((e.fingerprint, draw));
+                e.draw = None;
+            }
+        }
+        due
     }
 }
 
 /// What a request gets from its check's slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Take {
-    /// Admitted from the lease: `left` units remain in it, and the window
-    /// is whole again at `reset_at_ms`.
-    Hit { left: u64, reset_at_ms: u64 },
+    /// Admitted from the lease, with a draw for this worker (its `left`
+    /// units remain after the request).
+    Hit(Draw),
     /// No usable lease: call, asking for `want` more units (0: none).
     Miss { want: u64 },
 }
@@ -155,6 +247,10 @@ pub(crate) enum Reclaim {
     Back { units: u64, expired: bool },
 }
 
+/// What a worker gets from its check's slot, and the draw it still holds
+/// (the one it brought, when the store failed: it is put back later).
+pub(crate) type Taken = (Take, Option<Draw>);
+
 impl Slot {
     /// Whether units are in the slot that someone may still use or give
     /// back. A lease expired for [`ABANDONED_AFTER_MS`] whose units nobody
@@ -162,8 +258,26 @@ impl Slot {
     /// configuration push): its slot is free again.
     fn holds_units(&self, now: u64) -> bool {
         self.lease_id != 0
-            && self.units > 0
+            && (self.units > 0 || self.lent > 0)
             && now < self.expires_ms.saturating_add(ABANDONED_AFTER_MS)
+    }
+
+    /// Accounts for a worker's draw of this slot's lease: its unused units
+    /// are the lease's again. A draw of a lease no longer here has nowhere
+    /// to go (its units are lost to this window: fewer admitted, never
+    /// more). True when the slot changed.
+    fn settle(&mut self, draw: &Draw) -> bool {
+        if draw.lease_id == 0 || draw.lease_id != self.lease_id {
+            return false;
+        }
+        self.units = self.units.saturating_add(draw.left);
+        self.lent = self.lent.saturating_sub(draw.drawn);
+        true
+    }
+
+    /// The slot after a worker puts back `draw`; `None`: nothing to write.
+    pub(crate) fn put_back(mut self, draw: &Draw) -> Option<Slot> {
+        self.settle(draw).then_some(self)
     }
 
     /// Whether the lease may admit at `now`: not expired, and the clock
@@ -174,39 +288,51 @@ impl Slot {
             && now.saturating_add(CLOCK_SLACK_MS) >= self.last_hit_ms
     }
 
-    /// The slot after a busy check's request of `cost` (`want`: the units
-    /// it would ask for), and what the request gets. `None` for the slot:
-    /// nothing to write.
+    /// The slot after a busy check's request of `cost` from the worker
+    /// that holds `previous` (its draw of this check, spent or too small:
+    /// accounted for first), and what the request gets: a draw of half
+    /// the units left (at least `cost`), or a miss that asks for `want`
+    /// units (0: none). `None` for the slot: nothing to write.
     pub(crate) fn take(
         mut self,
-        fingerprint: u64,
+        place: Place,
         cost: u64,
         now: u64,
         want: u64,
         ask_for_ms: u64,
+        previous: Option<&Draw>,
     ) -> (Option<Slot>, Take) {
-        if self.fingerprint != fingerprint {
+        if self.fingerprint != place.fingerprint {
             if self.holds_units(now) {
                 // Another check's units: its owner gives them back first.
                 return (None, Take::Miss { want: 0 });
             }
             self = Slot {
-                fingerprint,
+                fingerprint: place.fingerprint,
                 ..Slot::default()
             };
         }
+        let settled = previous.is_some_and(|d| self.settle(d));
         if self.usable(now) && self.units >= cost {
-            self.units -= cost;
+            let drawn = self.units.div_ceil(2).max(cost);
+            self.units -= drawn;
+            self.lent = self.lent.saturating_add(drawn);
             self.last_hit_ms = now;
-            let take = Take::Hit {
-                left: self.units,
+            let draw = Draw {
+                slot: place.slot,
+                lease_id: self.lease_id,
+                drawn,
+                left: drawn - cost,
+                expires_ms: self.expires_ms,
                 reset_at_ms: self.reset_at_ms,
+                last_hit_ms: now,
             };
-            return (Some(self), take);
+            return (Some(self), Take::Hit(draw));
         }
+        let written = settled.then_some(self);
         if want == 0 || now < self.asking_until_ms {
             // One ask at a time.
-            return (None, Take::Miss { want: 0 });
+            return (written, Take::Miss { want: 0 });
         }
         self.asking_until_ms = now + ask_for_ms;
         (Some(self), Take::Miss { want })
@@ -231,27 +357,40 @@ impl Slot {
         self.reset_at_ms = grant.reset_at_ms;
         self.last_hit_ms = now;
         self.asking_until_ms = 0;
+        self.lent = 0;
         Some(self)
     }
 
     /// What becomes of lease `lease_id` at `now`: expired, or unused for
-    /// `idle_ms`, its units are taken out (the slot to write is returned).
+    /// `idle_ms` with no draw out, its units are taken out (the slot to
+    /// write is returned). An expired lease waits for its draws to come
+    /// back a little ([`DRAWS_BACK_WITHIN_MS`]), then goes without them.
     pub(crate) fn reclaim(
         mut self,
         lease_id: u64,
         now: u64,
         idle_ms: u64,
     ) -> (Option<Slot>, Reclaim) {
-        if self.lease_id != lease_id || self.units == 0 {
+        if self.lease_id != lease_id || (self.units == 0 && self.lent == 0) {
             return (None, Reclaim::Gone);
         }
         let expired = !self.usable(now);
-        if !expired && now.saturating_sub(self.last_hit_ms) < idle_ms {
+        let draws_out = self.lent > 0;
+        let due = if expired {
+            !draws_out || now >= self.expires_ms.saturating_add(DRAWS_BACK_WITHIN_MS)
+        } else {
+            !draws_out && now.saturating_sub(self.last_hit_ms) >= idle_ms
+        };
+        if !due {
             return (None, Reclaim::Keep);
         }
         let units = self.units;
         self.units = 0;
+        self.lent = 0;
         self.lease_id = 0;
+        if units == 0 {
+            return (Some(self), Reclaim::Gone);
+        }
         (Some(self), Reclaim::Back { units, expired })
     }
 
@@ -268,6 +407,7 @@ impl Slot {
             reset_at_ms: w(4),
             last_hit_ms: w(5),
             asking_until_ms: w(6),
+            lent: w(7),
         }
     }
 
@@ -280,6 +420,7 @@ impl Slot {
             self.reset_at_ms,
             self.last_hit_ms,
             self.asking_until_ms,
+            self.lent,
         ];
         le_words(&words)
     }
@@ -311,20 +452,47 @@ impl<S: SharedStore> Leases<'_, S> {
     }
 
     /// A request of `cost` on the busy check at `place`, which would ask
-    /// for `want` units. A store that fails or stays contended gives a miss
-    /// without an ask: the request calls.
-    pub fn take(&self, place: Place, cost: u64, now: u64, want: u64, ask_for_ms: u64) -> Take {
+    /// for `want` units, from a worker that brings `previous` (its last
+    /// draw of the check). A store that fails or stays contended gives a
+    /// miss without an ask (the request calls), and `previous` back.
+    pub fn take(
+        &self,
+        place: Place,
+        cost: u64,
+        now: u64,
+        want: u64,
+        ask_for_ms: u64,
+        previous: Option<Draw>,
+    ) -> Taken {
         let key = keys::lease_slot(place.slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
-            let (slot, take) =
-                Slot::decode(bytes.as_deref()).take(place.fingerprint, cost, now, want, ask_for_ms);
+            let (slot, take) = Slot::decode(bytes.as_deref()).take(
+                place,
+                cost,
+                now,
+                want,
+                ask_for_ms,
+                previous.as_ref(),
+            );
             if let Some(slot) = slot {
                 self.store.set(&key, &slot.encode(), cas)?;
             }
-            Ok(take)
+            Ok((take, None))
         })
-        .unwrap_or(Take::Miss { want: 0 })
+        .unwrap_or((Take::Miss { want: 0 }, previous))
+    }
+
+    /// Accounts for a worker's draw in its slot.
+    pub fn put_back(&self, draw: &Draw) -> Result<(), StoreError> {
+        let key = keys::lease_slot(draw.slot);
+        retry_on_conflict(|| {
+            let (bytes, cas) = self.store.get(&key)?;
+            match Slot::decode(bytes.as_deref()).put_back(draw) {
+                Some(slot) => self.store.set(&key, &slot.encode(), cas),
+                None => Ok(()),
+            }
+        })
     }
 
     /// Installs a grant; false when it must go back at once.
@@ -366,9 +534,25 @@ mod tests {
         share: 2,
     };
 
+    fn at(fingerprint: u64) -> Place {
+        Place {
+            fingerprint,
+            slot: 3,
+        }
+    }
+
+    /// A request of cost 1 from a worker with no draw.
     fn take(slot: Slot, fp: u64, now: u64) -> (Slot, Take) {
-        let (next, take) = slot.take(fp, 1, now, 8, 100);
+        let (next, take) = slot.take(at(fp), 1, now, 8, 100, None);
         (next.unwrap_or(slot), take)
+    }
+
+    /// The draw a hit gave.
+    fn drawn(take: Take) -> Draw {
+        match take {
+            Take::Hit(draw) => draw,
+            Take::Miss { .. } => panic!("a miss: {take:?}"),
+        }
     }
 
     fn grant(units: u64, expires_ms: u64) -> Grant {
@@ -383,20 +567,20 @@ mod tests {
     #[test]
     fn a_cold_check_asks_for_nothing_and_a_busy_one_for_its_rate() {
         let mut seen = Observer::new(64);
-        assert_eq!(seen.observe(1, 1, 10, &CONFIG), 0);
-        assert_eq!(seen.observe(1, 1, 20, &CONFIG), 2);
-        assert_eq!(seen.observe(1, 1, 30, &CONFIG), 3);
+        assert_eq!(seen.observe(1, 1, 10, &CONFIG).0, 0);
+        assert_eq!(seen.observe(1, 1, 20, &CONFIG).0, 2);
+        assert_eq!(seen.observe(1, 1, 30, &CONFIG).0, 3);
         // The next interval asks for the last one's count until it is
         // busier itself.
-        assert_eq!(seen.observe(1, 1, 1_020, &CONFIG), 3);
+        assert_eq!(seen.observe(1, 1, 1_020, &CONFIG).0, 3);
         // One request is never busy, whatever its cost.
-        assert_eq!(seen.observe(2, 50, 10, &CONFIG), 0);
+        assert_eq!(seen.observe(2, 50, 10, &CONFIG).0, 0);
         // A check seen once an interval stays cold.
         for i in 0..5 {
-            assert_eq!(seen.observe(3, 1, 10 + i * 1500, &CONFIG), 0);
+            assert_eq!(seen.observe(3, 1, 10 + i * 1500, &CONFIG).0, 0);
         }
         // Asks are bounded.
-        assert_eq!(seen.observe(2, 5_000, 20, &CONFIG), 1000);
+        assert_eq!(seen.observe(2, 5_000, 20, &CONFIG).0, 1000);
     }
 
     #[test]
@@ -410,7 +594,7 @@ mod tests {
         assert_eq!(t, Take::Miss { want: 8 });
         // Not busy: nothing to write.
         assert_eq!(
-            Slot::default().take(1, 1, 20, 0, 100),
+            Slot::default().take(at(1), 1, 20, 0, 100, None),
             (None, Take::Miss { want: 0 })
         );
     }
@@ -419,30 +603,133 @@ mod tests {
     fn a_lease_admits_until_it_is_empty_or_expired() {
         let slot = Slot::default().install(1, grant(2, 500), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
+        let first = drawn(t);
         assert_eq!(
-            t,
-            Take::Hit {
-                left: 1,
-                reset_at_ms: 500
-            }
+            (first.drawn, first.left, first.reset_at_ms, first.slot),
+            (1, 0, 500, 3)
         );
-        let (slot, t) = take(slot, 1, 30);
-        assert!(matches!(t, Take::Hit { left: 0, .. }));
-        let (slot, t) = take(slot, 1, 40);
+        // The worker comes back with its draw spent: accounted, and another.
+        let (next, t) = slot.take(at(1), 1, 30, 8, 100, Some(&first));
+        let (slot, second) = (next.unwrap(), drawn(t));
+        assert_eq!((second.left, slot.units, slot.lent), (0, 0, 1));
+        let (next, t) = slot.take(at(1), 1, 40, 8, 100, Some(&second));
         assert!(matches!(t, Take::Miss { want } if want > 0));
+        let slot = next.unwrap();
+        assert_eq!((slot.units, slot.lent), (0, 0), "every draw accounted for");
         let full = Slot::default().install(1, grant(5, 500), 10).unwrap();
         let (_, t) = take(full, 1, 500);
         assert!(matches!(t, Take::Miss { .. }), "expired at 500");
         // A cost above what is left calls.
-        let (_, t) = full.take(1, 6, 20, 8, 100);
+        let (_, t) = full.take(at(1), 6, 20, 8, 100, None);
         assert!(matches!(t, Take::Miss { .. }));
-        assert_eq!(slot.units, 0);
+    }
+
+    #[test]
+    fn workers_draw_half_of_what_is_left_and_put_back_what_they_leave() {
+        let slot = Slot::default().install(1, grant(10, 5_000), 10).unwrap();
+        let (slot, t) = take(slot, 1, 20);
+        let a = drawn(t);
+        assert_eq!((a.drawn, a.left, slot.units, slot.lent), (5, 4, 5, 5));
+        // A heavier request draws at least its cost.
+        let (next, t) = slot.take(at(1), 4, 21, 8, 100, None);
+        let (slot, b) = (next.unwrap(), drawn(t));
+        assert_eq!((b.drawn, b.left, slot.units, slot.lent), (4, 0, 1, 9));
+        // `a` idles with 4 left: back in the slot.
+        let slot = slot.put_back(&a).unwrap();
+        assert_eq!((slot.units, slot.lent), (5, 4));
+        // A draw of another lease has nowhere to go.
+        let stale = Draw { lease_id: 99, ..b };
+        assert_eq!(slot.put_back(&stale), None);
+    }
+
+    #[test]
+    fn draws_out_keep_a_lease_from_going_back_until_they_are_accounted_for() {
+        let slot = Slot::default().install(1, grant(10, 5_000), 10).unwrap();
+        let (slot, t) = take(slot, 1, 20);
+        let a = drawn(t);
+        // Idle in the slot, but `a` still holds units: not yet.
+        assert_eq!(slot.reclaim(7, 1_500, 1000), (None, Reclaim::Keep));
+        assert_eq!(slot.install(1, grant(3, 9_000), 1_500), None);
+        let back = slot.put_back(&a).unwrap();
+        let (next, r) = back.reclaim(7, 1_500, 1000);
+        assert_eq!(
+            r,
+            Reclaim::Back {
+                units: 9,
+                expired: false
+            }
+        );
+        assert_eq!(
+            next.unwrap()
+                .install(1, grant(3, 9_000), 1_500)
+                .map(|s| s.units),
+            Some(3)
+        );
+        // Expired: the draws get a little time to come back, then the slot
+        // goes back without them.
+        assert_eq!(slot.reclaim(7, 5_100, 1000), (None, Reclaim::Keep));
+        let (_, r) = slot.reclaim(7, 5_000 + DRAWS_BACK_WITHIN_MS, 1000);
+        assert_eq!(
+            r,
+            Reclaim::Back {
+                units: 5,
+                expired: true
+            }
+        );
+        // Spent in draws and accounted for: nothing to give back.
+        let spent = Slot {
+            units: 0,
+            lent: 0,
+            ..slot
+        };
+        assert_eq!(spent.reclaim(7, 5_100, 1000), (None, Reclaim::Gone));
+    }
+
+    #[test]
+    fn a_worker_spends_its_draw_with_no_store_and_gives_it_back_when_idle() {
+        let mut seen = Observer::new(64);
+        assert_eq!(seen.observe(1, 1, 10, &CONFIG), (0, None));
+        let draw = Draw {
+            slot: 3,
+            lease_id: 7,
+            drawn: 3,
+            left: 3,
+            expires_ms: 1_000,
+            reset_at_ms: 1_000,
+            last_hit_ms: 10,
+        };
+        assert_eq!(seen.spend(1, 1, 20), None, "no draw yet");
+        seen.keep_draw(1, draw);
+        assert_eq!(seen.spend(1, 2, 20).map(|d| d.left), Some(1));
+        assert_eq!(seen.spend(1, 2, 30), None, "too little left");
+        assert_eq!(seen.spend(1, 1, 30).map(|d| d.left), Some(0));
+        assert_eq!(seen.spend(2, 1, 30), None, "another check's");
+        // Busy within the idle time: kept.
+        assert!(seen.due_draws(200, 250).is_empty());
+        let due = seen.due_draws(280, 250);
+        assert_eq!(due.len(), 1);
+        assert_eq!((due[0].0, due[0].1.left, due[0].1.drawn), (1, 0, 3));
+        assert_eq!(seen.take_draw(1), None, "taken out");
+        // Expired draws are due at once, and admit nothing.
+        seen.keep_draw(
+            1,
+            Draw {
+                last_hit_ms: 990,
+                ..draw
+            },
+        );
+        assert_eq!(seen.spend(1, 1, 1_000), None);
+        assert_eq!(seen.due_draws(1_000, 250).len(), 1);
+        // A check taking the entry hands back the draw it held.
+        seen.keep_draw(1, draw);
+        let (_, evicted) = seen.observe(1 + 64, 1, 40, &CONFIG);
+        assert_eq!(evicted, Some(draw));
     }
 
     #[test]
     fn units_are_never_overwritten_by_another_check_or_another_grant() {
         let slot = Slot::default().install(1, grant(5, 500), 10).unwrap();
-        let (next, t) = slot.take(2, 1, 20, 8, 100);
+        let (next, t) = slot.take(at(2), 1, 20, 8, 100, None);
         assert_eq!((next, t), (None, Take::Miss { want: 0 }));
         assert_eq!(slot.install(2, grant(3, 500), 20), None);
         assert_eq!(slot.install(1, grant(3, 500), 20), None);
@@ -490,7 +777,7 @@ mod tests {
         );
         let next = slot.install(1, grant(3, 5_000), 2_500).unwrap();
         assert_eq!(next.units, 3);
-        let (next, _) = slot.take(2, 1, 2_500, 8, 100);
+        let (next, _) = slot.take(at(2), 1, 2_500, 8, 100, None);
         assert!(next.is_some(), "another check may take the slot");
     }
 
@@ -500,7 +787,7 @@ mod tests {
             .install(1, grant(5, 60_000), 10_000)
             .unwrap();
         let (_, t) = take(slot, 1, 9_950);
-        assert!(matches!(t, Take::Hit { .. }), "a little skew is fine");
+        assert!(matches!(t, Take::Hit(_)), "a little skew is fine");
         let (_, t) = take(slot, 1, 5_000);
         assert!(matches!(t, Take::Miss { .. }));
         let (_, r) = slot.reclaim(7, 5_000, 1000);

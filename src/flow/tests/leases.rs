@@ -49,12 +49,13 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
     assert_eq!(h.host.tick_ms.get(), Some(250));
     let calls = h.lease_for_a(&granted(13, 5));
     assert_eq!((h.stat("lease_grants"), h.stat("lease_units")), (1, 5));
-    for left in (0..5).rev() {
+    // The worker draws 3 of the 5 (half, rounded up), then 1 and 1.
+    for left in [2, 1, 0, 0, 0] {
         let (mut s, step) = h.request("a");
         assert_eq!(step, Step::Continue, "a hit goes on at once");
         h.worker.on_response_headers(&h.host, &mut s);
         let headers = h.host.response_headers.borrow();
-        // What remains is what this Envoy holds: never more than is true.
+        // What remains is what this worker holds: never more than is true.
         assert!(
             headers.iter().any(|(c, k, v)| *c == s.context_id
                 && k.to_lowercase() == "ratelimit"
@@ -76,7 +77,8 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
 }
 
 /// The hostcalls of a request admitted from a lease: its headers, the
-/// clock, the lease slot read and written. No pause, no call, no stat.
+/// clock, and, when the worker's draw is spent, the lease slot read and
+/// written (a new draw, half of what is left). No pause, no call, no stat.
 #[test]
 fn hostcalls_per_request_from_a_lease() {
     let mut h = harness("");
@@ -90,11 +92,31 @@ fn hostcalls_per_request_from_a_lease() {
             "get_header_map_pairs",
             "get_current_time",
             "get_shared_data", // the lease slot
-            "set_shared_data", // one unit fewer
+            "set_shared_data", // four units drawn
         ]
     );
     h.worker.on_response_headers(&h.host, &mut s);
     assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
+    for _ in 0..3 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue);
+        assert_eq!(
+            h.host.take_hostcalls(),
+            ["get_header_map_pairs", "get_current_time"],
+            "from the worker's draw"
+        );
+    }
+    // Spent: the draw is accounted for and the next one taken, in one write.
+    h.request("a");
+    assert_eq!(
+        h.host.take_hostcalls(),
+        [
+            "get_header_map_pairs",
+            "get_current_time",
+            "get_shared_data",
+            "set_shared_data",
+        ]
+    );
 }
 
 #[test]
