@@ -48,43 +48,56 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
             // leaves the policy as configured, a lowered override shows in
             // `r`); and the window, except for calendar windows, whose
             // length varies (a month): `w` is optional in the draft.
-            let policy = limits
+            // Written by hand, not with `format!`: these two values are
+            // made for every admitted request.
+            let mut policy = String::with_capacity(48 * limits.len());
+            let statuses = result
+                .limits
                 .iter()
-                .zip(
-                    result
-                        .limits
-                        .iter()
-                        .map(Some)
-                        .chain(std::iter::repeat(None)),
-                )
-                .filter(|(a, _)| !a.shadow)
-                .map(|(a, status)| {
-                    let quota = status.map_or(a.limit.requests, |s| s.limit.max(a.limit.requests));
-                    match a.limit.calendar {
-                        Some(_) => format!("\"{}\";q={quota}", a.limit.qualified_name),
-                        None => format!(
-                            "\"{}\";q={quota};w={}",
-                            a.limit.qualified_name,
-                            ceil_secs(a.limit.window_ms)
-                        ),
-                    }
-                })
-                .collect::<Vec<_>>()
-                .join(", ");
+                .map(Some)
+                .chain(std::iter::repeat(None));
+            for (a, status) in limits.iter().zip(statuses).filter(|(a, _)| !a.shadow) {
+                let quota = status.map_or(a.limit.requests, |s| s.limit.max(a.limit.requests));
+                if !policy.is_empty() {
+                    policy.push_str(", ");
+                }
+                policy.push('"');
+                policy.push_str(&a.limit.qualified_name);
+                policy.push_str("\";q=");
+                push_u64(&mut policy, quota);
+                if a.limit.calendar.is_none() {
+                    policy.push_str(";w=");
+                    push_u64(&mut policy, ceil_secs(a.limit.window_ms));
+                }
+            }
+            let mut now = String::with_capacity(name.len() + 32);
+            now.push('"');
+            now.push_str(name);
+            now.push_str("\";r=");
+            push_u64(&mut now, status.remaining);
+            now.push_str(";t=");
+            push_u64(&mut now, ceil_secs(status.reset_after_ms));
             vec![
                 ("ratelimit-policy".into(), policy),
-                (
-                    "ratelimit".into(),
-                    format!(
-                        "\"{}\";r={};t={}",
-                        name,
-                        status.remaining,
-                        ceil_secs(status.reset_after_ms)
-                    ),
-                ),
+                ("ratelimit".into(), now),
             ]
         }
     }
+}
+
+/// Appends `n` in decimal.
+fn push_u64(out: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut len = 0;
+    for d in digits.iter_mut() {
+        *d = b'0' + (n % 10) as u8;
+        len += 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend(digits.iter().take(len).rev().map(|&d| char::from(d)));
 }
 
 fn most_constraining<'a>(
@@ -221,6 +234,15 @@ mod tests {
         let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&a), shadow], &result);
         assert_eq!(h[0].1, "\"api/real\";q=10;w=1");
         assert_eq!(h[1].1, "\"api/real\";r=8;t=1");
+    }
+
+    #[test]
+    fn numbers_are_written_in_decimal() {
+        for n in [0, 7, 10, 99, 1_000_000, u64::MAX] {
+            let mut out = String::from("q=");
+            push_u64(&mut out, n);
+            assert_eq!(out, format!("q={n}"));
+        }
     }
 
     #[test]
