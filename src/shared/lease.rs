@@ -19,8 +19,10 @@
 //!   not yet accounted for (`lent`); a worker accounts for its draw when it
 //!   draws again, or on its tick once the draw idles or expires
 //!   ([`Slot::put_back`], unused units back in the slot).
-//! - [`Slot::install`] when an answer grants units: only into a slot that
-//!   holds no units, so units are never merged across windows or lost.
+//! - [`Slot::install`] when an answer grants units: only over a lease
+//!   with no units left in the slot, so units are never merged across
+//!   leases or lost. A replaced lease whose draws are still out waits
+//!   aside (`previous`) for them to be accounted for.
 //! - [`Slot::reclaim`] on the granting worker's tick: a lease that expired
 //!   or went idle, with no draw out, gives its units back (the worker sends
 //!   them to meshlimitd as a settlement at 0, in the very counter and
@@ -36,8 +38,9 @@ use super::keys;
 use super::store::{self, le_word, le_words, retry_on_conflict, Purpose, SharedStore, StoreError};
 use crate::config::LeaseConfig;
 
-/// Words per slot.
-const WORDS: usize = 8;
+/// Words per lease, and per slot (the check, its ask, two leases).
+const LEASE_WORDS: usize = 6;
+const WORDS: usize = 2 + 2 * LEASE_WORDS;
 /// An owner takes an expired lease's units back on its next tick (250 ms
 /// at most); units still there this long after the expiry have none.
 const ABANDONED_AFTER_MS: u64 = 2_000;
@@ -49,27 +52,38 @@ const CLOCK_SLACK_MS: u64 = 100;
 /// most) before its owner takes back what is in the slot.
 const DRAWS_BACK_WITHIN_MS: u64 = 600;
 
-/// One slot's state.
+/// One lease in a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct Slot {
-    /// Whose slot it is (0: free).
-    fingerprint: u64,
-    /// The lease in it, chosen by the worker that installed it (0: none).
+struct Lease {
+    /// Chosen by the worker that installed it (0: none).
     lease_id: u64,
-    /// Units left.
+    /// Units left in the slot.
     units: u64,
+    /// Units workers drew and have not accounted for yet (spent, or put
+    /// back): the lease is not given back while any are out.
+    lent: u64,
     /// After this the lease admits nothing (the end of its window, or of
     /// a token bucket's interval).
     expires_ms: u64,
     /// When the most constraining limit's window is whole again (headers).
     reset_at_ms: u64,
-    /// The last request admitted from the lease (idle leases go back).
+    /// The last draw from the lease (idle leases go back).
     last_hit_ms: u64,
+}
+
+/// One slot's state: the check it is for, and up to two leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Slot {
+    /// Whose slot it is (0: free).
+    fingerprint: u64,
     /// A lease ask is out until then: other workers call without asking.
     asking_until_ms: u64,
-    /// Units workers drew and have not accounted for yet (spent, or put
-    /// back): the lease is not given back while any are out.
-    lent: u64,
+    /// The lease workers draw from.
+    current: Lease,
+    /// The lease a grant replaced while workers still held draws of it:
+    /// nobody draws from it; it waits for those draws to be accounted for,
+    /// then its owner gives back whatever they left.
+    previous: Lease,
 }
 
 /// Units of a lease one worker drew from its slot: spent with no hostcall
@@ -251,21 +265,26 @@ pub(crate) enum Reclaim {
 /// (the one it brought, when the store failed: it is put back later).
 pub(crate) type Taken = (Take, Option<Draw>);
 
-impl Slot {
-    /// Whether units are in the slot that someone may still use or give
-    /// back. A lease expired for [`ABANDONED_AFTER_MS`] whose units nobody
-    /// took back has lost its owner (the worker was replaced by a
-    /// configuration push): its slot is free again.
+impl Lease {
+    /// Whether it holds units someone may still use or give back. A lease
+    /// expired for [`ABANDONED_AFTER_MS`] whose units nobody took back has
+    /// lost its owner (the worker was replaced by a configuration push).
     fn holds_units(&self, now: u64) -> bool {
         self.lease_id != 0
             && (self.units > 0 || self.lent > 0)
             && now < self.expires_ms.saturating_add(ABANDONED_AFTER_MS)
     }
 
-    /// Accounts for a worker's draw of this slot's lease: its unused units
-    /// are the lease's again. A draw of a lease no longer here has nowhere
-    /// to go (its units are lost to this window: fewer admitted, never
-    /// more). True when the slot changed.
+    /// Whether it may admit at `now`: not expired, and the clock has not
+    /// stepped back past its last use.
+    fn usable(&self, now: u64) -> bool {
+        self.lease_id != 0
+            && now < self.expires_ms
+            && now.saturating_add(CLOCK_SLACK_MS) >= self.last_hit_ms
+    }
+
+    /// Accounts for a worker's draw of this lease: its unused units are
+    /// the lease's again. False when the draw is of another lease.
     fn settle(&mut self, draw: &Draw) -> bool {
         if draw.lease_id == 0 || draw.lease_id != self.lease_id {
             return false;
@@ -275,24 +294,41 @@ impl Slot {
         true
     }
 
+    /// Whether its owner gives it back at `now`: expired, idle for
+    /// `idle_ms` (or replaced: `draining`) with no draw out, or expired
+    /// for [`DRAWS_BACK_WITHIN_MS`] with draws still out.
+    fn due(&self, now: u64, idle_ms: u64, draining: bool) -> bool {
+        let expired = !self.usable(now);
+        if self.lent > 0 {
+            expired && now >= self.expires_ms.saturating_add(DRAWS_BACK_WITHIN_MS)
+        } else {
+            expired || draining || now.saturating_sub(self.last_hit_ms) >= idle_ms
+        }
+    }
+}
+
+impl Slot {
+    fn holds_units(&self, now: u64) -> bool {
+        self.current.holds_units(now) || self.previous.holds_units(now)
+    }
+
+    /// Accounts for `draw` in whichever lease it came from. A draw of a
+    /// lease no longer here has nowhere to go (its units are lost to this
+    /// window: fewer admitted, never more). True when the slot changed.
+    fn settle(&mut self, draw: &Draw) -> bool {
+        self.current.settle(draw) || self.previous.settle(draw)
+    }
+
     /// The slot after a worker puts back `draw`; `None`: nothing to write.
     pub(crate) fn put_back(mut self, draw: &Draw) -> Option<Slot> {
         self.settle(draw).then_some(self)
     }
 
-    /// Whether the lease may admit at `now`: not expired, and the clock
-    /// has not stepped back past its last use.
-    fn usable(&self, now: u64) -> bool {
-        self.lease_id != 0
-            && now < self.expires_ms
-            && now.saturating_add(CLOCK_SLACK_MS) >= self.last_hit_ms
-    }
-
     /// The slot after a busy check's request of `cost` from the worker
     /// that holds `previous` (its draw of this check, spent or too small:
     /// accounted for first), and what the request gets: a draw of half
-    /// the units left (at least `cost`), or a miss that asks for `want`
-    /// units (0: none). `None` for the slot: nothing to write.
+    /// the current lease's units (at least `cost`), or a miss that asks
+    /// for `want` units (0: none). `None` for the slot: nothing to write.
     pub(crate) fn take(
         mut self,
         place: Place,
@@ -313,18 +349,19 @@ impl Slot {
             };
         }
         let settled = previous.is_some_and(|d| self.settle(d));
-        if self.usable(now) && self.units >= cost {
-            let drawn = self.units.div_ceil(2).max(cost);
-            self.units -= drawn;
-            self.lent = self.lent.saturating_add(drawn);
-            self.last_hit_ms = now;
+        let lease = &mut self.current;
+        if lease.usable(now) && lease.units >= cost {
+            let drawn = lease.units.div_ceil(2).max(cost);
+            lease.units -= drawn;
+            lease.lent = lease.lent.saturating_add(drawn);
+            lease.last_hit_ms = now;
             let draw = Draw {
                 slot: place.slot,
-                lease_id: self.lease_id,
+                lease_id: lease.lease_id,
                 drawn,
                 left: drawn - cost,
-                expires_ms: self.expires_ms,
-                reset_at_ms: self.reset_at_ms,
+                expires_ms: lease.expires_ms,
+                reset_at_ms: lease.reset_at_ms,
                 last_hit_ms: now,
             };
             return (Some(self), Take::Hit(draw));
@@ -338,56 +375,64 @@ impl Slot {
         (Some(self), Take::Miss { want })
     }
 
-    /// The slot with `grant` installed, or `None` when it still holds
-    /// units (another worker's lease, or this check's, not yet given
-    /// back): the grant must then go back at once.
+    /// The slot with `grant` installed, or `None` when the current lease
+    /// still has units in the slot, or has draws out while an older lease
+    /// still waits for its own (the grant must then go back at once).
+    /// Units are never merged across leases, so each goes back in the
+    /// counter and window it was charged to.
     pub(crate) fn install(mut self, fingerprint: u64, grant: Grant, now: u64) -> Option<Slot> {
-        if self.holds_units(now) {
-            return None;
-        }
         if self.fingerprint != fingerprint {
+            if self.holds_units(now) {
+                return None;
+            }
             self = Slot {
                 fingerprint,
                 ..Slot::default()
             };
         }
-        self.lease_id = grant.lease_id;
-        self.units = grant.units;
-        self.expires_ms = grant.expires_ms;
-        self.reset_at_ms = grant.reset_at_ms;
-        self.last_hit_ms = now;
+        if self.current.holds_units(now) {
+            if self.current.units > 0 || self.previous.holds_units(now) {
+                return None;
+            }
+            // Spent but for draws still out: it waits for them aside.
+            self.previous = self.current;
+        }
+        self.current = Lease {
+            lease_id: grant.lease_id,
+            units: grant.units,
+            lent: 0,
+            expires_ms: grant.expires_ms,
+            reset_at_ms: grant.reset_at_ms,
+            last_hit_ms: now,
+        };
         self.asking_until_ms = 0;
-        self.lent = 0;
         Some(self)
     }
 
-    /// What becomes of lease `lease_id` at `now`: expired, or unused for
-    /// `idle_ms` with no draw out, its units are taken out (the slot to
-    /// write is returned). An expired lease waits for its draws to come
-    /// back a little ([`DRAWS_BACK_WITHIN_MS`]), then goes without them.
+    /// What becomes of lease `lease_id` at `now` (see [`Lease::due`]): when
+    /// due, its units are taken out (the slot to write is returned).
     pub(crate) fn reclaim(
         mut self,
         lease_id: u64,
         now: u64,
         idle_ms: u64,
     ) -> (Option<Slot>, Reclaim) {
-        if self.lease_id != lease_id || (self.units == 0 && self.lent == 0) {
+        let (lease, draining) = if lease_id != 0 && self.current.lease_id == lease_id {
+            (&mut self.current, false)
+        } else if lease_id != 0 && self.previous.lease_id == lease_id {
+            (&mut self.previous, true)
+        } else {
+            return (None, Reclaim::Gone);
+        };
+        if lease.units == 0 && lease.lent == 0 {
             return (None, Reclaim::Gone);
         }
-        let expired = !self.usable(now);
-        let draws_out = self.lent > 0;
-        let due = if expired {
-            !draws_out || now >= self.expires_ms.saturating_add(DRAWS_BACK_WITHIN_MS)
-        } else {
-            !draws_out && now.saturating_sub(self.last_hit_ms) >= idle_ms
-        };
-        if !due {
+        if !lease.due(now, idle_ms, draining) {
             return (None, Reclaim::Keep);
         }
-        let units = self.units;
-        self.units = 0;
-        self.lent = 0;
-        self.lease_id = 0;
+        let expired = !lease.usable(now);
+        let units = lease.units;
+        *lease = Lease::default();
         if units == 0 {
             return (Some(self), Reclaim::Gone);
         }
@@ -399,29 +444,41 @@ impl Slot {
             return Slot::default();
         };
         let w = |i| le_word(bytes, i).unwrap_or(0);
+        let lease = |at: usize| Lease {
+            lease_id: w(at),
+            units: w(at + 1),
+            lent: w(at + 2),
+            expires_ms: w(at + 3),
+            reset_at_ms: w(at + 4),
+            last_hit_ms: w(at + 5),
+        };
         Slot {
             fingerprint: w(0),
-            lease_id: w(1),
-            units: w(2),
-            expires_ms: w(3),
-            reset_at_ms: w(4),
-            last_hit_ms: w(5),
-            asking_until_ms: w(6),
-            lent: w(7),
+            asking_until_ms: w(1),
+            current: lease(2),
+            previous: lease(2 + LEASE_WORDS),
         }
     }
 
     fn encode(&self) -> Vec<u8> {
-        let words: [u64; WORDS] = [
-            self.fingerprint,
-            self.lease_id,
-            self.units,
-            self.expires_ms,
-            self.reset_at_ms,
-            self.last_hit_ms,
-            self.asking_until_ms,
-            self.lent,
-        ];
+        let lease = |l: &Lease| {
+            [
+                l.lease_id,
+                l.units,
+                l.lent,
+                l.expires_ms,
+                l.reset_at_ms,
+                l.last_hit_ms,
+            ]
+        };
+        let mut words = [0u64; WORDS];
+        let all = [self.fingerprint, self.asking_until_ms]
+            .into_iter()
+            .chain(lease(&self.current))
+            .chain(lease(&self.previous));
+        for (word, value) in words.iter_mut().zip(all) {
+            *word = value;
+        }
         le_words(&words)
     }
 }
@@ -611,11 +668,18 @@ mod tests {
         // The worker comes back with its draw spent: accounted, and another.
         let (next, t) = slot.take(at(1), 1, 30, 8, 100, Some(&first));
         let (slot, second) = (next.unwrap(), drawn(t));
-        assert_eq!((second.left, slot.units, slot.lent), (0, 0, 1));
+        assert_eq!(
+            (second.left, slot.current.units, slot.current.lent),
+            (0, 0, 1)
+        );
         let (next, t) = slot.take(at(1), 1, 40, 8, 100, Some(&second));
         assert!(matches!(t, Take::Miss { want } if want > 0));
         let slot = next.unwrap();
-        assert_eq!((slot.units, slot.lent), (0, 0), "every draw accounted for");
+        assert_eq!(
+            (slot.current.units, slot.current.lent),
+            (0, 0),
+            "every draw accounted for"
+        );
         let full = Slot::default().install(1, grant(5, 500), 10).unwrap();
         let (_, t) = take(full, 1, 500);
         assert!(matches!(t, Take::Miss { .. }), "expired at 500");
@@ -629,14 +693,20 @@ mod tests {
         let slot = Slot::default().install(1, grant(10, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
         let a = drawn(t);
-        assert_eq!((a.drawn, a.left, slot.units, slot.lent), (5, 4, 5, 5));
+        assert_eq!(
+            (a.drawn, a.left, slot.current.units, slot.current.lent),
+            (5, 4, 5, 5)
+        );
         // A heavier request draws at least its cost.
         let (next, t) = slot.take(at(1), 4, 21, 8, 100, None);
         let (slot, b) = (next.unwrap(), drawn(t));
-        assert_eq!((b.drawn, b.left, slot.units, slot.lent), (4, 0, 1, 9));
+        assert_eq!(
+            (b.drawn, b.left, slot.current.units, slot.current.lent),
+            (4, 0, 1, 9)
+        );
         // `a` idles with 4 left: back in the slot.
         let slot = slot.put_back(&a).unwrap();
-        assert_eq!((slot.units, slot.lent), (5, 4));
+        assert_eq!((slot.current.units, slot.current.lent), (5, 4));
         // A draw of another lease has nowhere to go.
         let stale = Draw { lease_id: 99, ..b };
         assert_eq!(slot.put_back(&stale), None);
@@ -662,7 +732,7 @@ mod tests {
         assert_eq!(
             next.unwrap()
                 .install(1, grant(3, 9_000), 1_500)
-                .map(|s| s.units),
+                .map(|s| s.current.units),
             Some(3)
         );
         // Expired: the draws get a little time to come back, then the slot
@@ -678,11 +748,67 @@ mod tests {
         );
         // Spent in draws and accounted for: nothing to give back.
         let spent = Slot {
-            units: 0,
-            lent: 0,
+            current: Lease {
+                units: 0,
+                lent: 0,
+                ..slot.current
+            },
             ..slot
         };
         assert_eq!(spent.reclaim(7, 5_100, 1000), (None, Reclaim::Gone));
+    }
+
+    #[test]
+    fn a_grant_replaces_a_spent_lease_whose_draws_are_out_and_each_goes_back_on_its_own() {
+        let slot = Slot::default().install(1, grant(4, 5_000), 10).unwrap();
+        let (slot, t) = take(slot, 1, 20);
+        let a = drawn(t); // 2 of 4, 1 left in it
+        let (slot, t) = take(slot, 1, 21);
+        let b = drawn(t); // 1 of 2
+        let (next, t) = slot.take(at(1), 1, 22, 8, 100, Some(&b));
+        let slot = next.unwrap();
+        let b = drawn(t); // the last 1
+        assert_eq!((slot.current.units, slot.current.lent), (0, 3));
+        // Spent in the slot, draws out: a new lease goes in, the old aside.
+        let newer = Grant {
+            lease_id: 8,
+            ..grant(6, 5_000)
+        };
+        let slot = slot.install(1, newer, 30).unwrap();
+        assert_eq!((slot.current.lease_id, slot.current.units), (8, 6));
+        assert_eq!((slot.previous.lease_id, slot.previous.lent), (7, 3));
+        // Draws come from the new lease; old draws go back to the old one.
+        let (slot, t) = take(slot, 1, 31);
+        assert_eq!(drawn(t).lease_id, 8);
+        let slot = slot.put_back(&a).unwrap();
+        assert_eq!((slot.previous.units, slot.previous.lent), (1, 1));
+        // Still a draw out of the old lease: it waits, and so does a third.
+        assert_eq!(slot.reclaim(7, 40, 1000), (None, Reclaim::Keep));
+        let third = Grant {
+            lease_id: 9,
+            ..grant(6, 5_000)
+        };
+        let spent_new = Slot {
+            current: Lease {
+                units: 0,
+                ..slot.current
+            },
+            ..slot
+        };
+        assert_eq!(spent_new.install(1, third, 40), None);
+        // Accounted for: its owner takes back what the draws left, at once.
+        let slot = slot.put_back(&b).unwrap();
+        let (next, r) = slot.reclaim(7, 41, 1000);
+        assert_eq!(
+            r,
+            Reclaim::Back {
+                units: 1,
+                expired: false
+            }
+        );
+        let slot = next.unwrap();
+        assert_eq!(slot.previous, Lease::default());
+        assert_eq!(slot.reclaim(8, 41, 1000), (None, Reclaim::Keep));
     }
 
     #[test]
@@ -734,9 +860,15 @@ mod tests {
         assert_eq!(slot.install(2, grant(3, 500), 20), None);
         assert_eq!(slot.install(1, grant(3, 500), 20), None);
         // Spent, the slot takes a new grant (for any check).
-        let spent = Slot { units: 0, ..slot };
+        let spent = Slot {
+            current: Lease {
+                units: 0,
+                ..slot.current
+            },
+            ..slot
+        };
         let next = spent.install(2, grant(3, 900), 20).unwrap();
-        assert_eq!((next.fingerprint, next.units), (2, 3));
+        assert_eq!((next.fingerprint, next.current.units), (2, 3));
     }
 
     #[test]
@@ -776,7 +908,7 @@ mod tests {
             "its owner may still return them"
         );
         let next = slot.install(1, grant(3, 5_000), 2_500).unwrap();
-        assert_eq!(next.units, 3);
+        assert_eq!(next.current.units, 3);
         let (next, _) = slot.take(at(2), 1, 2_500, 8, 100, None);
         assert!(next.is_some(), "another check may take the slot");
     }
@@ -804,6 +936,14 @@ mod tests {
     fn slots_round_trip_and_short_values_read_as_zero() {
         let slot = Slot::default().install(3, grant(9, 800), 10).unwrap();
         assert_eq!(Slot::decode(Some(&slot.encode())), slot);
+        let (slot, _) = take(slot, 3, 20);
+        let aside = Slot {
+            previous: slot.current,
+            asking_until_ms: 77,
+            ..slot
+        };
+        assert_eq!(Slot::decode(Some(&aside.encode())), aside);
+        assert_eq!(aside.encode().len(), WORDS * 8);
         assert_eq!(Slot::decode(Some(&[1, 2, 3])), Slot::default());
     }
 }
