@@ -15,7 +15,9 @@
 //!
 //! This is the policy alone; [`crate::flow`] owns the calls and the queue.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::context_map::ContextMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchConfig {
@@ -42,7 +44,7 @@ pub enum Enqueued<T> {
 pub struct Batcher<T> {
     config: BatchConfig,
     queue: VecDeque<(u64, T)>,
-    in_flight: HashMap<u32, Vec<T>>,
+    in_flight: ContextMap<Vec<T>>,
     /// A wake-up is already on its way to the root context.
     wake_pending: bool,
 }
@@ -52,7 +54,7 @@ impl<T> Batcher<T> {
         Batcher {
             config,
             queue: VecDeque::new(),
-            in_flight: HashMap::new(),
+            in_flight: ContextMap::default(),
             wake_pending: false,
         }
     }

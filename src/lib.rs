@@ -38,6 +38,7 @@ pub(crate) mod batch;
 pub(crate) mod check;
 pub(crate) mod client_id;
 pub mod config;
+pub(crate) mod context_map;
 pub mod decision;
 pub(crate) mod flow;
 pub(crate) mod headers;

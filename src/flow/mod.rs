@@ -32,7 +32,6 @@ mod tests;
 mod tokens;
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 
 use log::{info, warn};
 use meshlimit_protocol::CheckResult;
@@ -40,6 +39,7 @@ use meshlimit_protocol::CheckResult;
 use crate::batch::{Batcher, Enqueued};
 use crate::check::{Applied, Check};
 use crate::config::Config;
+use crate::context_map::{ContextMap, ContextSet};
 use crate::decision::{self, DenyResponse, Plan, RejectReason, ServiceError, Verdict};
 use crate::headers::Headers;
 use crate::host::{Call, Host, Request};
@@ -178,19 +178,19 @@ pub struct Worker {
     /// Group commit, when on and its wake-up queue could be registered.
     group: Option<Group>,
     /// When each batch call went out, by token.
-    batch_started: RefCell<HashMap<u32, u64>>,
+    batch_started: RefCell<ContextMap<u64>>,
     /// RateLimit headers for streams the root admitted, by context id.
-    decided_headers: RefCell<HashMap<u32, Headers>>,
+    decided_headers: RefCell<ContextMap<Headers>>,
     /// Streams whose check went to the batcher and that have not ended:
     /// an answer for a stream not in here finds it gone (Envoy may still
     /// accept its context id), and acts on nothing.
-    awaiting: RefCell<std::collections::HashSet<u32>>,
+    awaiting: RefCell<ContextSet>,
     /// Token-priced streams' reservations and response state, by context
     /// id (the root's answers update them too).
-    budgets: RefCell<HashMap<u32, tokens::Budget>>,
+    budgets: RefCell<ContextMap<tokens::Budget>>,
     /// Top-ups and settlements sent one per call (group commit off), by
     /// token.
-    solo_calls: RefCell<HashMap<u32, Vec<Queued>>>,
+    solo_calls: RefCell<ContextMap<Vec<Queued>>>,
     /// Leases this worker installed, until their units are spent or back.
     lease_records: RefCell<Vec<leases::LeaseRecord>>,
     /// The last lease id this worker gave out (ids start at a random
@@ -246,11 +246,11 @@ impl Worker {
             seed: Cell::new(None),
             seed_read_ms: Cell::new(0),
             group,
-            batch_started: RefCell::new(HashMap::new()),
-            decided_headers: RefCell::new(HashMap::new()),
-            awaiting: RefCell::new(std::collections::HashSet::new()),
-            budgets: RefCell::new(HashMap::new()),
-            solo_calls: RefCell::new(HashMap::new()),
+            batch_started: RefCell::default(),
+            decided_headers: RefCell::default(),
+            awaiting: RefCell::default(),
+            budgets: RefCell::default(),
+            solo_calls: RefCell::default(),
             lease_records: RefCell::new(Vec::new()),
             lease_ids: Cell::new(host.random_seed().1),
             lease_hits: Cell::new(0),
