@@ -107,14 +107,21 @@ pub struct LeaseTicket {
     pub asked_ms: u64,
 }
 
-/// What makes a check's lease: each global limit's whole definition, its
-/// subject and whether it is shadow (hashed into the lease's fingerprint).
+/// What makes a check's lease: for each global limit, what its counter in
+/// Redis is made of (its name, quota, window, algorithm, burst and
+/// calendar), its subject and whether it is shadow (hashed into the
+/// lease's fingerprint on every busy request, so only these: the rest of a
+/// limit's definition, such as its `by` list or static overrides, shows in
+/// the subject and the quota).
 pub struct LeaseIdentity<'a>(pub &'a [Applied]);
 
 impl std::hash::Hash for LeaseIdentity<'_> {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
         for a in self.0 {
-            a.limit.hash(h);
+            let l = &a.limit;
+            l.qualified_name.hash(h);
+            (l.requests, l.window_ms, l.burst, l.algorithm).hash(h);
+            l.calendar.hash(h);
             a.subject.hash(h);
             a.shadow.hash(h);
         }
