@@ -764,7 +764,7 @@ mod tests {
         let get = |n: &str| {
             d.headers
                 .iter()
-                .find(|(k, _)| k == n)
+                .find(|(k, _)| *k == n)
                 .map(|(_, v)| v.clone())
         };
         assert_eq!(get("retry-after").as_deref(), Some("42"));

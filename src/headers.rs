@@ -11,7 +11,9 @@ use meshlimit_protocol::{CheckResult, LimitStatus};
 use crate::check::Applied;
 use crate::config::HeaderStyle;
 
-pub type Headers = Vec<(String, String)>;
+/// Response headers: names are always ours (static), values are made per
+/// request.
+pub type Headers = Vec<(&'static str, String)>;
 
 /// Whole seconds, rounded up: a client that waits the advertised time must
 /// not be refused for having waited a few milliseconds too little.
@@ -168,13 +170,10 @@ mod tests {
             h,
             vec![
                 (
-                    "ratelimit-policy".to_string(),
+                    "ratelimit-policy",
                     "\"api/per-second\";q=10;w=1, \"api/per-hour\";q=1000;w=3600".to_string()
                 ),
-                (
-                    "ratelimit".to_string(),
-                    "\"api/per-hour\";r=3;t=1801".to_string()
-                ),
+                ("ratelimit", "\"api/per-hour\";r=3;t=1801".to_string()),
             ]
         );
     }
@@ -192,9 +191,9 @@ mod tests {
         assert_eq!(
             h,
             vec![
-                ("x-ratelimit-limit".to_string(), "20".to_string()),
-                ("x-ratelimit-remaining".to_string(), "0".to_string()),
-                ("x-ratelimit-reset".to_string(), "13".to_string()),
+                ("x-ratelimit-limit", "20".to_string()),
+                ("x-ratelimit-remaining", "0".to_string()),
+                ("x-ratelimit-reset", "13".to_string()),
             ]
         );
     }

@@ -173,7 +173,7 @@ fn answer(results: &[String]) -> String {
 fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a str> {
     headers
         .iter()
-        .find(|(k, _)| k == name)
+        .find(|(k, _)| *k == name)
         .map(|(_, v)| v.as_str())
 }
 

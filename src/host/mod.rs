@@ -76,17 +76,26 @@ impl<'h, H: Host> Request<'h, H> {
 
     /// A header as text (lossy: only compared with configured text), empty
     /// when absent; the first when repeated (pseudo-headers are unique).
-    pub fn text(&self, name: &str) -> String {
+    pub fn text(&self, name: &str) -> std::borrow::Cow<'_, str> {
         self.headers
             .first(name)
-            .map(|v| String::from_utf8_lossy(v).into_owned())
-            .unwrap_or_default()
+            .map_or(std::borrow::Cow::Borrowed(""), String::from_utf8_lossy)
     }
 }
 
 impl<H: Host> RequestView for Request<'_, H> {
     fn header_values(&self, name: &str) -> Vec<Vec<u8>> {
         self.headers.values(name).map(<[u8]>::to_vec).collect()
+    }
+
+    fn header(&self, name: &str) -> HeaderValue {
+        // As the default, copying only the one value that is used.
+        let mut values = self.headers.values(name);
+        match (values.next(), values.next()) {
+            (None, _) => HeaderValue::Absent,
+            (Some(value), None) => HeaderValue::Once(value.to_vec()),
+            (Some(_), Some(_)) => HeaderValue::Repeated,
+        }
     }
 
     fn source_address(&self) -> Option<String> {

@@ -135,7 +135,7 @@ impl Host for WasmHost {
         let headers: Vec<(&str, &str)> = reply
             .headers
             .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .map(|(k, v)| (*k, v.as_str()))
             .collect();
         hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())).is_ok()
     }
