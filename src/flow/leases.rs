@@ -87,22 +87,29 @@ impl Worker {
             None => {
                 let previous = observer.take_draw(place.fingerprint);
                 let timeout = self.config.service.timeout_ms;
-                match leases.take(place, cost, now, want, timeout, previous) {
-                    (Take::Hit(draw), _) => {
+                let (take, kept, decided_at) =
+                    leases.take(place, cost, now, want, timeout, previous);
+                match take {
+                    Take::Hit(draw) => {
+                        if let Some(other) = kept {
+                            let _ = leases.put_back(&other);
+                        }
                         observer.keep_draw(place.fingerprint, draw);
                         draw
                     }
-                    (Take::Miss { want }, kept) => {
+                    Take::Miss { .. } | Take::Occupied => {
                         if let Some(draw) = kept {
                             observer.keep_draw(place.fingerprint, draw);
                         }
-                        if want > 0 {
-                            check.lease = Some(LeaseTicket {
-                                place,
-                                want,
-                                share: leases.config.share,
-                                asked_ms: now,
-                            });
+                        if let Take::Miss { want } = take {
+                            if want > 0 {
+                                check.lease = Some(LeaseTicket {
+                                    place: decided_at,
+                                    want,
+                                    share: leases.config.share,
+                                    asked_ms: now,
+                                });
+                            }
                         }
                         return None;
                     }

@@ -135,9 +135,23 @@ impl Observer {
         }
     }
 
+    /// The two entries a check may use (two-way: checks whose first
+    /// entries collide both stay busy).
+    fn ways(&self, fingerprint: u64) -> [usize; 2] {
+        let len = self.entries.len().max(1);
+        let first = (fingerprint % len as u64) as usize;
+        let second = first ^ 1;
+        [first, if second < len { second } else { first }]
+    }
+
+    /// The check's entry, if it has one.
     fn entry(&mut self, fingerprint: u64) -> Option<&mut Seen> {
-        let len = self.entries.len() as u64;
-        self.entries.get_mut((fingerprint % len.max(1)) as usize)
+        let way = self.ways(fingerprint).into_iter().find(|&i| {
+            self.entries
+                .get(i)
+                .is_some_and(|e| e.fingerprint == fingerprint)
+        })?;
+        self.entries.get_mut(way)
     }
 
     /// Counts a request of `cost` units of the check `fingerprint`; the
@@ -152,7 +166,22 @@ impl Observer {
         now: u64,
         config: &LeaseConfig,
     ) -> (u64, Option<Draw>) {
-        let Some(e) = self.entry(fingerprint) else {
+        let ways = self.ways(fingerprint);
+        let found = ways.into_iter().find(|&i| {
+            self.entries
+                .get(i)
+                .is_some_and(|e| e.fingerprint == fingerprint)
+        });
+        // Else the way that matters least: one holding no draw, then the
+        // one seen longest ago.
+        let way = found.or_else(|| {
+            ways.into_iter().min_by_key(|&i| {
+                self.entries
+                    .get(i)
+                    .map(|e| (e.draw.is_some(), e.interval_start_ms))
+            })
+        });
+        let Some(e) = way.and_then(|i| self.entries.get_mut(i)) else {
             return (0, None);
         };
         let mut evicted = None;
@@ -239,6 +268,8 @@ pub(crate) enum Take {
     Hit(Draw),
     /// No usable lease: call, asking for `want` more units (0: none).
     Miss { want: u64 },
+    /// The slot holds another check's units: try the check's other slot.
+    Occupied,
 }
 
 /// A lease as granted, to install.
@@ -261,9 +292,11 @@ pub(crate) enum Reclaim {
     Back { units: u64, expired: bool },
 }
 
-/// What a worker gets from its check's slot, and the draw it still holds
-/// (the one it brought, when the store failed: it is put back later).
-pub(crate) type Taken = (Take, Option<Draw>);
+/// What a worker gets from its check's slots: what the request gets, the
+/// draw the worker still holds (the one it brought, when the store failed:
+/// it is put back later), and the slot it was decided in (where a grant
+/// for an ask goes).
+pub(crate) type Taken = (Take, Option<Draw>, Place);
 
 impl Lease {
     /// Whether it holds units someone may still use or give back. A lease
@@ -291,6 +324,8 @@ impl Lease {
         }
         self.units = self.units.saturating_add(draw.left);
         self.lent = self.lent.saturating_sub(draw.drawn);
+        // Its hits were uses of the lease: it was not idle meanwhile.
+        self.last_hit_ms = self.last_hit_ms.max(draw.last_hit_ms);
         true
     }
 
@@ -341,7 +376,7 @@ impl Slot {
         if self.fingerprint != place.fingerprint {
             if self.holds_units(now) {
                 // Another check's units: its owner gives them back first.
-                return (None, Take::Miss { want: 0 });
+                return (None, Take::Occupied);
             }
             self = Slot {
                 fingerprint: place.fingerprint,
@@ -490,11 +525,13 @@ pub(crate) struct Leases<'s, S: SharedStore> {
     pub store: &'s S,
 }
 
-/// Where a check's lease lives: its fingerprint and slot.
+/// Where a check's lease lives: its fingerprint, its slot, and the slot
+/// it uses when another check's units hold the first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Place {
     pub fingerprint: u64,
     pub slot: u64,
+    pub alternate: u64,
 }
 
 impl<S: SharedStore> Leases<'_, S> {
@@ -502,16 +539,27 @@ impl<S: SharedStore> Leases<'_, S> {
     /// definition, subject and shadow flag) for `subject`.
     pub fn place(&self, limits: &impl std::hash::Hash, subject: &str) -> Place {
         let fingerprint = store::fingerprint(self.seed, Purpose::Lease, limits, subject);
+        let slot = store::slot(fingerprint, self.config.slots);
+        // Another part of the fingerprint; never the first slot (with two
+        // slots or more).
+        let slots = u64::from(self.config.slots.max(1));
+        let step =
+            1 + store::slot(fingerprint.rotate_left(32), self.config.slots) % (slots - 1).max(1);
         Place {
             fingerprint,
-            slot: store::slot(fingerprint, self.config.slots),
+            slot,
+            alternate: (slot + step) % slots,
         }
     }
 
     /// A request of `cost` on the busy check at `place`, which would ask
     /// for `want` units, from a worker that brings `previous` (its last
-    /// draw of the check). A store that fails or stays contended gives a
-    /// miss without an ask (the request calls), and `previous` back.
+    /// draw of the check). The check's slot is tried first (the draw's
+    /// own, when there is one), then its alternate when another check's
+    /// units hold the first: two choices keep checks whose slots collide
+    /// from refusing each other leases. A store that fails or stays
+    /// contended gives a miss without an ask (the request calls), and
+    /// `previous` back.
     pub fn take(
         &self,
         place: Place,
@@ -521,23 +569,48 @@ impl<S: SharedStore> Leases<'_, S> {
         ask_for_ms: u64,
         previous: Option<Draw>,
     ) -> Taken {
-        let key = keys::lease_slot(place.slot);
+        let mut order = [place.slot, place.alternate];
+        if previous.is_some_and(|d| d.slot == place.alternate) {
+            order.reverse();
+        }
+        let mut carried = previous;
+        for slot in order {
+            let at = Place { slot, ..place };
+            let here = carried.filter(|d| d.slot == slot);
+            match self.take_at(at, cost, now, want, ask_for_ms, here.as_ref()) {
+                Err(_) => return (Take::Miss { want: 0 }, carried, place),
+                // The draw's lease is no longer in its slot: nowhere to go.
+                Ok(Take::Occupied) if here.is_some() => carried = None,
+                Ok(Take::Occupied) => {}
+                Ok(take) => {
+                    let kept = carried.filter(|d| d.slot != slot);
+                    return (take, kept, at);
+                }
+            }
+        }
+        (Take::Miss { want: 0 }, carried, place)
+    }
+
+    /// [`Leases::take`] in one slot.
+    fn take_at(
+        &self,
+        at: Place,
+        cost: u64,
+        now: u64,
+        want: u64,
+        ask_for_ms: u64,
+        previous: Option<&Draw>,
+    ) -> Result<Take, StoreError> {
+        let key = keys::lease_slot(at.slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
-            let (slot, take) = Slot::decode(bytes.as_deref()).take(
-                place,
-                cost,
-                now,
-                want,
-                ask_for_ms,
-                previous.as_ref(),
-            );
+            let (slot, take) =
+                Slot::decode(bytes.as_deref()).take(at, cost, now, want, ask_for_ms, previous);
             if let Some(slot) = slot {
                 self.store.set(&key, &slot.encode(), cas)?;
             }
-            Ok((take, None))
+            Ok(take)
         })
-        .unwrap_or((Take::Miss { want: 0 }, previous))
     }
 
     /// Accounts for a worker's draw in its slot.
@@ -595,6 +668,7 @@ mod tests {
         Place {
             fingerprint,
             slot: 3,
+            alternate: 4,
         }
     }
 
@@ -608,7 +682,7 @@ mod tests {
     fn drawn(take: Take) -> Draw {
         match take {
             Take::Hit(draw) => draw,
-            Take::Miss { .. } => panic!("a miss: {take:?}"),
+            Take::Miss { .. } | Take::Occupied => panic!("no draw: {take:?}"),
         }
     }
 
@@ -812,6 +886,80 @@ mod tests {
     }
 
     #[test]
+    fn checks_whose_entries_collide_are_both_watched() {
+        let mut seen = Observer::new(64);
+        // 5 and 69 share their first entry; the second way keeps both.
+        for now in [10, 20, 30] {
+            seen.observe(5, 1, now, &CONFIG);
+            seen.observe(69, 1, now, &CONFIG);
+        }
+        assert_eq!(seen.observe(5, 1, 40, &CONFIG).0, 4);
+        assert_eq!(seen.observe(69, 1, 40, &CONFIG).0, 4);
+        // A third takes the way seen longest ago, and holding no draw.
+        seen.keep_draw(5, test_draw(5));
+        let (want, evicted) = seen.observe(133, 1, 50, &CONFIG);
+        assert_eq!((want, evicted), (0, None));
+        assert_eq!(seen.spend(5, 1, 50).map(|d| d.left), Some(2), "kept");
+        assert_eq!(seen.observe(69, 1, 60, &CONFIG).0, 0, "69 starts over");
+    }
+
+    fn test_draw(slot: u64) -> Draw {
+        Draw {
+            slot,
+            lease_id: 7,
+            drawn: 3,
+            left: 3,
+            expires_ms: 1_000,
+            reset_at_ms: 1_000,
+            last_hit_ms: 10,
+        }
+    }
+
+    #[test]
+    fn a_check_whose_slot_another_holds_takes_its_alternate() {
+        use crate::host::fake::FakeStore;
+        let store = FakeStore::default();
+        let leases = Leases {
+            config: CONFIG,
+            seed: (1, 2),
+            store: &store,
+        };
+        let a = leases.place(&"limits", "a");
+        assert_ne!(a.slot, a.alternate);
+        // Another check's lease in a's slot.
+        let other = Place {
+            fingerprint: a.fingerprint ^ 1,
+            ..a
+        };
+        let (_, _, at) = leases.take(other, 1, 10, 8, 100, None);
+        assert_eq!(at.slot, a.slot);
+        assert!(leases.install(other, grant(5, 5_000), 10));
+        // a asks in its alternate; its grant goes there and serves it.
+        let (take, kept, at) = leases.take(a, 1, 20, 8, 100, None);
+        assert_eq!(
+            (take, kept, at.slot),
+            (Take::Miss { want: 8 }, None, a.alternate)
+        );
+        assert!(leases.install(
+            at,
+            Grant {
+                lease_id: 9,
+                ..grant(4, 5_000)
+            },
+            20
+        ));
+        let (take, _, at) = leases.take(a, 1, 30, 8, 100, None);
+        let draw = drawn(take);
+        assert_eq!(
+            (draw.lease_id, draw.slot, at.slot),
+            (9, a.alternate, a.alternate)
+        );
+        // Spent, the draw is accounted for in the slot it came from.
+        let (take, kept, _) = leases.take(a, 1, 40, 8, 100, Some(Draw { left: 0, ..draw }));
+        assert_eq!((drawn(take).drawn, kept), (1, None));
+    }
+
+    #[test]
     fn a_worker_spends_its_draw_with_no_store_and_gives_it_back_when_idle() {
         let mut seen = Observer::new(64);
         assert_eq!(seen.observe(1, 1, 10, &CONFIG), (0, None));
@@ -846,17 +994,22 @@ mod tests {
         );
         assert_eq!(seen.spend(1, 1, 1_000), None);
         assert_eq!(seen.due_draws(1_000, 250).len(), 1);
-        // A check taking the entry hands back the draw it held.
+        // A check taking an entry hands back the draw it held (both ways
+        // holding draws: the one seen longest ago goes).
         seen.keep_draw(1, draw);
-        let (_, evicted) = seen.observe(1 + 64, 1, 40, &CONFIG);
+        seen.observe(1 + 64, 1, 40, &CONFIG);
+        seen.keep_draw(1 + 64, draw);
+        let (_, evicted) = seen.observe(1 + 128, 1, 50, &CONFIG);
         assert_eq!(evicted, Some(draw));
+        assert_eq!(seen.spend(1, 1, 50), None, "1 was seen first");
+        assert!(seen.spend(1 + 64, 1, 50).is_some());
     }
 
     #[test]
     fn units_are_never_overwritten_by_another_check_or_another_grant() {
         let slot = Slot::default().install(1, grant(5, 500), 10).unwrap();
         let (next, t) = slot.take(at(2), 1, 20, 8, 100, None);
-        assert_eq!((next, t), (None, Take::Miss { want: 0 }));
+        assert_eq!((next, t), (None, Take::Occupied));
         assert_eq!(slot.install(2, grant(3, 500), 20), None);
         assert_eq!(slot.install(1, grant(3, 500), 20), None);
         // Spent, the slot takes a new grant (for any check).
