@@ -156,7 +156,7 @@ fn above_capacity(cfg: &Config, a: &Applied) -> Option<DenyResponse> {
         ),
     );
     deny.headers.push((
-        "retry-after".into(),
+        "retry-after",
         headers::retry_after_secs(limit.window_ms).to_string(),
     ));
     Some(deny)
@@ -206,7 +206,7 @@ fn missing_client_id(cfg: &crate::config::ClientIdConfig) -> String {
 fn plain(status: u32, body: String) -> DenyResponse {
     DenyResponse {
         status,
-        headers: vec![("content-type".into(), "text/plain".into())],
+        headers: vec![("content-type", "text/plain".into())],
         body,
     }
 }
@@ -417,7 +417,7 @@ pub fn verdict(cfg: &Config, limits: &[Applied], result: &CheckResult) -> Verdic
         .most_constraining()
         .map_or(1000, |s| s.retry_after_ms);
     hdrs.push((
-        "retry-after".into(),
+        "retry-after",
         headers::retry_after_secs(retry_ms).to_string(),
     ));
     let mut deny = deny_response(cfg, hdrs);
@@ -532,11 +532,11 @@ pub fn shadow_denials(result: &CheckResult) -> usize {
 /// The configured deny, for `failure_mode: deny` (nothing is known about the
 /// quota, so only a short `Retry-After`).
 pub fn failure_deny(cfg: &Config) -> Verdict {
-    Verdict::Deny(deny_response(cfg, vec![("retry-after".into(), "1".into())]))
+    Verdict::Deny(deny_response(cfg, vec![("retry-after", "1".into())]))
 }
 
 fn deny_response(cfg: &Config, mut hdrs: Headers) -> DenyResponse {
-    hdrs.push(("content-type".into(), "text/plain".into()));
+    hdrs.push(("content-type", "text/plain".into()));
     DenyResponse {
         status: cfg.response.status,
         headers: hdrs,
@@ -791,7 +791,7 @@ mod tests {
         let Verdict::Allow { headers } = verdict(&c, &limits, &result) else {
             panic!("expected allow")
         };
-        assert!(headers.contains(&("ratelimit".into(), "\"api/per-hour\";r=2;t=2".into())));
+        assert!(headers.contains(&("ratelimit", "\"api/per-hour\";r=2;t=2".into())));
     }
 
     fn cost_cfg(cost: &str, shadow: bool) -> Config {
@@ -845,7 +845,7 @@ mod tests {
             d.body,
             "request cost 11 exceeds the capacity 10 of limit api/m\n"
         );
-        assert!(d.headers.contains(&("retry-after".into(), "60".into())));
+        assert!(d.headers.contains(&("retry-after", "60".into())));
         // In shadow mode it is only observed.
         assert!(matches!(
             plan(&cost_cfg("11", true), &req, "GET", "/"),
@@ -901,10 +901,10 @@ mod tests {
         let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 1_500) else {
             panic!("expected a cached deny")
         };
-        assert!(d.headers.contains(&("retry-after".into(), "30".into())));
+        assert!(d.headers.contains(&("retry-after", "30".into())));
         assert!(d
             .headers
-            .contains(&("ratelimit".into(), "\"api/per-minute\";r=0;t=30".into())));
+            .contains(&("ratelimit", "\"api/per-minute\";r=0;t=30".into())));
         assert!(
             cached_deny(&c, &p, &cache, 2_000).is_none(),
             "trusted for a second, then asked again"
@@ -950,7 +950,7 @@ mod tests {
         let Verdict::Allow { headers } = verdict(&c, &applied, &result) else {
             panic!("expected allow")
         };
-        assert!(headers.contains(&("ratelimit".into(), "\"edge/s\";r=1;t=1".into())));
+        assert!(headers.contains(&("ratelimit", "\"edge/s\";r=1;t=1".into())));
         let denied = CheckResult {
             allowed: false,
             limits: vec![status(false, 100, 0, 9000)],
@@ -968,7 +968,7 @@ mod tests {
             panic!("expected deny")
         };
         assert_eq!((d.status, d.body.as_str()), (503, "busy\n"));
-        assert!(d.headers.contains(&("retry-after".into(), "1".into())));
+        assert!(d.headers.contains(&("retry-after", "1".into())));
     }
 
     /// Rules with limits counted by other attributes than the client.

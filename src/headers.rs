@@ -37,10 +37,10 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
     match style {
         HeaderStyle::None => Vec::new(),
         HeaderStyle::XRatelimit => vec![
-            ("x-ratelimit-limit".into(), status.limit.to_string()),
-            ("x-ratelimit-remaining".into(), status.remaining.to_string()),
+            ("x-ratelimit-limit", status.limit.to_string()),
+            ("x-ratelimit-remaining", status.remaining.to_string()),
             (
-                "x-ratelimit-reset".into(),
+                "x-ratelimit-reset",
                 ceil_secs(status.reset_after_ms).to_string(),
             ),
         ],
@@ -79,10 +79,7 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
             push_u64(&mut now, status.remaining);
             now.push_str(";t=");
             push_u64(&mut now, ceil_secs(status.reset_after_ms));
-            vec![
-                ("ratelimit-policy".into(), policy),
-                ("ratelimit".into(), now),
-            ]
+            vec![("ratelimit-policy", policy), ("ratelimit", now)]
         }
     }
 }

@@ -410,7 +410,7 @@ impl Worker {
         }
         let go_on = self.token_response_headers(host, stream.context_id, &mut headers);
         for (name, value) in headers {
-            host.add_response_header(&name, &value);
+            host.add_response_header(name, &value);
         }
         go_on
     }

@@ -635,7 +635,7 @@ impl Worker {
                     None => std::mem::take(&mut b.held_headers),
                 };
                 for (name, value) in headers {
-                    host.add_response_header(&name, &value);
+                    host.add_response_header(name, &value);
                 }
             }
             host.resume_response();
