@@ -83,7 +83,7 @@ bench: build
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-profile: what each step of the asynchronous path costs Envoy (builds that skip one each); writes docs/benchmarks-profile.md.
-PROFILE_VARIANTS := skip-headers skip-pause skip-call skip-decide skip-plan
+PROFILE_VARIANTS := skip-headers skip-pause skip-call skip-decide skip-plan skip-read
 bench-profile: build
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop

@@ -10,6 +10,8 @@
 //! - `SKIP_CALL`: a request that would call is admitted at once, as if
 //!   meshlimitd had answered (no queue, wake-up, dispatch, answer).
 //! - `SKIP_PLAN`: a request goes on once its headers are read.
+//! - `SKIP_READ`: a request goes on before its headers are read (what
+//!   reading them costs, against the do-nothing filter's one header).
 //! - `SKIP_DECIDE`: a request goes on once its check is planned (its
 //!   headers read, its rules matched, its subject made): what the filter
 //!   costs before it decides anything.
