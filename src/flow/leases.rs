@@ -18,7 +18,7 @@ use super::{Job, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
 use crate::decision::ServiceError;
 use crate::host::Host;
-use crate::shared::lease::{Grant, Leases, Reclaim, Take};
+use crate::shared::lease::{Draw, Grant, Leases, Observer, Place, Reclaim, Take};
 use crate::stats::Stat;
 
 /// Lease hits are added to their stat this many at a time (and on every
@@ -84,37 +84,7 @@ impl Worker {
         }
         let draw = match observer.spend(place.fingerprint, cost, now) {
             Some(draw) => draw,
-            None => {
-                let previous = observer.take_draw(place.fingerprint);
-                let timeout = self.config.service.timeout_ms;
-                let (take, kept, decided_at) =
-                    leases.take(place, cost, now, want, timeout, previous);
-                match take {
-                    Take::Hit(draw) => {
-                        if let Some(other) = kept {
-                            let _ = leases.put_back(&other);
-                        }
-                        observer.keep_draw(place.fingerprint, draw);
-                        draw
-                    }
-                    Take::Miss { .. } | Take::Occupied => {
-                        if let Some(draw) = kept {
-                            observer.keep_draw(place.fingerprint, draw);
-                        }
-                        if let Take::Miss { want } = take {
-                            if want > 0 {
-                                check.lease = Some(LeaseTicket {
-                                    place: decided_at,
-                                    want,
-                                    share: leases.config.share,
-                                    asked_ms: now,
-                                });
-                            }
-                        }
-                        return None;
-                    }
-                }
-            }
+            None => self.draw(&leases, &mut observer, place, want, check, now)?,
         };
         // Counted in bulk: a hostcall per request is a tenth of what a hit
         // costs.
@@ -130,6 +100,46 @@ impl Worker {
             draw.left,
             draw.reset_at_ms.saturating_sub(now),
         ))
+    }
+
+    /// A new draw from the check's slot for a request of the check's cost,
+    /// the worker's last draw accounted for first; or, with no lease to
+    /// draw from, `None`, and the request's call asks for one when `want`
+    /// is not 0 and no other ask is out.
+    fn draw<H: Host>(
+        &self,
+        leases: &Leases<'_, H>,
+        observer: &mut Observer,
+        place: Place,
+        want: u64,
+        check: &mut Check,
+        now: u64,
+    ) -> Option<Draw> {
+        let cost = check.lease_cost()?;
+        let previous = observer.take_draw(place.fingerprint);
+        let timeout = self.config.service.timeout_ms;
+        let (take, kept, decided_at) = leases.take(place, cost, now, want, timeout, previous);
+        if let Take::Hit(draw) = take {
+            if let Some(other) = kept {
+                let _ = leases.put_back(&other);
+            }
+            observer.keep_draw(place.fingerprint, draw);
+            return Some(draw);
+        }
+        if let Some(draw) = kept {
+            observer.keep_draw(place.fingerprint, draw);
+        }
+        if let Take::Miss { want } = take {
+            if want > 0 {
+                check.lease = Some(LeaseTicket {
+                    place: decided_at,
+                    want,
+                    share: leases.config.share,
+                    asked_ms: now,
+                });
+            }
+        }
+        None
     }
 
     /// An admitted answer granted a lease: its units go in the check's
