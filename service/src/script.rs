@@ -45,9 +45,11 @@
 //! decision and fleet-wide at once.
 //!
 //! KEYS: one counter per limit; with overrides, then one override per limit.
-//! ARGV: nonce, overrides (0/1), test clock key ('' in production), then per
-//!       limit: algorithm, requests, window_ms, cost, burst, shadow (0/1),
-//!       calendar ('' or `month:120`).
+//! ARGV: nonce, overrides (0/1), test clock key ('' in production), lease
+//!       units wanted and share, then per limit: algorithm, requests,
+//!       window_ms, cost, burst, shadow (0/1), calendar ('' or
+//!       `month:120`). Laid out by [`check_args`] and [`limit_args`]
+//!       (meshlimitd and the bench's redis-benchmark row alike).
 //! Returns: allowed, then per limit: fits, remaining, reset_after_ms,
 //!          retry_after_ms, limit (after any override); then the run's
 //!          clock (microseconds), a reservation's receipt with the nonce.
@@ -63,6 +65,44 @@ pub const REPLY_PER_LIMIT: usize = 5;
 pub const REPLY_HEAD: usize = 2;
 /// Arguments per limit of [`SETTLE`] (`SETTLE_ARGS` in `settle.lua`).
 pub const SETTLE_ARGS: usize = 10;
+
+/// [`CHECK`]'s arguments before its limits': the run's nonce, whether live
+/// overrides are read, the test clock key ('' in production), the lease
+/// units wanted and their share (`(0, 1)`: no lease).
+pub fn check_args(
+    nonce: &str,
+    overrides: bool,
+    clock_key: &str,
+    (want, share): (u64, u64),
+) -> [String; 5] {
+    [
+        nonce.to_string(),
+        u8::from(overrides).to_string(),
+        clock_key.to_string(),
+        want.to_string(),
+        share.to_string(),
+    ]
+}
+
+/// A limit's [`ARGS_PER_LIMIT`] arguments, as every script takes them.
+pub fn limit_args(limit: &meshlimit_protocol::Limit) -> [String; ARGS_PER_LIMIT] {
+    [
+        limit.algorithm.short_name().to_string(),
+        limit.requests.to_string(),
+        limit.window_ms.to_string(),
+        limit.cost.to_string(),
+        limit.capacity().to_string(),
+        u8::from(limit.shadow).to_string(),
+        calendar_arg(limit),
+    ]
+}
+
+/// A limit's calendar as the scripts take it: `month:120`, or "".
+pub fn calendar_arg(limit: &meshlimit_protocol::Limit) -> String {
+    limit.calendar.map_or_else(String::new, |c| {
+        format!("{}:{}", c.unit.as_str(), c.utc_offset_minutes)
+    })
+}
 
 /// One check per run.
 pub const CHECK: &str = concat!(

@@ -309,3 +309,53 @@ fn a_batch_of_checks_is_decided_check_by_check_in_order() {
         .collect();
     assert_eq!(admitted, (0..20).map(|i| i < 10).collect::<Vec<_>>());
 }
+
+/// The check script run as `script::check_args` and `script::limit_args`
+/// lay out its arguments (meshlimitd does, and so does the bench's
+/// redis-benchmark row, which had a copy of its own that missed the lease
+/// arguments and measured only errors): it decides, exactly.
+#[test]
+fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
+    use meshlimit_protocol::{Algorithm, Limit};
+    use meshlimitd::script;
+    let dir = meshlimit_testbed::procs::TempDir::new("script-args");
+    let redis = RedisServer::start(&meshlimit_testbed::services::unique_host(), dir.path());
+    let mut con = redis::Client::open(redis.url())
+        .and_then(|c| c.get_connection())
+        .unwrap();
+    let limit = Limit {
+        name: "api/minute".into(),
+        requests: 10,
+        window_ms: 60_000,
+        algorithm: Algorithm::FixedWindow,
+        cost: 1,
+        burst: None,
+        shadow: false,
+        subject: None,
+        calendar: None,
+    };
+    let run = |con: &mut redis::Connection, want: u64, share: u64| -> Vec<i64> {
+        let s = redis::Script::new(script::CHECK);
+        let mut invocation = s.key("ml:{t}:api/minute:fw:60000");
+        for arg in script::check_args("n", false, "", (want, share)) {
+            invocation.arg(arg);
+        }
+        for arg in script::limit_args(&limit) {
+            invocation.arg(arg);
+        }
+        invocation.invoke(con).unwrap()
+    };
+    // allowed, leased, then per limit, then the clock.
+    let first = run(&mut con, 0, 1);
+    assert_eq!(
+        first.len(),
+        script::REPLY_HEAD + script::REPLY_PER_LIMIT + 1,
+        "{first:?}"
+    );
+    assert_eq!((first[0], first[1]), (1, 0));
+    // A lease of 5 over a share of 2: 4 of the 8 left after the request.
+    assert_eq!(&run(&mut con, 5, 2)[..2], &[1, 4]);
+    // 6 charged: 4 more, then none.
+    let admitted = (0..6).filter(|_| run(&mut con, 0, 1)[0] == 1).count();
+    assert_eq!(admitted, 4);
+}

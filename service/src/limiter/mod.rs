@@ -195,9 +195,10 @@ impl Limiter {
             return self.check_across_slots(check).await;
         };
         let mut invocation = self.scripts.check.prepare_invoke();
-        let nonce = self.add_fixed_args(&mut invocation);
-        let (want, share) = lease_args(check);
-        invocation.arg(want).arg(share);
+        let nonce = self.next_nonce();
+        for arg in script::check_args(&nonce, self.overrides, &self.clock_key, lease_args(check)) {
+            invocation.arg(arg);
+        }
         self.add_limits(&mut invocation, check, &check.limits);
         let values = self.run(slot, &invocation).await?;
         let (clock, reply) = split_clock(&values)?;
@@ -347,15 +348,10 @@ impl Limiter {
             .map(|l| keys::subject_tag(l.subject_in(check)))
             .collect();
         for (limit, tag) in limits.iter().zip(&tags) {
-            invocation
-                .key(keys::limit_key(&self.prefix, tag, limit))
-                .arg(limit.algorithm.short_name())
-                .arg(limit.requests)
-                .arg(limit.window_ms)
-                .arg(limit.cost)
-                .arg(limit.capacity())
-                .arg(u8::from(limit.shadow))
-                .arg(calendar_arg(limit));
+            invocation.key(keys::limit_key(&self.prefix, tag, limit));
+            for arg in script::limit_args(limit) {
+                invocation.arg(arg);
+            }
         }
         if self.overrides {
             for (limit, tag) in limits.iter().zip(&tags) {
@@ -481,13 +477,6 @@ fn lease_args(check: &Check) -> (u64, u64) {
             ask.share
                 .clamp(1, meshlimit_protocol::bounds::MAX_LEASE_SHARE),
         )
-    })
-}
-
-/// A limit's calendar as the scripts take it: `month:120`, or "".
-fn calendar_arg(limit: &Limit) -> String {
-    limit.calendar.map_or_else(String::new, |c| {
-        format!("{}:{}", c.unit.as_str(), c.utc_offset_minutes)
     })
 }
 

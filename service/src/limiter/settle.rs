@@ -4,8 +4,9 @@
 
 use meshlimit_protocol::{CheckResult, Receipt, Settlement};
 
-use super::{calendar_arg, Limiter, LimiterError};
+use super::{Limiter, LimiterError};
 use crate::keys;
+use crate::script::calendar_arg;
 
 impl Limiter {
     /// Applies a settlement (see [`meshlimit_protocol::Settlement`]): one

@@ -1027,25 +1027,21 @@ fn redis_benchmark(host: &str, sha: &str) -> f64 {
             "200000",
             "-q",
         ])
-        .args([
-            "evalsha",
-            sha,
-            "1",
-            "ml:{e:bench6}:api/hour:fw:3600000",
-            // nonce, overrides off, no test clock (script.rs)
-            "nonce",
-            "0",
-            "",
-            // one limit: algorithm, requests, window_ms, cost, burst,
-            // shadow, calendar
-            "fw",
-            "1000000000",
-            "3600000",
-            "1",
-            "1000000000",
-            "0",
-            "",
-        ])
+        .args(["evalsha", sha, "1", "ml:{e:bench6}:api/hour:fw:3600000"])
+        // As meshlimitd lays them out (no test clock, no lease), for the
+        // limit of the check meshlimitd is measured with.
+        .args(meshlimitd::script::check_args("nonce", false, "", (0, 1)))
+        .args(meshlimitd::script::limit_args(&meshlimit_protocol::Limit {
+            name: "api/hour".into(),
+            requests: 1_000_000_000,
+            window_ms: 3_600_000,
+            algorithm: meshlimit_protocol::Algorithm::FixedWindow,
+            cost: 1,
+            burst: None,
+            shadow: false,
+            subject: None,
+            calendar: None,
+        }))
         .output()
         .unwrap_or_else(|e| panic!("cannot run redis-benchmark: {e}"));
     // "evalsha ...: 51234.56 requests per second, p50=..."
