@@ -678,6 +678,11 @@ mod tests {
         (next.unwrap_or(slot), take)
     }
 
+    /// A reclaim that gives units back.
+    fn gives_back(units: u64, expired: bool) -> Reclaim {
+        Reclaim::Back { units, expired }
+    }
+
     /// The draw a hit gave.
     fn drawn(take: Take) -> Draw {
         match take {
@@ -796,13 +801,7 @@ mod tests {
         assert_eq!(slot.install(1, grant(3, 9_000), 1_500), None);
         let back = slot.put_back(&a).unwrap();
         let (next, r) = back.reclaim(7, 1_500, 1000);
-        assert_eq!(
-            r,
-            Reclaim::Back {
-                units: 9,
-                expired: false
-            }
-        );
+        assert_eq!(r, gives_back(9, false));
         assert_eq!(
             next.unwrap()
                 .install(1, grant(3, 9_000), 1_500)
@@ -813,13 +812,7 @@ mod tests {
         // goes back without them.
         assert_eq!(slot.reclaim(7, 5_100, 1000), (None, Reclaim::Keep));
         let (_, r) = slot.reclaim(7, 5_000 + DRAWS_BACK_WITHIN_MS, 1000);
-        assert_eq!(
-            r,
-            Reclaim::Back {
-                units: 5,
-                expired: true
-            }
-        );
+        assert_eq!(r, gives_back(5, true));
         // Spent in draws and accounted for: nothing to give back.
         let spent = Slot {
             current: Lease {
@@ -873,13 +866,7 @@ mod tests {
         // Accounted for: its owner takes back what the draws left, at once.
         let slot = slot.put_back(&b).unwrap();
         let (next, r) = slot.reclaim(7, 41, 1000);
-        assert_eq!(
-            r,
-            Reclaim::Back {
-                units: 1,
-                expired: false
-            }
-        );
+        assert_eq!(r, gives_back(1, false));
         let slot = next.unwrap();
         assert_eq!(slot.previous, Lease::default());
         assert_eq!(slot.reclaim(8, 41, 1000), (None, Reclaim::Keep));
@@ -1030,23 +1017,11 @@ mod tests {
         assert_eq!(slot.reclaim(7, 500, 1000), (None, Reclaim::Keep));
         assert_eq!(slot.reclaim(8, 500, 1000), (None, Reclaim::Gone));
         let (next, r) = slot.reclaim(7, 1010, 1000);
-        assert_eq!(
-            r,
-            Reclaim::Back {
-                units: 5,
-                expired: false
-            }
-        );
+        assert_eq!(r, gives_back(5, false));
         let next = next.unwrap();
         assert_eq!(next.reclaim(7, 1020, 1000).1, Reclaim::Gone);
         let (_, r) = slot.reclaim(7, 5000, 1000);
-        assert_eq!(
-            r,
-            Reclaim::Back {
-                units: 5,
-                expired: true
-            }
-        );
+        assert_eq!(r, gives_back(5, true));
         // A hit keeps it from going idle.
         let (hit, _) = take(slot, 1, 900);
         assert_eq!(hit.reclaim(7, 1500, 1000).1, Reclaim::Keep);
@@ -1076,13 +1051,7 @@ mod tests {
         let (_, t) = take(slot, 1, 5_000);
         assert!(matches!(t, Take::Miss { .. }));
         let (_, r) = slot.reclaim(7, 5_000, 1000);
-        assert_eq!(
-            r,
-            Reclaim::Back {
-                units: 5,
-                expired: true
-            }
-        );
+        assert_eq!(r, gives_back(5, true));
     }
 
     #[test]
