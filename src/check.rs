@@ -105,6 +105,9 @@ pub struct LeaseTicket {
     /// When the ask was made: the lease's life is counted from here (a
     /// little before meshlimitd's clock, so it never outlives its window).
     pub asked_ms: u64,
+    /// Asked before the check's lease ran out (a renewal, for no request):
+    /// its grant replaces the lease, whose units left go back.
+    pub renewal: bool,
 }
 
 /// What makes a check's lease: for each global limit, what its counter in

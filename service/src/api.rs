@@ -437,7 +437,7 @@ fn validate_batch(request: &CheckRequest) -> Result<(), String> {
 /// What makes one settlement applicable; `i` is its place in the call.
 fn validate_settlement(i: usize, s: &Settlement) -> Result<(), String> {
     let at = format!("settlements[{i}]");
-    validate_limits(&at, &s.subject, &s.limits)?;
+    validate_limits(&at, &s.subject, &s.limits, 1)?;
     if s.actual.len() != s.limits.len() || s.receipts.len() != s.limits.len() {
         return Err(format!(
             "{at}: one `actual` and one `receipts` entry per limit"
@@ -463,7 +463,19 @@ fn validate_settlement(i: usize, s: &Settlement) -> Result<(), String> {
 
 /// What makes one check decidable; `i` is its place in the call.
 fn validate_check(i: usize, check: &Check) -> Result<(), String> {
-    validate_limits(&format!("checks[{i}]"), &check.subject, &check.limits)?;
+    // A check that only renews a lease (the filter asks before a lease
+    // runs out, for no request) costs 0.
+    let min_cost = if check.lease.is_some_and(|l| l.units > 0) {
+        0
+    } else {
+        1
+    };
+    validate_limits(
+        &format!("checks[{i}]"),
+        &check.subject,
+        &check.limits,
+        min_cost,
+    )?;
     if let Some(ask) = check.lease {
         if ask.units > bounds::MAX_LEASE_UNITS {
             return Err(format!(
@@ -481,8 +493,9 @@ fn validate_check(i: usize, check: &Check) -> Result<(), String> {
     Ok(())
 }
 
-/// A subject and its limits, of the check or settlement at `at`.
-fn validate_limits(at: &str, subject: &str, limits: &[Limit]) -> Result<(), String> {
+/// A subject and its limits, of the check or settlement at `at`; costs of
+/// at least `min_cost`.
+fn validate_limits(at: &str, subject: &str, limits: &[Limit], min_cost: u64) -> Result<(), String> {
     if subject.is_empty() {
         return Err(format!("{at}.subject: must not be empty"));
     }
@@ -529,9 +542,9 @@ fn validate_limits(at: &str, subject: &str, limits: &[Limit]) -> Result<(), Stri
                 .check()
                 .map_err(|e| format!("{at}.calendar: {e}"))?;
         }
-        if limit.cost == 0 || limit.cost > bounds::MAX_COST {
+        if limit.cost < min_cost || limit.cost > bounds::MAX_COST {
             return Err(format!(
-                "{at}.cost: must be between 1 and {}",
+                "{at}.cost: must be between {min_cost} and {}",
                 bounds::MAX_COST
             ));
         }

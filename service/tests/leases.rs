@@ -132,3 +132,32 @@ fn lease_bounds_are_checked_and_named() {
         assert!(r.body.contains(field), "{}", r.body);
     }
 }
+
+/// A renewal: a check of cost 0 that only asks for a lease (the filter
+/// sends one before its lease runs out, for no request). It is charged the
+/// lease alone, on every leasable algorithm; cost 0 without a lease ask is
+/// refused, naming the field.
+#[test]
+fn a_renewal_costs_nothing_but_its_lease() {
+    let f = start();
+    for algorithm in ["fixed_window", "sliding_window_counter", "token_bucket"] {
+        let subject = format!("renew-{algorithm}");
+        let mut l = limit(algorithm, 100);
+        l["cost"] = json!(0);
+        // 100 left, over a share of 4: 25.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 50, 4);
+        assert_eq!(r["allowed"], json!(true), "{algorithm}: {r}");
+        assert_eq!((leased(&r), remaining(&r, 0)), (25, 75), "{algorithm}: {r}");
+        assert_eq!(r["receipts"].as_array().map(Vec::len), Some(1), "{r}");
+    }
+    let mut l = limit("fixed_window", 100);
+    l["cost"] = json!(0);
+    for check in [
+        json!({"subject": "no-lease", "limits": [l]}),
+        json!({"subject": "no-units", "limits": [l], "lease": {"units": 0, "share": 1}}),
+    ] {
+        let r = f.post_check(&json!({"checks": [check]}));
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body.contains("checks[0].limits[0].cost"), "{}", r.body);
+    }
+}

@@ -164,6 +164,13 @@ impl Worker {
                     self.act_for(host, queued.context_id, verdict);
                 }
                 Job::TopUp { check } => self.on_top_up(host, queued.context_id, check, outcome),
+                Job::Renew { check } => {
+                    // No request waits: only its grant matters (installed
+                    // as the root, whose answer this is).
+                    if let Ok(mut result) = outcome {
+                        self.install_lease(host, now, self.root_context_id, check, &mut result);
+                    }
+                }
                 Job::Settle { .. } | Job::Return { .. } => {}
             }
         }

@@ -62,10 +62,12 @@ impl Worker {
     /// Most hits spend this worker's draw and cross into Envoy for nothing;
     /// a draw spent goes to the slot for the next one (half of what is
     /// left there).
+    /// `context_id`: the stream's (a renewal is sent from it).
     pub(super) fn lease_hit(
         &self,
         host: &impl Host,
         now: u64,
+        context_id: u32,
         check: &mut Check,
     ) -> Option<CheckResult> {
         let cost = check.lease_cost()?;
@@ -84,7 +86,14 @@ impl Worker {
         }
         let draw = match observer.spend(place.fingerprint, cost, now) {
             Some(draw) => draw,
-            None => self.draw(&leases, &mut observer, place, want, check, now)?,
+            None => {
+                let (draw, renewal) = self.draw(&leases, &mut observer, place, want, check, now)?;
+                drop(observer);
+                if let Some(ticket) = renewal {
+                    self.renew(host, context_id, check, ticket);
+                }
+                draw
+            }
         };
         // Counted in bulk: a hostcall per request is a tenth of what a hit
         // costs.
@@ -103,7 +112,8 @@ impl Worker {
     }
 
     /// A new draw from the check's slot for a request of the check's cost,
-    /// the worker's last draw accounted for first; or, with no lease to
+    /// the worker's last draw accounted for first, and the ticket of a
+    /// renewal to ask for when the lease runs low; or, with no lease to
     /// draw from, `None`, and the request's call asks for one when `want`
     /// is not 0 and no other ask is out.
     fn draw<H: Host>(
@@ -114,32 +124,60 @@ impl Worker {
         want: u64,
         check: &mut Check,
         now: u64,
-    ) -> Option<Draw> {
+    ) -> Option<(Draw, Option<LeaseTicket>)> {
         let cost = check.lease_cost()?;
         let previous = observer.take_draw(place.fingerprint);
         let timeout = self.config.service.timeout_ms;
         let (take, kept, decided_at) = leases.take(place, cost, now, want, timeout, previous);
-        if let Take::Hit(draw) = take {
+        let ticket = |want| LeaseTicket {
+            place: decided_at,
+            want,
+            share: leases.config.share,
+            asked_ms: now,
+            renewal: false,
+        };
+        if let Take::Hit(draw) | Take::Renew(draw, _) = take {
             if let Some(other) = kept {
                 let _ = leases.put_back(&other);
             }
             observer.keep_draw(place.fingerprint, draw);
-            return Some(draw);
+            let renewal = match take {
+                Take::Renew(_, want) => Some(LeaseTicket {
+                    renewal: true,
+                    ..ticket(want)
+                }),
+                _ => None,
+            };
+            return Some((draw, renewal));
         }
         if let Some(draw) = kept {
             observer.keep_draw(place.fingerprint, draw);
         }
         if let Take::Miss { want } = take {
             if want > 0 {
-                check.lease = Some(LeaseTicket {
-                    place: decided_at,
-                    want,
-                    share: leases.config.share,
-                    asked_ms: now,
-                });
+                check.lease = Some(ticket(want));
             }
         }
         None
+    }
+
+    /// Asks for the next lease of a check whose lease runs low, in the
+    /// worker's next batch: a check of cost 0 (no request rides on it)
+    /// that only asks for units. Its grant replaces the lease (see
+    /// `Slot::install`); if it fails, the ask expires and the next request
+    /// that finds the lease spent asks again.
+    fn renew(&self, host: &impl Host, context_id: u32, check: &Check, ticket: LeaseTicket) {
+        let mut renewal = check.clone();
+        for applied in &mut renewal.global {
+            applied.cost = 0;
+        }
+        renewal.local.clear();
+        renewal.lease = Some(ticket);
+        if let Err(e) = self.send_job(host, context_id, Job::Renew { check: renewal }) {
+            if let Some(skipped) = self.error_log.allow(host.now_ms()) {
+                warn!("cannot renew a lease ({e}); the next request asks ({skipped} similar lines suppressed)");
+            }
+        }
     }
 
     /// An admitted answer granted a lease: its units go in the check's
@@ -176,6 +214,7 @@ impl Worker {
         let reset = result.limits.iter().map(|s| s.reset_after_ms).max();
         let lease_id = self.next_lease_id();
         let grant = Grant {
+            renewal: ticket.renewal,
             lease_id,
             units,
             expires_ms: ticket.asked_ms.saturating_add(lifetime.unwrap_or(0)),

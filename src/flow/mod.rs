@@ -129,6 +129,9 @@ enum Job {
     Settle {
         settlements: Vec<meshlimit_protocol::Settlement>,
     },
+    /// Ask for the next lease of a check whose lease runs low (a check of
+    /// cost 0: no request waits on it).
+    Renew { check: Check },
     /// Give back leased units left unused (settlements at 0).
     Return {
         settlements: Vec<meshlimit_protocol::Settlement>,
@@ -139,7 +142,7 @@ impl Queued {
     /// The check it carries, if any.
     fn check(&self) -> Option<&Check> {
         match &self.job {
-            Job::Admit { check, .. } | Job::TopUp { check } => Some(check),
+            Job::Admit { check, .. } | Job::TopUp { check } | Job::Renew { check } => Some(check),
             Job::Settle { .. } | Job::Return { .. } => None,
         }
     }
@@ -368,7 +371,7 @@ impl Worker {
         // call, and comes before the deny cache (a deny cached on another
         // request does not make those units any less this client's).
         let mut check = check;
-        if let Some(result) = self.lease_hit(host, now, &mut check) {
+        if let Some(result) = self.lease_hit(host, now, stream.context_id, &mut check) {
             return stream.apply(with_local(config, &check, local.as_ref(), &result));
         }
         if let Some(cache) = self.deny_cache(host, now) {

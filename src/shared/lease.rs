@@ -38,9 +38,9 @@ use super::keys;
 use super::store::{self, le_word, le_words, retry_on_conflict, Purpose, SharedStore, StoreError};
 use crate::config::LeaseConfig;
 
-/// Words per lease, and per slot (the check, its ask, two leases).
-const LEASE_WORDS: usize = 6;
-const WORDS: usize = 2 + 2 * LEASE_WORDS;
+/// Words per lease, and per slot (the check, its ask, three leases).
+const LEASE_WORDS: usize = 7;
+const WORDS: usize = 2 + 3 * LEASE_WORDS;
 /// An owner takes an expired lease's units back on its next tick (250 ms
 /// at most); units still there this long after the expiry have none.
 const ABANDONED_AFTER_MS: u64 = 2_000;
@@ -59,6 +59,8 @@ struct Lease {
     lease_id: u64,
     /// Units left in the slot.
     units: u64,
+    /// Units granted (a renewal is asked once a quarter of them is left).
+    granted: u64,
     /// Units workers drew and have not accounted for yet (spent, or put
     /// back): the lease is not given back while any are out.
     lent: u64,
@@ -84,6 +86,9 @@ pub(crate) struct Slot {
     /// nobody draws from it; it waits for those draws to be accounted for,
     /// then its owner gives back whatever they left.
     previous: Lease,
+    /// A renewal's lease, granted while the current one still had units:
+    /// it becomes current once they are spent.
+    next: Lease,
 }
 
 /// Units of a lease one worker drew from its slot: spent with no hostcall
@@ -266,6 +271,10 @@ pub(crate) enum Take {
     /// Admitted from the lease, with a draw for this worker (its `left`
     /// units remain after the request).
     Hit(Draw),
+    /// A hit that found its lease running low (a quarter of it left in
+    /// the slot): the worker asks for the next one now, for `want` units,
+    /// so that the check's requests never wait for it.
+    Renew(Draw, u64),
     /// No usable lease: call, asking for `want` more units (0: none).
     Miss { want: u64 },
     /// The slot holds another check's units: try the check's other slot.
@@ -279,6 +288,9 @@ pub(crate) struct Grant {
     pub units: u64,
     pub expires_ms: u64,
     pub reset_at_ms: u64,
+    /// A renewal's: it may replace a lease that still has units (they go
+    /// back with the replaced lease, by its owner).
+    pub renewal: bool,
 }
 
 /// What the granting worker's tick found.
@@ -344,7 +356,29 @@ impl Lease {
 
 impl Slot {
     fn holds_units(&self, now: u64) -> bool {
-        self.current.holds_units(now) || self.previous.holds_units(now)
+        self.current.holds_units(now)
+            || self.previous.holds_units(now)
+            || self.next.holds_units(now)
+    }
+
+    /// Makes the next lease current, once the current one can serve no
+    /// more (spent, expired, or too little for `cost`). False when there is
+    /// no next lease, or the current one must wait aside for its draws
+    /// while an older one still does.
+    fn promote(&mut self, cost: u64, now: u64) -> bool {
+        let current_serves = self.current.usable(now) && self.current.units >= cost;
+        if current_serves || self.next.lease_id == 0 || !self.next.usable(now) {
+            return false;
+        }
+        if self.current.holds_units(now) {
+            if self.previous.holds_units(now) {
+                return false;
+            }
+            self.previous = self.current;
+        }
+        self.current = self.next;
+        self.next = Lease::default();
+        true
     }
 
     /// Accounts for `draw` in whichever lease it came from. A draw of a
@@ -384,8 +418,10 @@ impl Slot {
             };
         }
         let settled = previous.is_some_and(|d| self.settle(d));
+        let promoted = self.promote(cost, now);
         let lease = &mut self.current;
         if lease.usable(now) && lease.units >= cost {
+            let low = lease.units.saturating_mul(4) <= lease.granted;
             let drawn = lease.units.div_ceil(2).max(cost);
             lease.units -= drawn;
             lease.lent = lease.lent.saturating_add(drawn);
@@ -399,9 +435,14 @@ impl Slot {
                 reset_at_ms: lease.reset_at_ms,
                 last_hit_ms: now,
             };
+            let next_due = self.next.lease_id == 0 || !self.next.holds_units(now);
+            if low && next_due && want > 0 && now >= self.asking_until_ms {
+                self.asking_until_ms = now + ask_for_ms;
+                return (Some(self), Take::Renew(draw, want));
+            }
             return (Some(self), Take::Hit(draw));
         }
-        let written = settled.then_some(self);
+        let written = (settled || promoted).then_some(self);
         if want == 0 || now < self.asking_until_ms {
             // One ask at a time.
             return (written, Take::Miss { want: 0 });
@@ -425,21 +466,33 @@ impl Slot {
                 ..Slot::default()
             };
         }
-        if self.current.holds_units(now) {
-            if self.current.units > 0 || self.previous.holds_units(now) {
-                return None;
-            }
-            // Spent but for draws still out: it waits for them aside.
-            self.previous = self.current;
-        }
-        self.current = Lease {
+        let lease = Lease {
             lease_id: grant.lease_id,
             units: grant.units,
+            granted: grant.units,
             lent: 0,
             expires_ms: grant.expires_ms,
             reset_at_ms: grant.reset_at_ms,
             last_hit_ms: now,
         };
+        if self.current.holds_units(now) && self.current.units > 0 {
+            // A renewal waits its turn (one at a time); anything else
+            // finds units and goes back.
+            if !grant.renewal || self.next.holds_units(now) {
+                return None;
+            }
+            self.next = lease;
+            self.asking_until_ms = 0;
+            return Some(self);
+        }
+        if self.current.holds_units(now) {
+            if self.previous.holds_units(now) {
+                return None;
+            }
+            // Spent but for draws still out: it waits aside for them.
+            self.previous = self.current;
+        }
+        self.current = lease;
         self.asking_until_ms = 0;
         Some(self)
     }
@@ -456,6 +509,9 @@ impl Slot {
             (&mut self.current, false)
         } else if lease_id != 0 && self.previous.lease_id == lease_id {
             (&mut self.previous, true)
+        } else if lease_id != 0 && self.next.lease_id == lease_id {
+            // Not drawn from yet: idle since it was granted.
+            (&mut self.next, false)
         } else {
             return (None, Reclaim::Gone);
         };
@@ -486,12 +542,14 @@ impl Slot {
             expires_ms: w(at + 3),
             reset_at_ms: w(at + 4),
             last_hit_ms: w(at + 5),
+            granted: w(at + 6),
         };
         Slot {
             fingerprint: w(0),
             asking_until_ms: w(1),
             current: lease(2),
             previous: lease(2 + LEASE_WORDS),
+            next: lease(2 + 2 * LEASE_WORDS),
         }
     }
 
@@ -504,13 +562,15 @@ impl Slot {
                 l.expires_ms,
                 l.reset_at_ms,
                 l.last_hit_ms,
+                l.granted,
             ]
         };
         let mut words = [0u64; WORDS];
         let all = [self.fingerprint, self.asking_until_ms]
             .into_iter()
             .chain(lease(&self.current))
-            .chain(lease(&self.previous));
+            .chain(lease(&self.previous))
+            .chain(lease(&self.next));
         for (word, value) in words.iter_mut().zip(all) {
             *word = value;
         }
@@ -686,7 +746,7 @@ mod tests {
     /// The draw a hit gave.
     fn drawn(take: Take) -> Draw {
         match take {
-            Take::Hit(draw) => draw,
+            Take::Hit(draw) | Take::Renew(draw, _) => draw,
             Take::Miss { .. } | Take::Occupied => panic!("no draw: {take:?}"),
         }
     }
@@ -697,6 +757,7 @@ mod tests {
             units,
             expires_ms,
             reset_at_ms: expires_ms,
+            renewal: false,
         }
     }
 
@@ -944,6 +1005,51 @@ mod tests {
         // Spent, the draw is accounted for in the slot it came from.
         let (take, kept, _) = leases.take(a, 1, 40, 8, 100, Some(Draw { left: 0, ..draw }));
         assert_eq!((drawn(take).drawn, kept), (1, None));
+    }
+
+    #[test]
+    fn a_lease_down_to_a_quarter_asks_once_for_the_next_which_replaces_it() {
+        let slot = Slot::default().install(1, grant(8, 5_000), 10).unwrap();
+        let (slot, t) = take(slot, 1, 20);
+        assert!(matches!(t, Take::Hit(_)), "8 left: {t:?}");
+        let (slot, t) = take(slot, 1, 21);
+        assert!(matches!(t, Take::Hit(_)), "4 left: {t:?}");
+        let (slot, t) = take(slot, 1, 22);
+        assert!(matches!(t, Take::Renew(_, 8)), "2 left: {t:?}");
+        let (_, t) = take(slot, 1, 23);
+        assert!(matches!(t, Take::Hit(_)), "one ask at a time: {t:?}");
+        // A grant that is no renewal finds units and goes back; a renewal
+        // waits its turn, and takes over once the lease is spent.
+        let newer = Grant {
+            lease_id: 8,
+            ..grant(6, 5_000)
+        };
+        assert_eq!(slot.install(1, newer, 30), None);
+        let renewed = Grant {
+            renewal: true,
+            ..newer
+        };
+        let slot = slot.install(1, renewed, 30).unwrap();
+        assert_eq!((slot.current.lease_id, slot.current.units), (7, 1));
+        assert_eq!((slot.next.lease_id, slot.next.units), (8, 6));
+        assert_eq!(slot.install(1, renewed, 30), None, "one waits at a time");
+        let (slot, t) = take(slot, 1, 31);
+        assert_eq!(drawn(t).lease_id, 7, "the last unit of the first");
+        let (slot, t) = take(slot, 1, 32);
+        assert_eq!(drawn(t).lease_id, 8);
+        assert_eq!((slot.previous.lease_id, slot.next.lease_id), (7, 0));
+        // Not drawn from, a waiting lease goes back when idle.
+        let waiting = Slot {
+            next: Lease {
+                lease_id: 9,
+                units: 4,
+                lent: 0,
+                last_hit_ms: 40,
+                ..slot.current
+            },
+            ..slot
+        };
+        assert_eq!(waiting.reclaim(9, 1_040, 1000).1, gives_back(4, false));
     }
 
     #[test]

@@ -64,11 +64,22 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
         );
     }
     assert_eq!(h.calls(), calls, "no call while the lease lasts");
-    // Spent: the next request calls and asks for its rate.
+    // Spent: the next request calls. The renewal asked when a quarter of
+    // the lease was left goes first, a check of cost 0 asking for the
+    // check's rate; the request's own check asks for nothing (one ask at
+    // a time).
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Pause);
     h.wake();
-    assert_eq!(h.last_call_body()["checks"][0]["lease"]["units"], 15);
+    let body = h.last_call_body();
+    assert_eq!(body["checks"][0]["limits"][0]["cost"], 0, "{body}");
+    assert_eq!(body["checks"][0]["lease"]["units"], 14, "{body}");
+    assert_eq!(body["checks"][1]["limits"][0]["cost"], 1, "{body}");
+    assert_eq!(
+        body["checks"][1]["lease"],
+        serde_json::Value::Null,
+        "{body}"
+    );
     h.tick();
     assert_eq!(h.stat("lease_hits"), 5);
     // Other clients are not served from a's lease.
@@ -259,4 +270,40 @@ fn a_lease_granted_to_a_stream_that_left_still_serves_the_next_requests() {
     assert_eq!(h.stat("lease_grants"), 1);
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Continue);
+}
+
+/// A lease running low is renewed before it runs out: the renewal's grant
+/// waits in the slot and takes over once the lease is spent, while the
+/// client's requests keep going on at once.
+#[test]
+fn a_lease_running_low_is_renewed_with_no_request_waiting() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(13, 8));
+    // 8 units: draws of 4, 2 and 1, which finds a quarter left and asks.
+    for _ in 0..7 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue);
+    }
+    assert_eq!(h.calls(), calls, "queued, not sent yet");
+    h.wake();
+    assert_eq!(h.calls(), calls + 1, "the renewal, alone");
+    let body = h.last_call_body();
+    assert_eq!(body["checks"].as_array().map(Vec::len), Some(1), "{body}");
+    assert_eq!(body["checks"][0]["limits"][0]["cost"], 0, "{body}");
+    let token = *h.host.sent.borrow().last().map(|c| &c.token).unwrap();
+    h.answer_batch(
+        token,
+        Some(200),
+        &answer(&[r#"{"allowed":true,"leased":6,"limits":[{"allowed":true,"limit":20,"remaining":2,"reset_after_ms":30000,"retry_after_ms":0}],"receipts":[{"clock_us":9000,"nonce":"n.2","place":1}]}"#.to_string()]),
+    );
+    assert_eq!(h.stat("lease_grants"), 2);
+    // The old lease's last unit, then the new lease, serve the next ones:
+    // nothing is given back, nobody waits.
+    for _ in 0..7 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue, "never a pause");
+    }
+    assert_eq!(h.calls(), calls + 1);
+    h.tick();
+    assert_eq!(h.stat("lease_hits"), 14);
 }
