@@ -60,11 +60,12 @@ pub enum Stat {
     LeaseUnits,
     LeaseReturns,
     LeaseHits,
+    LeaseRenewals,
 }
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 35] = [
+    pub const ALL: [Stat; 36] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -100,6 +101,7 @@ impl Stat {
         Stat::LeaseUnits,
         Stat::LeaseReturns,
         Stat::LeaseHits,
+        Stat::LeaseRenewals,
     ];
 
     /// The stat counting failed calls of this kind.
@@ -282,6 +284,11 @@ impl Stat {
                 "meshlimit.lease_units",
                 Counter,
                 "units those leases held (charged in Redis before any request used them)",
+            ),
+            Stat::LeaseRenewals => (
+                "meshlimit.lease_renewals",
+                Counter,
+                "renewals asked: calls for a lease running low, that no request waits on",
             ),
             Stat::LeaseReturns => (
                 "meshlimit.lease_returns",

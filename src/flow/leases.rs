@@ -173,6 +173,7 @@ impl Worker {
         }
         renewal.local.clear();
         renewal.lease = Some(ticket);
+        self.metrics.bump(host, Stat::LeaseRenewals);
         if let Err(e) = self.send_job(host, context_id, Job::Renew { check: renewal }) {
             if let Some(skipped) = self.error_log.allow(host.now_ms()) {
                 warn!("cannot renew a lease ({e}); the next request asks ({skipped} similar lines suppressed)");
