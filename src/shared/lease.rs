@@ -109,8 +109,15 @@ pub(crate) struct Draw {
 impl Draw {
     /// Whether it may admit at `now` (see [`Slot::usable`]).
     fn usable(&self, now: u64) -> bool {
-        now < self.expires_ms && now.saturating_add(CLOCK_SLACK_MS) >= self.last_hit_ms
+        live(now, self.expires_ms, self.last_hit_ms)
     }
+}
+
+/// Whether units expiring at `expires_ms` and last used at `last_hit_ms`
+/// may admit at `now`: not expired, and the clock has not stepped back
+/// past their last use (a lease's and a draw's rule alike).
+fn live(now: u64, expires_ms: u64, last_hit_ms: u64) -> bool {
+    now < expires_ms && now.saturating_add(CLOCK_SLACK_MS) >= last_hit_ms
 }
 
 /// What one worker saw of one check: units asked in the current
@@ -218,11 +225,7 @@ impl Observer {
     /// Admits a request of `cost` from this worker's draw for the check,
     /// if it has the units and they are live: the draw after it.
     pub(crate) fn spend(&mut self, fingerprint: u64, cost: u64, now: u64) -> Option<Draw> {
-        let e = self.entry(fingerprint)?;
-        if e.fingerprint != fingerprint {
-            return None;
-        }
-        let draw = e.draw.as_mut()?;
+        let draw = self.entry(fingerprint)?.draw.as_mut()?;
         if !draw.usable(now) || draw.left < cost {
             return None;
         }
@@ -233,20 +236,14 @@ impl Observer {
 
     /// Takes the check's draw out, to account for it in its slot.
     pub(crate) fn take_draw(&mut self, fingerprint: u64) -> Option<Draw> {
-        let e = self.entry(fingerprint)?;
-        if e.fingerprint != fingerprint {
-            return None;
-        }
-        e.draw.take()
+        self.entry(fingerprint)?.draw.take()
     }
 
     /// Keeps a draw for the check (its entry is the check's: `observe`
     /// came first).
     pub(crate) fn keep_draw(&mut self, fingerprint: u64, draw: Draw) {
         if let Some(e) = self.entry(fingerprint) {
-            if e.fingerprint == fingerprint {
-                e.draw = Some(draw);
-            }
+            e.draw = Some(draw);
         }
     }
 
@@ -323,9 +320,7 @@ impl Lease {
     /// Whether it may admit at `now`: not expired, and the clock has not
     /// stepped back past its last use.
     fn usable(&self, now: u64) -> bool {
-        self.lease_id != 0
-            && now < self.expires_ms
-            && now.saturating_add(CLOCK_SLACK_MS) >= self.last_hit_ms
+        self.lease_id != 0 && live(now, self.expires_ms, self.last_hit_ms)
     }
 
     /// Accounts for a worker's draw of this lease: its unused units are
