@@ -84,15 +84,17 @@ impl Worker {
         if want == 0 {
             return None;
         }
-        let draw = match observer.spend(place.fingerprint, cost, now) {
-            Some(draw) => draw,
+        // What the request reports as remaining: this worker's draw, and
+        // the slot's units when it just drew (a floor either way).
+        let (draw, remaining) = match observer.spend(place.fingerprint, cost, now) {
+            Some(draw) => (draw, draw.left),
             None => {
                 let (draw, renewal) = self.draw(&leases, &mut observer, place, want, check, now)?;
                 drop(observer);
                 if let Some(ticket) = renewal {
                     self.renew(host, context_id, check, ticket);
                 }
-                draw
+                (draw, draw.left.saturating_add(draw.in_slot))
             }
         };
         // Counted in bulk: a hostcall per request is a tenth of what a hit
@@ -106,7 +108,7 @@ impl Worker {
         }
         Some(hit_result(
             check,
-            draw.left,
+            remaining,
             draw.reset_at_ms.saturating_sub(now),
         ))
     }

@@ -12,7 +12,8 @@
 //!
 //! - [`Slot::take`] when a worker has no units of its own for a busy
 //!   check's request: a live lease with room gives the worker a draw, half
-//!   of what is left (at least the request's cost), which admits the
+//!   of what is left (the request's cost alone from a lease's last
+//!   [`DRAW_HALF_FROM`] requests' worth), which admits the
 //!   request and the worker's next ones with no hostcall at all
 //!   ([`Observer::spend`]); otherwise the request calls, asking for a
 //!   lease when no other ask is out. The slot counts the units drawn and
@@ -51,6 +52,11 @@ const CLOCK_SLACK_MS: u64 = 100;
 /// (each worker puts back an expired draw on its next tick, 250 ms at
 /// most) before its owner takes back what is in the slot.
 const DRAWS_BACK_WITHIN_MS: u64 = 600;
+/// A worker draws half of what is left only from a lease holding this many
+/// times the request's cost; from a smaller one, the request's cost alone,
+/// so the last units of a lease are never held by one worker while the
+/// client's next requests land on another and are refused.
+const DRAW_HALF_FROM: u64 = 16;
 
 /// One lease in a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -101,6 +107,10 @@ pub(crate) struct Draw {
     pub drawn: u64,
     /// Units of the draw not spent yet.
     pub left: u64,
+    /// Units the lease still had in the slot once this was drawn: the
+    /// drawing request's `RateLimit` counts them with `left` (they are this
+    /// client's too); the requests spending the draw later know `left` only.
+    pub in_slot: u64,
     pub expires_ms: u64,
     pub reset_at_ms: u64,
     pub last_hit_ms: u64,
@@ -391,7 +401,8 @@ impl Slot {
     /// The slot after a busy check's request of `cost` from the worker
     /// that holds `previous` (its draw of this check, spent or too small:
     /// accounted for first), and what the request gets: a draw of half
-    /// the current lease's units (at least `cost`), or a miss that asks
+    /// the current lease's units (`cost` alone from a small lease), or a
+    /// miss that asks
     /// for `want` units (0: none). `None` for the slot: nothing to write.
     pub(crate) fn take(
         mut self,
@@ -417,7 +428,11 @@ impl Slot {
         let lease = &mut self.current;
         if lease.usable(now) && lease.units >= cost {
             let low = lease.units.saturating_mul(4) <= lease.granted;
-            let drawn = lease.units.div_ceil(2).max(cost);
+            let drawn = if lease.units >= cost.saturating_mul(DRAW_HALF_FROM) {
+                lease.units.div_ceil(2)
+            } else {
+                cost
+            };
             lease.units -= drawn;
             lease.lent = lease.lent.saturating_add(drawn);
             lease.last_hit_ms = now;
@@ -426,6 +441,7 @@ impl Slot {
                 lease_id: lease.lease_id,
                 drawn,
                 left: drawn - cost,
+                in_slot: lease.units,
                 expires_ms: lease.expires_ms,
                 reset_at_ms: lease.reset_at_ms,
                 last_hit_ms: now,
@@ -824,24 +840,49 @@ mod tests {
     }
 
     #[test]
+    fn the_last_units_of_a_lease_are_drawn_one_request_at_a_time() {
+        // A small lease (the last units of a window): a worker that drew
+        // more than its request would hold units while the client's next
+        // requests land on another worker and are refused.
+        let mut slot = Slot::default()
+            .install(1, grant(DRAW_HALF_FROM - 1, 5_000), 10)
+            .unwrap();
+        for n in 0..DRAW_HALF_FROM - 1 {
+            let (next, t) = take(slot, 1, 20 + n);
+            let d = drawn(t);
+            assert_eq!((d.drawn, d.left), (1, 0), "draw {n}");
+            slot = next;
+        }
+        // A heavier request draws its cost, no more.
+        let slot = Slot::default()
+            .install(1, grant(3 * DRAW_HALF_FROM - 1, 5_000), 10)
+            .unwrap();
+        let (next, t) = slot.take(at(1), 3, 20, 8, 100, None);
+        assert_eq!(drawn(t).drawn, 3);
+        // From a large one, half (of the 44 left).
+        assert_eq!(drawn(take(next.unwrap(), 1, 21).1).drawn, 22);
+    }
+
+    #[test]
     fn workers_draw_half_of_what_is_left_and_put_back_what_they_leave() {
-        let slot = Slot::default().install(1, grant(10, 5_000), 10).unwrap();
+        let slot = Slot::default().install(1, grant(40, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
         let a = drawn(t);
         assert_eq!(
             (a.drawn, a.left, slot.current.units, slot.current.lent),
-            (5, 4, 5, 5)
+            (20, 19, 20, 20)
         );
-        // A heavier request draws at least its cost.
+        // A heavier request, for which what is left is small, draws its
+        // cost.
         let (next, t) = slot.take(at(1), 4, 21, 8, 100, None);
         let (slot, b) = (next.unwrap(), drawn(t));
         assert_eq!(
             (b.drawn, b.left, slot.current.units, slot.current.lent),
-            (4, 0, 1, 9)
+            (4, 0, 16, 24)
         );
-        // `a` idles with 4 left: back in the slot.
+        // `a` idles with 19 left: back in the slot.
         let slot = slot.put_back(&a).unwrap();
-        assert_eq!((slot.current.units, slot.current.lent), (5, 4));
+        assert_eq!((slot.current.units, slot.current.lent), (35, 4));
         // A draw of another lease has nowhere to go.
         let stale = Draw { lease_id: 99, ..b };
         assert_eq!(slot.put_back(&stale), None);
@@ -849,7 +890,7 @@ mod tests {
 
     #[test]
     fn draws_out_keep_a_lease_from_going_back_until_they_are_accounted_for() {
-        let slot = Slot::default().install(1, grant(10, 5_000), 10).unwrap();
+        let slot = Slot::default().install(1, grant(40, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
         let a = drawn(t);
         // Idle in the slot, but `a` still holds units: not yet.
@@ -857,7 +898,7 @@ mod tests {
         assert_eq!(slot.install(1, grant(3, 9_000), 1_500), None);
         let back = slot.put_back(&a).unwrap();
         let (next, r) = back.reclaim(7, 1_500, 1000);
-        assert_eq!(r, gives_back(9, false));
+        assert_eq!(r, gives_back(39, false));
         assert_eq!(
             next.unwrap()
                 .install(1, grant(3, 9_000), 1_500)
@@ -868,7 +909,7 @@ mod tests {
         // goes back without them.
         assert_eq!(slot.reclaim(7, 5_100, 1000), (None, Reclaim::Keep));
         let (_, r) = slot.reclaim(7, 5_000 + DRAWS_BACK_WITHIN_MS, 1000);
-        assert_eq!(r, gives_back(5, true));
+        assert_eq!(r, gives_back(20, true));
         // Spent in draws and accounted for: nothing to give back.
         let spent = Slot {
             current: Lease {
@@ -883,15 +924,13 @@ mod tests {
 
     #[test]
     fn a_grant_replaces_a_spent_lease_whose_draws_are_out_and_each_goes_back_on_its_own() {
-        let slot = Slot::default().install(1, grant(4, 5_000), 10).unwrap();
+        let slot = Slot::default().install(1, grant(16, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
-        let a = drawn(t); // 2 of 4, 1 left in it
-        let (slot, t) = take(slot, 1, 21);
-        let b = drawn(t); // 1 of 2
-        let (next, t) = slot.take(at(1), 1, 22, 8, 100, Some(&b));
+        let a = drawn(t); // 8 of 16, 7 left in it
+        let (next, t) = slot.take(at(1), 8, 21, 8, 100, None);
         let slot = next.unwrap();
-        let b = drawn(t); // the last 1
-        assert_eq!((slot.current.units, slot.current.lent), (0, 3));
+        let b = drawn(t); // the last 8, all spent
+        assert_eq!((slot.current.units, slot.current.lent), (0, 16));
         // Spent in the slot, draws out: a new lease goes in, the old aside.
         let newer = Grant {
             lease_id: 8,
@@ -899,12 +938,12 @@ mod tests {
         };
         let slot = slot.install(1, newer, 30).unwrap();
         assert_eq!((slot.current.lease_id, slot.current.units), (8, 6));
-        assert_eq!((slot.previous.lease_id, slot.previous.lent), (7, 3));
+        assert_eq!((slot.previous.lease_id, slot.previous.lent), (7, 16));
         // Draws come from the new lease; old draws go back to the old one.
         let (slot, t) = take(slot, 1, 31);
         assert_eq!(drawn(t).lease_id, 8);
         let slot = slot.put_back(&a).unwrap();
-        assert_eq!((slot.previous.units, slot.previous.lent), (1, 1));
+        assert_eq!((slot.previous.units, slot.previous.lent), (7, 8));
         // Still a draw out of the old lease: it waits, and so does a third.
         assert_eq!(slot.reclaim(7, 40, 1000), (None, Reclaim::Keep));
         let third = Grant {
@@ -922,7 +961,7 @@ mod tests {
         // Accounted for: its owner takes back what the draws left, at once.
         let slot = slot.put_back(&b).unwrap();
         let (next, r) = slot.reclaim(7, 41, 1000);
-        assert_eq!(r, gives_back(1, false));
+        assert_eq!(r, gives_back(7, false));
         let slot = next.unwrap();
         assert_eq!(slot.previous, Lease::default());
         assert_eq!(slot.reclaim(8, 41, 1000), (None, Reclaim::Keep));
@@ -952,6 +991,7 @@ mod tests {
             lease_id: 7,
             drawn: 3,
             left: 3,
+            in_slot: 0,
             expires_ms: 1_000,
             reset_at_ms: 1_000,
             last_hit_ms: 10,
@@ -1004,14 +1044,14 @@ mod tests {
 
     #[test]
     fn a_lease_down_to_a_quarter_asks_once_for_the_next_which_replaces_it() {
-        let slot = Slot::default().install(1, grant(8, 5_000), 10).unwrap();
+        let slot = Slot::default().install(1, grant(64, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
-        assert!(matches!(t, Take::Hit(_)), "8 left: {t:?}");
+        assert!(matches!(t, Take::Hit(_)), "64 left: {t:?}");
         let (slot, t) = take(slot, 1, 21);
-        assert!(matches!(t, Take::Hit(_)), "4 left: {t:?}");
+        assert!(matches!(t, Take::Hit(_)), "32 left: {t:?}");
         let (slot, t) = take(slot, 1, 22);
-        assert!(matches!(t, Take::Renew(_, 8)), "2 left: {t:?}");
-        let (_, t) = take(slot, 1, 23);
+        assert!(matches!(t, Take::Renew(_, 8)), "16 left: {t:?}");
+        let (slot, t) = take(slot, 1, 23);
         assert!(matches!(t, Take::Hit(_)), "one ask at a time: {t:?}");
         // A grant that is no renewal finds units and goes back; a renewal
         // waits its turn, and takes over once the lease is spent.
@@ -1025,11 +1065,12 @@ mod tests {
             ..newer
         };
         let slot = slot.install(1, renewed, 30).unwrap();
-        assert_eq!((slot.current.lease_id, slot.current.units), (7, 1));
+        assert_eq!((slot.current.lease_id, slot.current.units), (7, 7));
         assert_eq!((slot.next.lease_id, slot.next.units), (8, 6));
         assert_eq!(slot.install(1, renewed, 30), None, "one waits at a time");
-        let (slot, t) = take(slot, 1, 31);
-        assert_eq!(drawn(t).lease_id, 7, "the last unit of the first");
+        let (next, t) = slot.take(at(1), 7, 31, 8, 100, None);
+        let slot = next.unwrap();
+        assert_eq!(drawn(t).lease_id, 7, "the last units of the first");
         let (slot, t) = take(slot, 1, 32);
         assert_eq!(drawn(t).lease_id, 8);
         assert_eq!((slot.previous.lease_id, slot.next.lease_id), (7, 0));
@@ -1051,15 +1092,7 @@ mod tests {
     fn a_worker_spends_its_draw_with_no_store_and_gives_it_back_when_idle() {
         let mut seen = Observer::new(64);
         assert_eq!(seen.observe(1, 1, 10, &CONFIG), (0, None));
-        let draw = Draw {
-            slot: 3,
-            lease_id: 7,
-            drawn: 3,
-            left: 3,
-            expires_ms: 1_000,
-            reset_at_ms: 1_000,
-            last_hit_ms: 10,
-        };
+        let draw = test_draw(3);
         assert_eq!(seen.spend(1, 1, 20), None, "no draw yet");
         seen.keep_draw(1, draw);
         assert_eq!(seen.spend(1, 2, 20).map(|d| d.left), Some(1));

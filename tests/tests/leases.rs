@@ -12,9 +12,14 @@ use common::*;
 use meshlimit_testbed::Topology;
 
 /// The usual two replicas behind the front, with the `api` rule limited
-/// by `limits`.
+/// by `limits`, configured as docs/leases.md asks (`expected_replicas`).
 fn leased(limits: Value) -> Topology {
-    topology(PluginConfig::new().limits(limits).build())
+    topology(
+        PluginConfig::new()
+            .limits(limits)
+            .set_in("local", "expected_replicas", json!(2))
+            .build(),
+    )
 }
 
 /// `threads` connections, each sending requests for `id` until one sends
@@ -127,8 +132,32 @@ fn a_client_that_goes_idle_gives_its_units_back() {
         t.stat_total("meshlimit.lease_returns") >= counted - 200,
         "every unit not used came back"
     );
-    // And the client is decided as before: the next 800 fit, no more.
-    assert_eq!(hammer(&t, "sleeper", 8, 110).0, 800);
+    // And the client is decided as before: over the window, the 800 left
+    // fit, no more. A burst can end with units held where its last
+    // requests no longer land (bounded, docs/leases.md); once the client
+    // idles they come back, and the next burst a second later gets them.
+    let mut admitted = hammer(&t, "sleeper", 8, 110).0;
+    eprintln!("sleeper: {admitted} of 800 in the first burst");
+    assert!((720..=800).contains(&admitted), "{admitted} of 800");
+    for _ in 0..2 {
+        if admitted == 800 {
+            break;
+        }
+        assert!(
+            eventually(Duration::from_secs(5), || t
+                .key_count("api/per-hour", "sleeper")
+                == 200 + admitted as u64),
+            "Redis counts {} for {} admitted",
+            t.key_count("api/per-hour", "sleeper"),
+            200 + admitted
+        );
+        // The burst's denials are trusted from the deny cache for a
+        // second (src/shared/deny_cache.rs); then meshlimitd is asked.
+        std::thread::sleep(Duration::from_millis(1_100));
+        admitted += hammer(&t, "sleeper", 8, 20).0;
+        assert!(admitted <= 800, "never more than the limit: {admitted}");
+    }
+    assert_eq!(admitted, 800);
 }
 
 #[test]

@@ -24,7 +24,13 @@ impl Harness {
     /// its rate, 9 units, answered with `grant`. Returns the number of
     /// calls sent.
     fn lease_for_a(&mut self, grant: &str) -> usize {
-        for token in 1..=8 {
+        self.lease_for_a_after(8, grant)
+    }
+
+    /// As [`Harness::lease_for_a`], after `before` requests (the ask is
+    /// for one more units).
+    fn lease_for_a_after(&mut self, before: u32, grant: &str) -> usize {
+        for token in 1..=before {
             let (_, step) = self.request("a");
             assert_eq!(step, Step::Pause);
             self.wake();
@@ -36,9 +42,9 @@ impl Harness {
         self.wake();
         assert_eq!(
             self.last_call_body()["checks"][0]["lease"],
-            json!({"units": 9, "share": 2})
+            json!({"units": before + 1, "share": 2})
         );
-        self.answer_batch(9, Some(200), &answer(&[grant.to_string()]));
+        self.answer_batch(before + 1, Some(200), &answer(&[grant.to_string()]));
         self.calls()
     }
 }
@@ -49,8 +55,9 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
     assert_eq!(h.host.tick_ms.get(), Some(250));
     let calls = h.lease_for_a(&granted(13, 5));
     assert_eq!((h.stat("lease_grants"), h.stat("lease_units")), (1, 5));
-    // The worker draws 3 of the 5 (half, rounded up), then 1 and 1.
-    for left in [2, 1, 0, 0, 0] {
+    // A small lease is drawn one unit at a time; each request reports
+    // what the lease has left.
+    for left in [4, 3, 2, 1, 0] {
         let (mut s, step) = h.request("a");
         assert_eq!(step, Step::Continue, "a hit goes on at once");
         h.worker.on_response_headers(&h.host, &mut s);
@@ -93,7 +100,7 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
 #[test]
 fn hostcalls_per_request_from_a_lease() {
     let mut h = harness("");
-    h.lease_for_a(&granted(10, 8));
+    h.lease_for_a_after(31, &granted(10, 32));
     h.host.take_hostcalls();
     let (mut s, step) = h.request("a");
     assert_eq!(step, Step::Continue);
@@ -103,12 +110,12 @@ fn hostcalls_per_request_from_a_lease() {
             "get_header_map_pairs",
             "get_current_time",
             "get_shared_data", // the lease slot
-            "set_shared_data", // four units drawn
+            "set_shared_data", // 16 units drawn
         ]
     );
     h.worker.on_response_headers(&h.host, &mut s);
     assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
-    for _ in 0..3 {
+    for _ in 0..15 {
         let (_, step) = h.request("a");
         assert_eq!(step, Step::Continue);
         assert_eq!(
@@ -279,7 +286,8 @@ fn a_lease_granted_to_a_stream_that_left_still_serves_the_next_requests() {
 fn a_lease_running_low_is_renewed_with_no_request_waiting() {
     let mut h = harness("");
     let calls = h.lease_for_a(&granted(13, 8));
-    // 8 units: draws of 4, 2 and 1, which finds a quarter left and asks.
+    // 8 units, drawn one at a time (a small lease): the seventh request
+    // finds a quarter left and asks.
     for _ in 0..7 {
         let (_, step) = h.request("a");
         assert_eq!(step, Step::Continue);
