@@ -71,16 +71,38 @@ fn a_lease_is_what_fits_divided_by_the_share_and_never_more_than_the_limit() {
     }
 }
 
+/// A lease of a few units saves a few calls, and held by one replica it is
+/// a large part of what is left (another replica is refused it until it
+/// comes back): under 8 units a share, the script grants none, and the
+/// last units of a window are decided one by one.
+#[test]
+fn no_lease_from_a_limit_with_less_than_eight_units_a_share_left() {
+    let f = start();
+    for algorithm in ["fixed_window", "sliding_window_counter", "token_bucket"] {
+        let subject = format!("tail-{algorithm}");
+        let l = limit(algorithm, 24);
+        // 23 left after the request: 11 a share, 5 asked.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 5, 2);
+        assert_eq!(leased(&r), 5, "{algorithm}: {r}");
+        // 17 left: 8 a share.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 100, 2);
+        assert_eq!((leased(&r), remaining(&r, 0)), (8, 9), "{algorithm}: {r}");
+        // 8 left: 4 a share, none leased.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 100, 2);
+        assert_eq!((leased(&r), remaining(&r, 0)), (0, 8), "{algorithm}: {r}");
+    }
+}
+
 #[test]
 fn the_tightest_limit_sizes_the_lease_and_a_sliding_log_gets_none() {
     let f = start();
-    let tight = json!({"name": "hot/tight", "requests": 9, "window_ms": 60_000,
+    let tight = json!({"name": "hot/tight", "requests": 17, "window_ms": 60_000,
                        "algorithm": "fixed_window"});
     let wide = limit("sliding_window_counter", 1000);
     let r = ask(&f, "both", &[tight.clone(), wide.clone()], 100, 2);
-    // 8 left on the tight one: 4 leased on both.
-    assert_eq!(leased(&r), 4, "{r}");
-    assert_eq!((remaining(&r, 0), remaining(&r, 1)), (4, 995), "{r}");
+    // 16 left on the tight one: 8 leased on both.
+    assert_eq!(leased(&r), 8, "{r}");
+    assert_eq!((remaining(&r, 0), remaining(&r, 1)), (8, 991), "{r}");
     let log = limit("sliding_window_log", 1000);
     let r = ask(&f, "both", &[wide, log], 100, 1);
     assert_eq!(r["allowed"], json!(true), "{r}");

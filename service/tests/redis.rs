@@ -325,7 +325,7 @@ fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
         .unwrap();
     let limit = Limit {
         name: "api/minute".into(),
-        requests: 10,
+        requests: 20,
         window_ms: 60_000,
         algorithm: Algorithm::FixedWindow,
         cost: 1,
@@ -353,9 +353,9 @@ fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
         "{first:?}"
     );
     assert_eq!((first[0], first[1]), (1, 0));
-    // A lease of 5 over a share of 2: 4 of the 8 left after the request.
-    assert_eq!(&run(&mut con, 5, 2)[..2], &[1, 4]);
-    // 6 charged: 4 more, then none.
-    let admitted = (0..6).filter(|_| run(&mut con, 0, 1)[0] == 1).count();
-    assert_eq!(admitted, 4);
+    // A lease of 5 over a share of 2 (9 a share left after the request): 5.
+    assert_eq!(&run(&mut con, 5, 2)[..2], &[1, 5]);
+    // 7 charged: 13 more, then none.
+    let admitted = (0..15).filter(|_| run(&mut con, 0, 1)[0] == 1).count();
+    assert_eq!(admitted, 13);
 }

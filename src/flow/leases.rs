@@ -74,15 +74,14 @@ impl Worker {
         let leases = self.leases(host, now)?;
         let place = leases.place(&LeaseIdentity(&check.global), &check.subject);
         let mut observer = self.lease_observer.borrow_mut();
-        // A cold check costs no shared-data access: only busy ones have
-        // leases, or ask for one.
+        // Only checks busy on this worker ask for a lease; any check draws
+        // from one its Envoy holds (another worker's ask may have got it,
+        // and meshlimitd would refuse the units it holds). A cold check
+        // pays one shared-data read for that, on its way to a call.
         let (want, evicted) = observer.observe(place.fingerprint, cost, now, &leases.config);
         if let Some(draw) = evicted {
             // Rare (two busy checks in one entry): its slot gets it back now.
             let _ = leases.put_back(&draw);
-        }
-        if want == 0 {
-            return None;
         }
         // What the request reports as remaining: this worker's draw, and
         // the slot's units when it just drew (a floor either way).

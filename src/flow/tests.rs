@@ -772,6 +772,7 @@ fn hostcalls_per_request_with_group_commit() {
         [
             "get_header_map_pairs", // :path, x-api-key: all headers at once
             "get_current_time",     //
+            "get_shared_data",      // the lease slot (any worker's lease serves)
             "get_shared_data",      // deny cache
             "get_shared_data",      // breaker (once per millisecond)
             "enqueue_shared_queue", // wake the root
@@ -821,6 +822,7 @@ fn hostcalls_per_request_with_one_call_each() {
         [
             "get_header_map_pairs",
             "get_current_time",
+            "get_shared_data",
             "get_shared_data",
             "get_shared_data",
             "set_effective_context", // the call belongs to the root

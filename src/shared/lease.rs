@@ -6,9 +6,9 @@
 //! fingerprint as the fallback counters are, and shared by every worker.
 //! Each worker also observes, in its own memory ([`Observer`]), how many
 //! units each check asked for in the last interval: that rate sizes the
-//! next lease, so a cold client (one request per interval) never gets one,
-//! and costs no shared-data access at all, and a busy one gets about an
-//! interval's worth. The slot's life:
+//! next lease, so a cold client (one request per interval) never asks for
+//! one (it still draws from a lease another worker got), and a busy one
+//! gets about an interval's worth. The slot's life:
 //!
 //! - [`Slot::take`] when a worker has no units of its own for a busy
 //!   check's request: a live lease with room gives the worker a draw, half

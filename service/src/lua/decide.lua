@@ -17,6 +17,11 @@ local ZADD_CHUNK = 1000
 -- (protocol::bounds::MAX_SLIDING_LOG_REQUESTS).
 local MAX_LOG = 10000
 local DAY = 86400000
+-- No lease of a share under this many units: it would save a few calls,
+-- and held by one Envoy it is a large part of what is left (another is
+-- refused it until it comes back). The last units of a window are then
+-- decided one by one.
+local MIN_LEASE_SHARE = 8
 
 -- Large numbers go to Redis through '%.0f': Lua's default conversion keeps
 -- 14 digits, which would silently round a microsecond timestamp.
@@ -169,8 +174,9 @@ for i = 1, n do
   st[i] = s
 end
 -- A lease: the same number of units on every limit, only what fits after
--- the request on the tightest one, divided by `share`; none on a sliding
--- log (its members carry times) or where a limit does not fit.
+-- the request on the tightest one, divided by `share`, and none when that
+-- is under MIN_LEASE_SHARE; none on a sliding log (its members carry
+-- times) or where a limit does not fit.
 local leased = 0
 if allowed == 1 and want > 0 then
   leased = want
@@ -181,7 +187,9 @@ if allowed == 1 and want > 0 then
     elseif s.fits and s.alg == 'tb' then
       room = math.floor((s.T * s.burst - (s.tat + s.T * s.cost - now_us)) / s.T)
     end
-    leased = math.min(leased, math.floor(math.max(0, room) / share))
+    local fits = math.floor(math.max(0, room) / share)
+    if fits < MIN_LEASE_SHARE then fits = 0 end
+    leased = math.min(leased, fits)
   end
 end
 local out = { allowed, leased }

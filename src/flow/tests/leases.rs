@@ -315,3 +315,19 @@ fn a_lease_running_low_is_renewed_with_no_request_waiting() {
     h.tick();
     assert_eq!(h.stat("lease_hits"), 14);
 }
+
+/// A lease is the Envoy's, not the worker's that asked: another worker's
+/// first request from the client (cold there) admits from it rather than
+/// calling meshlimitd, which would refuse what the lease holds.
+#[test]
+fn a_worker_new_to_a_client_admits_from_the_lease_another_worker_got() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    h.worker = Worker::new(&h.host, config(""), ROOT);
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue, "from the lease");
+    assert_eq!(h.calls(), calls);
+    // And the client is not busy on this worker yet: it asks for nothing.
+    h.wake();
+    assert_eq!(h.calls(), calls);
+}
