@@ -183,3 +183,35 @@ fn a_renewal_costs_nothing_but_its_lease() {
         assert!(r.body.contains("checks[0].limits[0].cost"), "{}", r.body);
     }
 }
+
+/// Redis Cluster's MIGRATE moves a key with its time to live, not its
+/// deadline: on the new node a fixed window's counter expires a
+/// millisecond or two later than the window's last millisecond. Units
+/// given back after the move must still land in it (they were silently
+/// dropped: the settlement compared deadlines exactly).
+#[test]
+fn units_come_back_to_a_counter_whose_deadline_moved_with_its_slot() {
+    let f = start();
+    let l = limit("fixed_window", 100);
+    let r = ask(&f, "moved", std::slice::from_ref(&l), 40, 1);
+    assert_eq!((leased(&r), remaining(&r, 0)), (40, 59), "{r}");
+    let keys = f.redis.cli(&["--scan", "--pattern", "ml:*moved*"]);
+    let key = keys.lines().next().expect("the counter").to_string();
+    let deadline: u64 = f.redis.cli(&["pexpiretime", &key]).trim().parse().unwrap();
+    for shift in [2, -2] {
+        let moved = (deadline as i64 + shift).to_string();
+        f.redis.cli(&["pexpireat", &key, &moved]);
+        let mut unused = l.clone();
+        unused["cost"] = json!(10);
+        let v = f.check(
+            &json!({"checks": [], "settlements": [{"subject": "moved", "limits": [unused],
+                                                    "actual": [0], "receipts": r["receipts"]}]}),
+        );
+        assert_eq!(
+            v["settled"][0]["remaining"][0],
+            json!(if shift > 0 { 69 } else { 79 }),
+            "{v}"
+        );
+    }
+    assert_eq!(f.redis.cli(&["get", &key]).trim(), "21");
+}

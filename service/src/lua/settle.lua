@@ -16,6 +16,11 @@
 -- members beside them; the token bucket moves its arrival time by the
 -- difference (back, never before now).
 local SETTLE_ARGS = 10
+-- How far a fixed window counter's deadline may be from the window's last
+-- millisecond and still be that window's: Redis Cluster's MIGRATE moves a
+-- key with its time to live, so on its new node it expires a millisecond
+-- or two off. Never half a window (the next window's key is a window off).
+local MOVED_SLACK_MS = 1000
 local now_us = clock(ARGV[1])
 local now = math.floor(now_us / 1000)
 local out = {}
@@ -32,7 +37,8 @@ for i = 1, #KEYS do
     local reset
     if cal ~= '' then reset = calendar_reset(at, cal) else reset = window - (at % window) end
     local used = tonumber(redis.call('GET', key) or '0')
-    if delta ~= 0 and redis.call('PEXPIRETIME', key) == at + reset - 1 then
+    local slack = math.max(0, math.min(MOVED_SLACK_MS, math.floor((window - 1) / 2)))
+    if delta ~= 0 and math.abs(redis.call('PEXPIRETIME', key) - (at + reset - 1)) <= slack then
       used = redis.call('INCRBY', key, delta)
       if used <= 0 then redis.call('DEL', key); used = 0 end
     end
