@@ -63,6 +63,7 @@ fn a_lease_is_what_fits_divided_by_the_share_and_never_more_than_the_limit() {
                 break;
             }
             assert!(leased(&r) <= remaining(&r, 0) + leased(&r), "{r}");
+            assert!(leased(&r) == 0 || leased(&r) >= 8, "never a few units: {r}");
             total += 1 + leased(&r);
             calls += 1;
             assert!(calls < 100, "{algorithm}: no end");
