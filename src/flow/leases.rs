@@ -18,7 +18,7 @@ use super::{Job, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
 use crate::decision::ServiceError;
 use crate::host::Host;
-use crate::shared::lease::{Draw, Grant, Leases, Observer, Place, Reclaim, Take};
+use crate::shared::lease::{self, Draw, Grant, Leases, Observer, Place, Reclaim, Take};
 use crate::stats::Stat;
 
 /// Lease hits are added to their stat this many at a time (and on every
@@ -202,6 +202,7 @@ impl Worker {
         if units == 0 || !result.allowed {
             return;
         }
+        let left_beyond = result.limits.iter().map(|s| s.remaining).min();
         let Some(receipts) = result.receipts.clone() else {
             // Not from this meshlimitd's script: nothing to return them by.
             return;
@@ -221,6 +222,7 @@ impl Worker {
             units,
             expires_ms: ticket.asked_ms.saturating_add(lifetime.unwrap_or(0)),
             reset_at_ms: ticket.asked_ms.saturating_add(reset.unwrap_or(0)),
+            plenty: lease::plenty_beyond(units, left_beyond.unwrap_or(0)),
         };
         let room = self.lease_records.borrow().len() < leases.config.slots as usize;
         if room && lifetime.is_some() && leases.install(ticket.place, grant, now) {

@@ -40,7 +40,7 @@ use super::store::{self, le_word, le_words, retry_on_conflict, Purpose, SharedSt
 use crate::config::LeaseConfig;
 
 /// Words per lease, and per slot (the check, its ask, three leases).
-const LEASE_WORDS: usize = 7;
+const LEASE_WORDS: usize = 8;
 const WORDS: usize = 2 + 3 * LEASE_WORDS;
 /// An owner takes an expired lease's units back on its next tick (250 ms
 /// at most); units still there this long after the expiry have none.
@@ -55,8 +55,17 @@ const DRAWS_BACK_WITHIN_MS: u64 = 600;
 /// A worker draws half of what is left only from a lease holding this many
 /// times the request's cost; from a smaller one, the request's cost alone,
 /// so the last units of a lease are never held by one worker while the
-/// client's next requests land on another and are refused.
+/// client's next requests land on another and are refused. (Unless the
+/// lease is [`plenty_beyond`] what meshlimitd has left: that other worker
+/// would be admitted by a call.)
 const DRAW_HALF_FROM: u64 = 16;
+
+/// Whether meshlimitd, with `remaining` left on the tightest limit once it
+/// granted `units`, has plenty beyond them: [`DRAW_HALF_FROM`] leases' worth.
+/// Half of such a lease may sit in one worker's draw to its last units.
+pub(crate) fn plenty_beyond(units: u64, remaining: u64) -> bool {
+    remaining >= units.saturating_mul(DRAW_HALF_FROM)
+}
 
 /// One lease in a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,6 +86,10 @@ struct Lease {
     reset_at_ms: u64,
     /// The last draw from the lease (idle leases go back).
     last_hit_ms: u64,
+    /// meshlimitd had plenty left beyond this lease when it granted it
+    /// ([`plenty_beyond`]): workers draw half of it to its last units, as
+    /// a worker refused for what another holds would still be admitted.
+    plenty: bool,
 }
 
 /// One slot's state: the check it is for, and up to two leases.
@@ -298,6 +311,8 @@ pub(crate) struct Grant {
     /// A renewal's: it may replace a lease that still has units (they go
     /// back with the replaced lease, by its owner).
     pub renewal: bool,
+    /// See [`plenty_beyond`].
+    pub plenty: bool,
 }
 
 /// What the granting worker's tick found.
@@ -428,7 +443,7 @@ impl Slot {
         let lease = &mut self.current;
         if lease.usable(now) && lease.units >= cost {
             let low = lease.units.saturating_mul(4) <= lease.granted;
-            let drawn = if lease.units >= cost.saturating_mul(DRAW_HALF_FROM) {
+            let drawn = if lease.plenty || lease.units >= cost.saturating_mul(DRAW_HALF_FROM) {
                 lease.units.div_ceil(2)
             } else {
                 cost
@@ -481,6 +496,7 @@ impl Slot {
             lease_id: grant.lease_id,
             units: grant.units,
             granted: grant.units,
+            plenty: grant.plenty,
             lent: 0,
             expires_ms: grant.expires_ms,
             reset_at_ms: grant.reset_at_ms,
@@ -542,7 +558,8 @@ impl Slot {
     }
 
     fn decode(bytes: Option<&[u8]>) -> Slot {
-        let Some(bytes) = bytes else {
+        // Another layout's slot (a build before an upgrade) is not read.
+        let Some(bytes) = bytes.filter(|b| b.len() == WORDS * 8) else {
             return Slot::default();
         };
         let w = |i| le_word(bytes, i).unwrap_or(0);
@@ -554,6 +571,7 @@ impl Slot {
             reset_at_ms: w(at + 4),
             last_hit_ms: w(at + 5),
             granted: w(at + 6),
+            plenty: w(at + 7) != 0,
         };
         Slot {
             fingerprint: w(0),
@@ -574,6 +592,7 @@ impl Slot {
                 l.reset_at_ms,
                 l.last_hit_ms,
                 l.granted,
+                u64::from(l.plenty),
             ]
         };
         let mut words = [0u64; WORDS];
@@ -769,6 +788,7 @@ mod tests {
             expires_ms,
             reset_at_ms: expires_ms,
             renewal: false,
+            plenty: false,
         }
     }
 
@@ -861,6 +881,21 @@ mod tests {
         assert_eq!(drawn(t).drawn, 3);
         // From a large one, half (of the 44 left).
         assert_eq!(drawn(take(next.unwrap(), 1, 21).1).drawn, 22);
+        // From a small one granted with plenty left beyond it, half too,
+        // to its last units: a worker refused for what another holds would
+        // be admitted by its call.
+        assert!(plenty_beyond(5, 80) && !plenty_beyond(5, 79));
+        let plenty = Grant {
+            plenty: true,
+            ..grant(5, 5_000)
+        };
+        let mut slot = Slot::default().install(1, plenty, 10).unwrap();
+        for (n, half) in [3, 1, 1].into_iter().enumerate() {
+            let (next, t) = take(slot, 1, 20 + n as u64);
+            assert_eq!(drawn(t).drawn, half, "draw {n}");
+            slot = next;
+        }
+        assert_eq!(Slot::decode(Some(&slot.encode())), slot);
     }
 
     #[test]
@@ -1200,6 +1235,20 @@ mod tests {
         };
         assert_eq!(Slot::decode(Some(&aside.encode())), aside);
         assert_eq!(aside.encode().len(), WORDS * 8);
+        // The sizes README.md and docs/leases.md give for `leases.slots`.
+        assert_eq!((WORDS * 8, std::mem::size_of::<Seen>()), (208, 104));
         assert_eq!(Slot::decode(Some(&[1, 2, 3])), Slot::default());
+    }
+
+    /// Shared data outlives a filter upgrade (same `vm_id`): a slot a
+    /// build with another layout wrote must not be read as leases (a
+    /// timestamp read as units would admit what nobody charged). It reads
+    /// as empty: its units are lost to their window, fewer admitted.
+    #[test]
+    fn a_slot_of_another_layout_reads_as_empty() {
+        for words in [WORDS - 3, WORDS - 1, WORDS + 1, WORDS + 3] {
+            let bytes = le_words(&vec![1_700_000_000_000u64; words]);
+            assert_eq!(Slot::decode(Some(&bytes)), Slot::default(), "{words} words");
+        }
     }
 }

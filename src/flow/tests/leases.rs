@@ -331,3 +331,25 @@ fn a_worker_new_to_a_client_admits_from_the_lease_another_worker_got() {
     h.wake();
     assert_eq!(h.calls(), calls);
 }
+
+/// A small lease granted with plenty left beyond it in meshlimitd (a
+/// client far from its limit) is drawn in halves: the worker's next
+/// requests cross into Envoy for nothing. (From one near the end of the
+/// limit, one request at a time: see the test above.)
+#[test]
+fn a_small_lease_with_plenty_left_beyond_it_is_drawn_in_halves() {
+    let mut h = harness("");
+    h.lease_for_a(&granted(1_000, 8));
+    h.host.take_hostcalls();
+    h.request("a");
+    assert!(h.host.take_hostcalls().contains(&"set_shared_data"));
+    for _ in 0..3 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue);
+        assert_eq!(
+            h.host.take_hostcalls(),
+            ["get_header_map_pairs", "get_current_time"],
+            "from the worker's draw of 4"
+        );
+    }
+}
