@@ -416,9 +416,9 @@ impl Slot {
     /// The slot after a busy check's request of `cost` from the worker
     /// that holds `previous` (its draw of this check, spent or too small:
     /// accounted for first), and what the request gets: a draw of half
-    /// the current lease's units (`cost` alone from a small lease), or a
-    /// miss that asks
-    /// for `want` units (0: none). `None` for the slot: nothing to write.
+    /// the current lease's units (at least `cost`; `cost` alone from a small
+    /// lease), or a miss that asks for `want` units (0: none). `None` for
+    /// the slot: nothing to write.
     pub(crate) fn take(
         mut self,
         place: Place,
@@ -443,8 +443,9 @@ impl Slot {
         let lease = &mut self.current;
         if lease.usable(now) && lease.units >= cost {
             let low = lease.units.saturating_mul(4) <= lease.granted;
+            // At least the request's cost: `left` is what is drawn beyond it.
             let drawn = if lease.plenty || lease.units >= cost.saturating_mul(DRAW_HALF_FROM) {
-                lease.units.div_ceil(2)
+                lease.units.div_ceil(2).max(cost)
             } else {
                 cost
             };
@@ -896,6 +897,10 @@ mod tests {
             slot = next;
         }
         assert_eq!(Slot::decode(Some(&slot.encode())), slot);
+        // A request heavier than half of such a lease draws its cost.
+        let slot = Slot::default().install(1, plenty, 10).unwrap();
+        let (_, t) = slot.take(at(1), 4, 20, 8, 100, None);
+        assert_eq!((drawn(t).drawn, drawn(t).left), (4, 0));
     }
 
     #[test]
