@@ -27,6 +27,20 @@ impl Harness {
         self.lease_for_a_after(8, grant)
     }
 
+    /// `a`'s next `n` requests go on at once from the worker's draw: only
+    /// the headers and the clock are read, no shared data.
+    fn hits_from_the_draw(&mut self, n: usize) {
+        for i in 0..n {
+            let (_, step) = self.request("a");
+            assert_eq!(step, Step::Continue);
+            assert_eq!(
+                self.host.take_hostcalls(),
+                ["get_header_map_pairs", "get_current_time"],
+                "request {i} from the worker's draw"
+            );
+        }
+    }
+
     /// As [`Harness::lease_for_a`], after `before` requests (the ask is
     /// for one more units).
     fn lease_for_a_after(&mut self, before: u32, grant: &str) -> usize {
@@ -115,15 +129,7 @@ fn hostcalls_per_request_from_a_lease() {
     );
     h.worker.on_response_headers(&h.host, &mut s);
     assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
-    for _ in 0..15 {
-        let (_, step) = h.request("a");
-        assert_eq!(step, Step::Continue);
-        assert_eq!(
-            h.host.take_hostcalls(),
-            ["get_header_map_pairs", "get_current_time"],
-            "from the worker's draw"
-        );
-    }
+    h.hits_from_the_draw(15);
     // Spent: the draw is accounted for and the next one taken, in one write.
     h.request("a");
     assert_eq!(
@@ -343,13 +349,5 @@ fn a_small_lease_with_plenty_left_beyond_it_is_drawn_in_halves() {
     h.host.take_hostcalls();
     h.request("a");
     assert!(h.host.take_hostcalls().contains(&"set_shared_data"));
-    for _ in 0..3 {
-        let (_, step) = h.request("a");
-        assert_eq!(step, Step::Continue);
-        assert_eq!(
-            h.host.take_hostcalls(),
-            ["get_header_map_pairs", "get_current_time"],
-            "from the worker's draw of 4"
-        );
-    }
+    h.hits_from_the_draw(3);
 }
