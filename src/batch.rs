@@ -13,6 +13,12 @@
 //! the caller decides it by `failure_mode`. Each check is still decided on
 //! its own and atomically by meshlimitd; only the round trip is shared.
 //!
+//! A job no request waits on (a lease renewal asked well before the lease
+//! runs out) may be deferred instead: it wakes nobody, rides the next batch
+//! that goes out with room for it, and otherwise goes when the root's tick
+//! asks for the deferred ones ([`Batcher::take_deferred`]). Many such jobs
+//! then share one call instead of one call each.
+//!
 //! This is the policy alone; [`crate::flow`] owns the calls and the queue.
 
 use std::collections::VecDeque;
@@ -44,6 +50,8 @@ pub enum Enqueued<T> {
 pub struct Batcher<T> {
     config: BatchConfig,
     queue: VecDeque<(u64, T)>,
+    /// Jobs that wait for a batch to ride, or for the tick.
+    deferred: VecDeque<T>,
     in_flight: ContextMap<Vec<T>>,
     /// A wake-up is already on its way to the root context.
     wake_pending: bool,
@@ -54,6 +62,7 @@ impl<T> Batcher<T> {
         Batcher {
             config,
             queue: VecDeque::new(),
+            deferred: VecDeque::new(),
             in_flight: ContextMap::default(),
             wake_pending: false,
         }
@@ -61,7 +70,7 @@ impl<T> Batcher<T> {
 
     #[cfg(test)]
     pub fn queued(&self) -> usize {
-        self.queue.len()
+        self.queue.len() + self.deferred.len()
     }
 
     #[cfg(test)]
@@ -80,6 +89,18 @@ impl<T> Batcher<T> {
         } else {
             Enqueued::Wait
         }
+    }
+
+    /// Queues a job that no request waits on, to go with the next batch
+    /// or the tick's ([`Batcher::take_deferred`]); it wakes nobody. `Err`
+    /// gives it back when `max_queued` jobs wait already (bounded on their
+    /// own: they never make a request's check be refused).
+    pub fn defer(&mut self, item: T) -> Result<(), T> {
+        if self.deferred.len() >= self.config.max_queued {
+            return Err(item);
+        }
+        self.deferred.push_back(item);
+        Ok(())
     }
 
     fn should_send(&self, now_ms: u64) -> bool {
@@ -102,7 +123,29 @@ impl<T> Batcher<T> {
             return None;
         }
         let n = self.queue.len().min(self.config.max_batch);
-        Some(self.queue.drain(..n).map(|(_, item)| item).collect())
+        let mut batch: Vec<T> = self.queue.drain(..n).map(|(_, item)| item).collect();
+        self.fill(&mut batch);
+        Some(batch)
+    }
+
+    /// The deferred jobs' batch, when there are any and a call slot is free
+    /// (the root's tick calls this until it returns `None`). Checks queued
+    /// meanwhile go first.
+    pub fn take_deferred(&mut self) -> Option<Vec<T>> {
+        if self.deferred.is_empty() || self.in_flight.len() >= self.config.max_in_flight {
+            return None;
+        }
+        let n = self.queue.len().min(self.config.max_batch);
+        let mut batch: Vec<T> = self.queue.drain(..n).map(|(_, item)| item).collect();
+        self.fill(&mut batch);
+        Some(batch)
+    }
+
+    /// Deferred jobs ride `batch` up to `max_batch`.
+    fn fill(&mut self, batch: &mut Vec<T>) {
+        let room = self.config.max_batch.saturating_sub(batch.len());
+        let n = self.deferred.len().min(room);
+        batch.extend(self.deferred.drain(..n));
     }
 
     /// The wake-up could not be sent: the next enqueue must try again.
@@ -113,8 +156,11 @@ impl<T> Batcher<T> {
     /// Takes a queued (not yet sent) check back, e.g. because its stream
     /// ended or it must be decided elsewhere.
     pub fn withdraw(&mut self, mut which: impl FnMut(&T) -> bool) -> Option<T> {
-        let pos = self.queue.iter().position(|(_, item)| which(item))?;
-        self.queue.remove(pos).map(|(_, item)| item)
+        if let Some(pos) = self.queue.iter().position(|(_, item)| which(item)) {
+            return self.queue.remove(pos).map(|(_, item)| item);
+        }
+        let pos = self.deferred.iter().position(which)?;
+        self.deferred.remove(pos)
     }
 
     /// Records a batch sent as call `token`.
@@ -242,6 +288,39 @@ mod tests {
         assert_eq!(b.withdraw(|i| *i == 12), Some(12));
         assert_eq!(b.withdraw(|i| *i == 12), None);
         assert_eq!(b.queued(), 5);
+    }
+
+    #[test]
+    fn deferred_jobs_ride_the_next_batch_or_go_at_the_tick() {
+        let mut b = batcher();
+        assert_eq!(b.defer(1), Ok(()));
+        assert_eq!(b.take_batch(0), None, "a deferred job alone wakes nobody");
+        assert_eq!(b.enqueue(2, 0), Enqueued::Wake);
+        assert_eq!(
+            b.take_batch(0),
+            Some(vec![2, 1]),
+            "it rides, after the checks"
+        );
+        // Three deferred jobs: the tick sends them, max_batch at a time.
+        for i in 3..=6 {
+            b.defer(i).unwrap();
+        }
+        assert_eq!(b.take_deferred(), Some(vec![3, 4, 5]));
+        b.sent(1, vec![]);
+        assert_eq!(b.take_deferred(), Some(vec![6]));
+        b.sent(2, vec![]);
+        assert_eq!(b.take_deferred(), None, "nothing left");
+        b.defer(7).unwrap();
+        assert_eq!(b.take_deferred(), None, "every call slot is busy");
+        b.answered(1);
+        assert_eq!(b.take_deferred(), Some(vec![7]));
+        // Bounded on their own: a request's check still queues.
+        for i in 10..16 {
+            b.defer(i).unwrap();
+        }
+        assert_eq!(b.defer(99), Err(99));
+        assert_ne!(b.enqueue(98, 0), Enqueued::Refused(98));
+        assert_eq!(b.withdraw(|i| *i == 12), Some(12));
     }
 
     #[test]

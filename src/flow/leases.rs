@@ -14,11 +14,11 @@
 use log::warn;
 use meshlimit_protocol::{Algorithm, CheckResult, Receipt, SettleOutcome, Settlement};
 
-use super::{Job, Worker};
+use super::{Job, Queued, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
 use crate::decision::ServiceError;
 use crate::host::Host;
-use crate::shared::lease::{self, Draw, Grant, Leases, Observer, Place, Reclaim, Take};
+use crate::shared::lease::{self, AskFor, Draw, Grant, Leases, Observer, Place, Reclaim, Take};
 use crate::stats::Stat;
 
 /// Lease hits are added to their stat this many at a time (and on every
@@ -91,7 +91,11 @@ impl Worker {
                 let (draw, renewal) = self.draw(&leases, &mut observer, place, want, check, now)?;
                 drop(observer);
                 if let Some(ticket) = renewal {
-                    self.renew(host, context_id, check, ticket);
+                    // How long what is left lasts at the rate it asks for.
+                    let left = draw.left.saturating_add(draw.in_slot);
+                    let runway_ms =
+                        left.saturating_mul(leases.config.interval_ms) / ticket.want.max(1);
+                    self.renew(host, context_id, check, ticket, runway_ms);
                 }
                 (draw, draw.left.saturating_add(draw.in_slot))
             }
@@ -128,8 +132,14 @@ impl Worker {
     ) -> Option<(Draw, Option<LeaseTicket>)> {
         let cost = check.lease_cost()?;
         let previous = observer.take_draw(place.fingerprint);
+        // An ask is out until its answer may have come: a renewal may wait
+        // for the tick first.
         let timeout = self.config.service.timeout_ms;
-        let (take, kept, decided_at) = leases.take(place, cost, now, want, timeout, previous);
+        let ask_for = AskFor {
+            miss_ms: timeout,
+            renewal_ms: timeout.saturating_add(self.deferral_ms()),
+        };
+        let (take, kept, decided_at) = leases.take(place, cost, now, want, ask_for, previous);
         let ticket = |want| LeaseTicket {
             place: decided_at,
             want,
@@ -162,12 +172,31 @@ impl Worker {
         None
     }
 
-    /// Asks for the next lease of a check whose lease runs low, in the
-    /// worker's next batch: a check of cost 0 (no request rides on it)
-    /// that only asks for units. Its grant replaces the lease (see
-    /// `Slot::install`); if it fails, the ask expires and the next request
-    /// that finds the lease spent asks again.
-    fn renew(&self, host: &impl Host, context_id: u32, check: &Check, ticket: LeaseTicket) {
+    /// How long a renewal may wait for the root's tick: a tick period when
+    /// the tick runs and group commit is on, else 0.
+    fn deferral_ms(&self) -> u64 {
+        match (&self.group, self.ticking.get(), self.lease_tick_ms()) {
+            (Some(_), true, Some(tick)) => u64::from(tick),
+            _ => 0,
+        }
+    }
+
+    /// Asks for the next lease of a check whose lease runs low: a check of
+    /// cost 0 (no request rides on it) that only asks for units. Its grant
+    /// replaces the lease (see `Slot::install`); if it fails, the ask
+    /// expires and the next request that finds the lease spent asks again.
+    /// When what is left lasts `runway_ms`, half as long again as the wait
+    /// or more, it waits for the next batch or the tick, with other checks'
+    /// renewals (a call for many instead of one each); else it goes in the
+    /// next batch.
+    fn renew(
+        &self,
+        host: &impl Host,
+        context_id: u32,
+        check: &Check,
+        ticket: LeaseTicket,
+        runway_ms: u64,
+    ) {
         let mut renewal = check.clone();
         for applied in &mut renewal.global {
             applied.cost = 0;
@@ -175,7 +204,22 @@ impl Worker {
         renewal.local.clear();
         renewal.lease = Some(ticket);
         self.metrics.bump(host, Stat::LeaseRenewals);
-        if let Err(e) = self.send_job(host, context_id, Job::Renew { check: renewal }) {
+        let mut job = Job::Renew { check: renewal };
+        let wait = self.deferral_ms();
+        if let Some(group) = &self.group {
+            if wait > 0 && runway_ms >= wait.saturating_mul(3) / 2 {
+                let deferred = Queued {
+                    context_id: self.root_context_id,
+                    job,
+                };
+                match group.batcher.borrow_mut().defer(deferred) {
+                    Ok(()) => return,
+                    // Too many wait already: this one goes now.
+                    Err(back) => job = back.job,
+                }
+            }
+        }
+        if let Err(e) = self.send_job(host, context_id, job) {
             if let Some(skipped) = self.error_log.allow(host.now_ms()) {
                 warn!("cannot renew a lease ({e}); the next request asks ({skipped} similar lines suppressed)");
             }
@@ -291,16 +335,14 @@ impl Worker {
                 }
             }
         });
-        if returns.is_empty() {
-            return;
-        }
         while !returns.is_empty() {
             let rest = returns.split_off(returns.len().min(RETURNS_PER_JOB));
             self.send_returns(host, self.root_context_id, returns);
             returns = rest;
         }
-        // The tick runs as the root: send now rather than at the wake-up.
-        self.flush(host, now);
+        // The tick runs as the root: send the returns now rather than at
+        // the wake-up, and the renewals that waited for the tick.
+        self.flush_deferred(host, now);
     }
 
     /// Sends returns in the worker's next batch (or a call of their own);

@@ -208,6 +208,9 @@ pub struct Worker {
     /// hostcall per request saved, and another worker's opening is seen at
     /// most a millisecond later. This worker's own failures clear it.
     breaker_closed_at: Cell<Option<u64>>,
+    /// The root's tick runs (leases on, and the host took the period):
+    /// renewals with time to spare may wait for it.
+    ticking: Cell<bool>,
 }
 
 impl Worker {
@@ -259,9 +262,12 @@ impl Worker {
             lease_hits: Cell::new(0),
             lease_observer: RefCell::new(crate::shared::lease::Observer::new(observed)),
             breaker_closed_at: Cell::new(None),
+            ticking: Cell::new(false),
         };
         if let Some(ms) = worker.lease_tick_ms() {
-            if !host.set_tick_period(ms) {
+            if host.set_tick_period(ms) {
+                worker.ticking.set(true);
+            } else {
                 warn!("cannot set a tick period; leased units are not given back before their window ends");
             }
         }
@@ -540,12 +546,30 @@ impl Worker {
     /// Sends every batch that is due, as the root (the calls outlive any
     /// one stream).
     fn flush(&self, host: &impl Host, now: u64) {
+        self.send_batches(host, now, |b| b.take_batch(now));
+    }
+
+    /// The root's tick: sends the deferred jobs (and whatever is queued
+    /// with them), then every batch that is due.
+    fn flush_deferred(&self, host: &impl Host, now: u64) {
+        self.send_batches(host, now, |b| {
+            b.take_deferred().or_else(|| b.take_batch(now))
+        });
+    }
+
+    /// Sends the batches `take` gives, until it gives none.
+    fn send_batches(
+        &self,
+        host: &impl Host,
+        now: u64,
+        mut take: impl FnMut(&mut Batcher<Queued>) -> Option<Vec<Queued>>,
+    ) {
         let Some(group) = &self.group else {
             return;
         };
         let batcher = &group.batcher;
         loop {
-            let Some(batch) = batcher.borrow_mut().take_batch(now) else {
+            let Some(batch) = take(&mut batcher.borrow_mut()) else {
                 return;
             };
             // After acting for streams, calls must again belong to the root.

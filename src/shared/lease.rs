@@ -74,7 +74,8 @@ struct Lease {
     lease_id: u64,
     /// Units left in the slot.
     units: u64,
-    /// Units granted (a renewal is asked once a quarter of them is left).
+    /// Units granted (a renewal is asked once half of them is left: time
+    /// for it to wait for the tick, and for its call).
     granted: u64,
     /// Units workers drew and have not accounted for yet (spent, or put
     /// back): the lease is not given back while any are out.
@@ -141,6 +142,32 @@ impl Draw {
 /// past their last use (a lease's and a draw's rule alike).
 fn live(now: u64, expires_ms: u64, last_hit_ms: u64) -> bool {
     now < expires_ms && now.saturating_add(CLOCK_SLACK_MS) >= last_hit_ms
+}
+
+/// A check new to a worker asks for at most this many times the units it
+/// asked so far in its first interval (what it would ask over the whole
+/// interval at that pace, the pace read over at least an eighth of it).
+const RAMP_AT_MOST: u64 = 8;
+
+/// The units a check asks over an interval of `interval_ms` at the pace of
+/// `before` units in the `elapsed_ms` since its first request (that
+/// request's units included, the current one's not: they span the gaps).
+/// Without it a new client's leases grow by its count each renewal (2, 4,
+/// 8 units...), a call each, all through its first interval.
+fn projected(before: u64, elapsed_ms: u64, interval_ms: u64) -> u64 {
+    let over = elapsed_ms.max(interval_ms / RAMP_AT_MOST).max(1);
+    let pace = u128::from(before) * u128::from(interval_ms) / u128::from(over);
+    u64::try_from(pace).unwrap_or(u64::MAX)
+}
+
+/// How long an ask for units is out, during which other requests of the
+/// check call without asking (one ask at a time): a request's own ask is
+/// answered within the call's timeout; a renewal may first wait for the
+/// root's tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AskFor {
+    pub miss_ms: u64,
+    pub renewal_ms: u64,
 }
 
 /// What one worker saw of one check: units asked in the current
@@ -239,7 +266,15 @@ impl Observer {
             e.interval_start_ms = now;
         }
         e.seen = e.seen.saturating_add(cost);
-        let rate = e.seen.max(e.seen_before);
+        let rate = if e.seen_before > 0 {
+            e.seen.max(e.seen_before)
+        } else {
+            // A check new to this worker: its first interval is not over,
+            // so project what it has asked so far over the whole of it.
+            let elapsed = now.saturating_sub(e.interval_start_ms);
+            e.seen
+                .max(projected(e.seen - cost, elapsed, config.interval_ms))
+        };
         let busy = (e.seen > cost || e.seen_before > 0) && rate >= 2;
         let want = if busy { rate.min(config.max_units) } else { 0 };
         (want, evicted)
@@ -291,7 +326,7 @@ pub(crate) enum Take {
     /// Admitted from the lease, with a draw for this worker (its `left`
     /// units remain after the request).
     Hit(Draw),
-    /// A hit that found its lease running low (a quarter of it left in
+    /// A hit that found its lease running low (half of it left in
     /// the slot): the worker asks for the next one now, for `want` units,
     /// so that the check's requests never wait for it.
     Renew(Draw, u64),
@@ -425,7 +460,7 @@ impl Slot {
         cost: u64,
         now: u64,
         want: u64,
-        ask_for_ms: u64,
+        ask_for: AskFor,
         previous: Option<&Draw>,
     ) -> (Option<Slot>, Take) {
         if self.fingerprint != place.fingerprint {
@@ -442,7 +477,7 @@ impl Slot {
         let promoted = self.promote(cost, now);
         let lease = &mut self.current;
         if lease.usable(now) && lease.units >= cost {
-            let low = lease.units.saturating_mul(4) <= lease.granted;
+            let low = lease.units.saturating_mul(2) <= lease.granted;
             // At least the request's cost: `left` is what is drawn beyond it.
             let drawn = if lease.plenty || lease.units >= cost.saturating_mul(DRAW_HALF_FROM) {
                 lease.units.div_ceil(2).max(cost)
@@ -464,7 +499,7 @@ impl Slot {
             };
             let next_due = self.next.lease_id == 0 || !self.next.holds_units(now);
             if low && next_due && want > 0 && now >= self.asking_until_ms {
-                self.asking_until_ms = now + ask_for_ms;
+                self.asking_until_ms = now + ask_for.renewal_ms;
                 return (Some(self), Take::Renew(draw, want));
             }
             return (Some(self), Take::Hit(draw));
@@ -474,7 +509,7 @@ impl Slot {
             // One ask at a time.
             return (written, Take::Miss { want: 0 });
         }
-        self.asking_until_ms = now + ask_for_ms;
+        self.asking_until_ms = now + ask_for.miss_ms;
         (Some(self), Take::Miss { want })
     }
 
@@ -657,7 +692,7 @@ impl<S: SharedStore> Leases<'_, S> {
         cost: u64,
         now: u64,
         want: u64,
-        ask_for_ms: u64,
+        ask_for: AskFor,
         previous: Option<Draw>,
     ) -> Taken {
         let mut order = [place.slot, place.alternate];
@@ -668,7 +703,7 @@ impl<S: SharedStore> Leases<'_, S> {
         for slot in order {
             let at = Place { slot, ..place };
             let here = carried.filter(|d| d.slot == slot);
-            match self.take_at(at, cost, now, want, ask_for_ms, here.as_ref()) {
+            match self.take_at(at, cost, now, want, ask_for, here.as_ref()) {
                 Err(_) => return (Take::Miss { want: 0 }, carried, place),
                 // The draw's lease is no longer in its slot: nowhere to go.
                 Ok(Take::Occupied) if here.is_some() => carried = None,
@@ -689,14 +724,14 @@ impl<S: SharedStore> Leases<'_, S> {
         cost: u64,
         now: u64,
         want: u64,
-        ask_for_ms: u64,
+        ask_for: AskFor,
         previous: Option<&Draw>,
     ) -> Result<Take, StoreError> {
         let key = keys::lease_slot(at.slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
             let (slot, take) =
-                Slot::decode(bytes.as_deref()).take(at, cost, now, want, ask_for_ms, previous);
+                Slot::decode(bytes.as_deref()).take(at, cost, now, want, ask_for, previous);
             if let Some(slot) = slot {
                 self.store.set(&key, &slot.encode(), cas)?;
             }
@@ -748,6 +783,11 @@ impl<S: SharedStore> Leases<'_, S> {
 mod tests {
     use super::*;
 
+    const ASK: AskFor = AskFor {
+        miss_ms: 100,
+        renewal_ms: 100,
+    };
+
     const CONFIG: LeaseConfig = LeaseConfig {
         slots: 16,
         max_units: 1000,
@@ -765,7 +805,7 @@ mod tests {
 
     /// A request of cost 1 from a worker with no draw.
     fn take(slot: Slot, fp: u64, now: u64) -> (Slot, Take) {
-        let (next, take) = slot.take(at(fp), 1, now, 8, 100, None);
+        let (next, take) = slot.take(at(fp), 1, now, 8, ASK, None);
         (next.unwrap_or(slot), take)
     }
 
@@ -797,11 +837,18 @@ mod tests {
     fn a_cold_check_asks_for_nothing_and_a_busy_one_for_its_rate() {
         let mut seen = Observer::new(64);
         assert_eq!(seen.observe(1, 1, 10, &CONFIG).0, 0);
-        assert_eq!(seen.observe(1, 1, 20, &CONFIG).0, 2);
-        assert_eq!(seen.observe(1, 1, 30, &CONFIG).0, 3);
+        // In its first interval a check asks for its pace so far over the
+        // whole interval, read over an eighth of it at least: one unit in
+        // the 10 ms before, then two in 20.
+        assert_eq!(seen.observe(1, 1, 20, &CONFIG).0, 8);
+        assert_eq!(seen.observe(1, 1, 30, &CONFIG).0, 16);
+        // Three units in 500 ms: 6 over the interval.
+        assert_eq!(seen.observe(1, 1, 510, &CONFIG).0, 6);
+        // Never less than it asked so far.
+        assert_eq!(seen.observe(1, 5, 990, &CONFIG).0, 9);
         // The next interval asks for the last one's count until it is
         // busier itself.
-        assert_eq!(seen.observe(1, 1, 1_020, &CONFIG).0, 3);
+        assert_eq!(seen.observe(1, 1, 1_020, &CONFIG).0, 9);
         // One request is never busy, whatever its cost.
         assert_eq!(seen.observe(2, 50, 10, &CONFIG).0, 0);
         // A check seen once an interval stays cold.
@@ -823,7 +870,7 @@ mod tests {
         assert_eq!(t, Take::Miss { want: 8 });
         // Not busy: nothing to write.
         assert_eq!(
-            Slot::default().take(at(1), 1, 20, 0, 100, None),
+            Slot::default().take(at(1), 1, 20, 0, ASK, None),
             (None, Take::Miss { want: 0 })
         );
     }
@@ -838,14 +885,16 @@ mod tests {
             (1, 0, 500, 3)
         );
         // The worker comes back with its draw spent: accounted, and another.
-        let (next, t) = slot.take(at(1), 1, 30, 8, 100, Some(&first));
+        let (next, t) = slot.take(at(1), 1, 30, 8, ASK, Some(&first));
         let (slot, second) = (next.unwrap(), drawn(t));
         assert_eq!(
             (second.left, slot.current.units, slot.current.lent),
             (0, 0, 1)
         );
-        let (next, t) = slot.take(at(1), 1, 40, 8, 100, Some(&second));
-        assert!(matches!(t, Take::Miss { want } if want > 0));
+        // Spent; the renewal the first draw asked for (half the lease
+        // was left) is still out: the request calls without asking.
+        let (next, t) = slot.take(at(1), 1, 40, 8, ASK, Some(&second));
+        assert_eq!(t, Take::Miss { want: 0 });
         let slot = next.unwrap();
         assert_eq!(
             (slot.current.units, slot.current.lent),
@@ -856,7 +905,7 @@ mod tests {
         let (_, t) = take(full, 1, 500);
         assert!(matches!(t, Take::Miss { .. }), "expired at 500");
         // A cost above what is left calls.
-        let (_, t) = full.take(at(1), 6, 20, 8, 100, None);
+        let (_, t) = full.take(at(1), 6, 20, 8, ASK, None);
         assert!(matches!(t, Take::Miss { .. }));
     }
 
@@ -878,7 +927,7 @@ mod tests {
         let slot = Slot::default()
             .install(1, grant(3 * DRAW_HALF_FROM - 1, 5_000), 10)
             .unwrap();
-        let (next, t) = slot.take(at(1), 3, 20, 8, 100, None);
+        let (next, t) = slot.take(at(1), 3, 20, 8, ASK, None);
         assert_eq!(drawn(t).drawn, 3);
         // From a large one, half (of the 44 left).
         assert_eq!(drawn(take(next.unwrap(), 1, 21).1).drawn, 22);
@@ -899,7 +948,7 @@ mod tests {
         assert_eq!(Slot::decode(Some(&slot.encode())), slot);
         // A request heavier than half of such a lease draws its cost.
         let slot = Slot::default().install(1, plenty, 10).unwrap();
-        let (_, t) = slot.take(at(1), 4, 20, 8, 100, None);
+        let (_, t) = slot.take(at(1), 4, 20, 8, ASK, None);
         assert_eq!((drawn(t).drawn, drawn(t).left), (4, 0));
     }
 
@@ -914,7 +963,7 @@ mod tests {
         );
         // A heavier request, for which what is left is small, draws its
         // cost.
-        let (next, t) = slot.take(at(1), 4, 21, 8, 100, None);
+        let (next, t) = slot.take(at(1), 4, 21, 8, ASK, None);
         let (slot, b) = (next.unwrap(), drawn(t));
         assert_eq!(
             (b.drawn, b.left, slot.current.units, slot.current.lent),
@@ -967,7 +1016,7 @@ mod tests {
         let slot = Slot::default().install(1, grant(16, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
         let a = drawn(t); // 8 of 16, 7 left in it
-        let (next, t) = slot.take(at(1), 8, 21, 8, 100, None);
+        let (next, t) = slot.take(at(1), 8, 21, 8, ASK, None);
         let slot = next.unwrap();
         let b = drawn(t); // the last 8, all spent
         assert_eq!((slot.current.units, slot.current.lent), (0, 16));
@@ -1015,8 +1064,9 @@ mod tests {
             seen.observe(5, 1, now, &CONFIG);
             seen.observe(69, 1, now, &CONFIG);
         }
-        assert_eq!(seen.observe(5, 1, 40, &CONFIG).0, 4);
-        assert_eq!(seen.observe(69, 1, 40, &CONFIG).0, 4);
+        // Each asks for its pace (3 units in 30 ms, read over 125).
+        assert_eq!(seen.observe(5, 1, 40, &CONFIG).0, 24);
+        assert_eq!(seen.observe(69, 1, 40, &CONFIG).0, 24);
         // A third takes the way seen longest ago, and holding no draw.
         seen.keep_draw(5, test_draw(5));
         let (want, evicted) = seen.observe(133, 1, 50, &CONFIG);
@@ -1054,11 +1104,11 @@ mod tests {
             fingerprint: a.fingerprint ^ 1,
             ..a
         };
-        let (_, _, at) = leases.take(other, 1, 10, 8, 100, None);
+        let (_, _, at) = leases.take(other, 1, 10, 8, ASK, None);
         assert_eq!(at.slot, a.slot);
         assert!(leases.install(other, grant(5, 5_000), 10));
         // a asks in its alternate; its grant goes there and serves it.
-        let (take, kept, at) = leases.take(a, 1, 20, 8, 100, None);
+        let (take, kept, at) = leases.take(a, 1, 20, 8, ASK, None);
         assert_eq!(
             (take, kept, at.slot),
             (Take::Miss { want: 8 }, None, a.alternate)
@@ -1071,28 +1121,28 @@ mod tests {
             },
             20
         ));
-        let (take, _, at) = leases.take(a, 1, 30, 8, 100, None);
+        let (take, _, at) = leases.take(a, 1, 30, 8, ASK, None);
         let draw = drawn(take);
         assert_eq!(
             (draw.lease_id, draw.slot, at.slot),
             (9, a.alternate, a.alternate)
         );
         // Spent, the draw is accounted for in the slot it came from.
-        let (take, kept, _) = leases.take(a, 1, 40, 8, 100, Some(Draw { left: 0, ..draw }));
+        let (take, kept, _) = leases.take(a, 1, 40, 8, ASK, Some(Draw { left: 0, ..draw }));
         assert_eq!((drawn(take).drawn, kept), (1, None));
     }
 
     #[test]
-    fn a_lease_down_to_a_quarter_asks_once_for_the_next_which_replaces_it() {
+    fn a_lease_down_to_half_asks_once_for_the_next_which_replaces_it() {
         let slot = Slot::default().install(1, grant(64, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
         assert!(matches!(t, Take::Hit(_)), "64 left: {t:?}");
         let (slot, t) = take(slot, 1, 21);
-        assert!(matches!(t, Take::Hit(_)), "32 left: {t:?}");
+        assert!(matches!(t, Take::Renew(_, 8)), "32 left: {t:?}");
         let (slot, t) = take(slot, 1, 22);
-        assert!(matches!(t, Take::Renew(_, 8)), "16 left: {t:?}");
-        let (slot, t) = take(slot, 1, 23);
         assert!(matches!(t, Take::Hit(_)), "one ask at a time: {t:?}");
+        let (slot, t) = take(slot, 1, 23);
+        assert!(matches!(t, Take::Hit(_)), "8 left: {t:?}");
         // A grant that is no renewal finds units and goes back; a renewal
         // waits its turn, and takes over once the lease is spent.
         let newer = Grant {
@@ -1108,7 +1158,7 @@ mod tests {
         assert_eq!((slot.current.lease_id, slot.current.units), (7, 7));
         assert_eq!((slot.next.lease_id, slot.next.units), (8, 6));
         assert_eq!(slot.install(1, renewed, 30), None, "one waits at a time");
-        let (next, t) = slot.take(at(1), 7, 31, 8, 100, None);
+        let (next, t) = slot.take(at(1), 7, 31, 8, ASK, None);
         let slot = next.unwrap();
         assert_eq!(drawn(t).lease_id, 7, "the last units of the first");
         let (slot, t) = take(slot, 1, 32);
@@ -1169,7 +1219,7 @@ mod tests {
     #[test]
     fn units_are_never_overwritten_by_another_check_or_another_grant() {
         let slot = Slot::default().install(1, grant(5, 500), 10).unwrap();
-        let (next, t) = slot.take(at(2), 1, 20, 8, 100, None);
+        let (next, t) = slot.take(at(2), 1, 20, 8, ASK, None);
         assert_eq!((next, t), (None, Take::Occupied));
         assert_eq!(slot.install(2, grant(3, 500), 20), None);
         assert_eq!(slot.install(1, grant(3, 500), 20), None);
@@ -1211,7 +1261,7 @@ mod tests {
         );
         let next = slot.install(1, grant(3, 5_000), 2_500).unwrap();
         assert_eq!(next.current.units, 3);
-        let (next, _) = slot.take(at(2), 1, 2_500, 8, 100, None);
+        let (next, _) = slot.take(at(2), 1, 2_500, 8, ASK, None);
         assert!(next.is_some(), "another check may take the slot");
     }
 

@@ -20,9 +20,9 @@ impl Harness {
     }
 
     /// `a` sends eight requests through group commit (the second asks for
-    /// a lease, refused), then a ninth past that ask's deadline asks for
-    /// its rate, 9 units, answered with `grant`. Returns the number of
-    /// calls sent.
+    /// a lease, refused), then a ninth, 100 ms later and past that ask's
+    /// deadline, asks for what that pace makes over an interval, answered
+    /// with `grant`. Returns the number of calls sent.
     fn lease_for_a(&mut self, grant: &str) -> usize {
         self.lease_for_a_after(8, grant)
     }
@@ -41,8 +41,10 @@ impl Harness {
         }
     }
 
-    /// As [`Harness::lease_for_a`], after `before` requests (the ask is
-    /// for one more units).
+    /// As [`Harness::lease_for_a`], after `before` requests. The ask is
+    /// for eight times `before`: a client new to the worker asks for its
+    /// pace over the whole interval, read over an eighth of it at least
+    /// (here `before` units in 100 ms, read over 125).
     fn lease_for_a_after(&mut self, before: u32, grant: &str) -> usize {
         for token in 1..=before {
             let (_, step) = self.request("a");
@@ -56,7 +58,7 @@ impl Harness {
         self.wake();
         assert_eq!(
             self.last_call_body()["checks"][0]["lease"],
-            json!({"units": before + 1, "share": 2})
+            json!({"units": 8 * before, "share": 2})
         );
         self.answer_batch(before + 1, Some(200), &answer(&[grant.to_string()]));
         self.calls()
@@ -85,16 +87,17 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
         );
     }
     assert_eq!(h.calls(), calls, "no call while the lease lasts");
-    // Spent: the next request calls. The renewal asked when a quarter of
-    // the lease was left goes first, a check of cost 0 asking for the
-    // check's rate; the request's own check asks for nothing (one ask at
-    // a time).
+    // Spent: the next request calls. The renewal asked when half of the
+    // lease was left goes first (too little left to wait for the tick), a
+    // check of cost 0 asking for the check's pace (12 units in 100 ms, at
+    // most eight times them); the request's own check asks for nothing
+    // (one ask at a time).
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Pause);
     h.wake();
     let body = h.last_call_body();
     assert_eq!(body["checks"][0]["limits"][0]["cost"], 0, "{body}");
-    assert_eq!(body["checks"][0]["lease"]["units"], 14, "{body}");
+    assert_eq!(body["checks"][0]["lease"]["units"], 96, "{body}");
     assert_eq!(body["checks"][1]["limits"][0]["cost"], 1, "{body}");
     assert_eq!(
         body["checks"][1]["lease"],
@@ -130,7 +133,9 @@ fn hostcalls_per_request_from_a_lease() {
     h.worker.on_response_headers(&h.host, &mut s);
     assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
     h.hits_from_the_draw(15);
-    // Spent: the draw is accounted for and the next one taken, in one write.
+    // Spent: the draw is accounted for and the next one taken, in one
+    // write. Half the lease is left: the next one is asked for, at once
+    // (16 units last less than the wait for the tick at the pace asked).
     h.request("a");
     assert_eq!(
         h.host.take_hostcalls(),
@@ -139,8 +144,86 @@ fn hostcalls_per_request_from_a_lease() {
             "get_current_time",
             "get_shared_data",
             "set_shared_data",
+            "increment_metric",     // lease_renewals
+            "get_current_time",     // the renewal queued
+            "enqueue_shared_queue", // the root woken to send it
         ]
     );
+}
+
+impl Harness {
+    /// `a` holds a lease of 64 units (meshlimitd has plenty beyond it) and,
+    /// a second later, spends half of it at a pace it outlasts: the
+    /// request that finds half left asks for the next lease, which waits
+    /// (nothing sent, the root not woken). Returns the calls sent so far.
+    fn renewal_waiting(&mut self) -> usize {
+        self.lease_for_a(&granted(2_000, 64));
+        self.advance(1_000);
+        // The first draw takes 32 units: this request and 31 more.
+        let (_, step) = self.request("a");
+        assert_eq!(step, Step::Continue);
+        self.host.take_hostcalls();
+        self.hits_from_the_draw(31);
+        let calls = self.calls();
+        let (_, step) = self.request("a");
+        assert_eq!(step, Step::Continue);
+        // 31 units left (15 drawn, 16 in the slot) at 33 an interval: more
+        // than half as long again as the tick.
+        assert_eq!(
+            self.host.take_hostcalls(),
+            [
+                "get_header_map_pairs",
+                "get_current_time",
+                "get_shared_data",
+                "set_shared_data",
+                "increment_metric", // lease_renewals
+            ]
+        );
+        assert_eq!(self.calls(), calls);
+        calls
+    }
+}
+
+#[test]
+fn a_renewal_with_time_to_spare_waits_for_the_tick() {
+    let mut h = harness("");
+    let calls = h.renewal_waiting();
+    h.wake();
+    assert_eq!(h.calls(), calls, "a wake-up does not send it alone");
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    let body = h.last_call_body();
+    assert_eq!(body["checks"][0]["limits"][0]["cost"], 0, "{body}");
+    assert_eq!(body["checks"][0]["lease"]["units"], 33, "{body}");
+    // Answered, the renewal waits for the current lease to be spent.
+    let token = *h.host.sent.borrow().last().map(|c| &c.token).unwrap();
+    h.answer_batch(token, Some(200), &answer(&[granted(2_000, 33)]));
+    assert_eq!(h.stat("lease_grants"), 2);
+    h.host.take_hostcalls();
+    h.hits_from_the_draw(15);
+    for _ in 0..16 + 33 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue);
+    }
+    assert_eq!(h.calls(), calls + 1, "no request waited, none called");
+}
+
+#[test]
+fn a_waiting_renewal_rides_the_next_batch() {
+    let mut h = harness("");
+    let calls = h.renewal_waiting();
+    // Another client's request calls: the renewal goes with it.
+    let (_, step) = h.request("b");
+    assert_eq!(step, Step::Pause);
+    h.wake();
+    assert_eq!(h.calls(), calls + 1);
+    let body = h.last_call_body();
+    assert_eq!(body["checks"].as_array().map(Vec::len), Some(2), "{body}");
+    assert_eq!(body["checks"][0]["limits"][0]["cost"], 1, "b's, first");
+    assert_eq!(body["checks"][1]["limits"][0]["cost"], 0, "{body}");
+    assert_eq!(body["checks"][1]["lease"]["units"], 33, "{body}");
+    h.tick();
+    assert_eq!(h.calls(), calls + 1, "nothing left for the tick");
 }
 
 #[test]
@@ -174,11 +257,13 @@ fn an_idle_lease_gives_its_units_back_on_the_tick() {
 #[test]
 fn an_expired_fixed_window_lease_is_dropped_and_a_token_bucket_one_given_back() {
     let mut h = harness("");
-    let calls = h.lease_for_a(&granted(10, 8));
+    h.lease_for_a(&granted(10, 8));
     // The window (30 s) ends: its units are gone with it; nothing to send.
     h.advance(30_000);
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Pause, "an expired lease admits nothing");
+    h.wake();
+    let calls = h.calls();
     h.tick();
     assert_eq!(h.calls(), calls, "no return for a window that ended");
     let mut h = harness_with(
@@ -220,12 +305,13 @@ fn a_grant_for_a_slot_that_still_holds_units_goes_back_at_once() {
     // cannot be merged in; they go back at once.
     h.host.now.set(asked + 1);
     let calls = h.calls();
-    // (It asked for 2 and gets 2: never more than was asked is taken.)
-    h.answer_batch(2, Some(200), &answer(&[granted(2, 4)]));
+    // (It asked for 8, a unit seen in no time at most eight times over,
+    // and gets 8 of the 12 granted: never more than was asked is taken.)
+    h.answer_batch(2, Some(200), &answer(&[granted(2, 12)]));
     assert_eq!(h.stat("lease_grants"), 1, "not installed");
     h.wake();
     assert_eq!(h.calls(), calls + 1);
-    assert_eq!(h.last_call_body()["settlements"][0]["limits"][0]["cost"], 2);
+    assert_eq!(h.last_call_body()["settlements"][0]["limits"][0]["cost"], 8);
 }
 
 #[test]
