@@ -22,8 +22,10 @@
 //!     meshlimitd over gRPC.
 //! 12. to 18. Envoy answering itself (`direct_response`, no upstream),
 //!     so that the filter's cost is most of what is measured: bare Envoy,
-//!     a do-nothing Rust wasm filter that reads one header (the practical
-//!     limit of any wasm filter; tests/noop-filter), and meshlimit's
+//!     a do-nothing Rust wasm filter that reads the client id as the
+//!     benched configuration does (`x-api-key`, else `:path` for the
+//!     Zipf mix's `key` parameter: the practical limit of any wasm filter
+//!     deciding by the client; tests/noop-filter), and meshlimit's
 //!     default (quota leases) beside leases off, for one hot client and
 //!     for 1000 clients whose request rates follow a Zipf distribution
 //!     (a few clients send most requests, as real traffic has).
@@ -681,7 +683,7 @@ fn main() {
             false,
         ),
         direct_target(
-            "13. a do-nothing Rust wasm filter reading one header, answering itself",
+            "13. a do-nothing Rust wasm filter reading the client id, answering itself",
             &noop_direct_addr,
             base.addr(19_906),
             noop_direct.pid(),
