@@ -175,7 +175,7 @@ impl Worker {
     /// How long a renewal may wait for the root's tick: a tick period when
     /// the tick runs and group commit is on, else 0.
     fn deferral_ms(&self) -> u64 {
-        match (&self.group, self.ticking.get(), self.lease_tick_ms()) {
+        match (&self.group, self.ticking, self.lease_tick_ms()) {
             (Some(_), true, Some(tick)) => u64::from(tick),
             _ => 0,
         }

@@ -210,7 +210,7 @@ pub struct Worker {
     breaker_closed_at: Cell<Option<u64>>,
     /// The root's tick runs (leases on, and the host took the period):
     /// renewals with time to spare may wait for it.
-    ticking: Cell<bool>,
+    ticking: bool,
 }
 
 impl Worker {
@@ -241,7 +241,7 @@ impl Worker {
         });
         // The busy-check table: as many entries as lease slots.
         let observed = config.leases.map_or(1, |l| l.slots);
-        let worker = Worker {
+        let mut worker = Worker {
             metrics: Metrics::define(host),
             config,
             root_context_id,
@@ -262,11 +262,11 @@ impl Worker {
             lease_hits: Cell::new(0),
             lease_observer: RefCell::new(crate::shared::lease::Observer::new(observed)),
             breaker_closed_at: Cell::new(None),
-            ticking: Cell::new(false),
+            ticking: false,
         };
         if let Some(ms) = worker.lease_tick_ms() {
             if host.set_tick_period(ms) {
-                worker.ticking.set(true);
+                worker.ticking = true;
             } else {
                 warn!("cannot set a tick period; leased units are not given back before their window ends");
             }
