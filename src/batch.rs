@@ -122,10 +122,7 @@ impl<T> Batcher<T> {
         if !self.should_send(now_ms) {
             return None;
         }
-        let n = self.queue.len().min(self.config.max_batch);
-        let mut batch: Vec<T> = self.queue.drain(..n).map(|(_, item)| item).collect();
-        self.fill(&mut batch);
-        Some(batch)
+        Some(self.next_batch())
     }
 
     /// The deferred jobs' batch, when there are any and a call slot is free
@@ -135,17 +132,18 @@ impl<T> Batcher<T> {
         if self.deferred.is_empty() || self.in_flight.len() >= self.config.max_in_flight {
             return None;
         }
-        let n = self.queue.len().min(self.config.max_batch);
-        let mut batch: Vec<T> = self.queue.drain(..n).map(|(_, item)| item).collect();
-        self.fill(&mut batch);
-        Some(batch)
+        Some(self.next_batch())
     }
 
-    /// Deferred jobs ride `batch` up to `max_batch`.
-    fn fill(&mut self, batch: &mut Vec<T>) {
+    /// Up to `max_batch` jobs: the queued checks first, then deferred jobs
+    /// riding along in the room left.
+    fn next_batch(&mut self) -> Vec<T> {
+        let n = self.queue.len().min(self.config.max_batch);
+        let mut batch: Vec<T> = self.queue.drain(..n).map(|(_, item)| item).collect();
         let room = self.config.max_batch.saturating_sub(batch.len());
         let n = self.deferred.len().min(room);
         batch.extend(self.deferred.drain(..n));
+        batch
     }
 
     /// The wake-up could not be sent: the next enqueue must try again.

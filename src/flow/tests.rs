@@ -140,6 +140,11 @@ impl Harness {
         self.host.sent.borrow().len()
     }
 
+    /// The token of the last call sent.
+    fn last_token(&self) -> u32 {
+        self.host.sent.borrow().last().map(|c| c.token).unwrap()
+    }
+
     fn last_call_body(&self) -> serde_json::Value {
         let sent = self.host.sent.borrow();
         serde_json::from_slice(&sent.last().unwrap().body).unwrap()

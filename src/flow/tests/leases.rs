@@ -196,7 +196,7 @@ fn a_renewal_with_time_to_spare_waits_for_the_tick() {
     assert_eq!(body["checks"][0]["limits"][0]["cost"], 0, "{body}");
     assert_eq!(body["checks"][0]["lease"]["units"], 33, "{body}");
     // Answered, the renewal waits for the current lease to be spent.
-    let token = *h.host.sent.borrow().last().map(|c| &c.token).unwrap();
+    let token = h.last_token();
     h.answer_batch(token, Some(200), &answer(&[granted(2_000, 33)]));
     assert_eq!(h.stat("lease_grants"), 2);
     h.host.take_hostcalls();
@@ -242,7 +242,7 @@ fn an_idle_lease_gives_its_units_back_on_the_tick() {
     assert_eq!(back["limits"][0]["cost"], 7, "{body}");
     assert_eq!(back["actual"], json!([0]));
     assert_eq!(back["receipts"][0]["nonce"], "n.1");
-    let token = *h.host.sent.borrow().last().map(|c| &c.token).unwrap();
+    let token = h.last_token();
     h.answer_batch(
         token,
         Some(200),
@@ -390,7 +390,7 @@ fn a_lease_running_low_is_renewed_with_no_request_waiting() {
     let body = h.last_call_body();
     assert_eq!(body["checks"].as_array().map(Vec::len), Some(1), "{body}");
     assert_eq!(body["checks"][0]["limits"][0]["cost"], 0, "{body}");
-    let token = *h.host.sent.borrow().last().map(|c| &c.token).unwrap();
+    let token = h.last_token();
     h.answer_batch(
         token,
         Some(200),
