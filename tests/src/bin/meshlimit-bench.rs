@@ -470,6 +470,7 @@ fn baseline_envoy(base: &Topology, i: u16, filters: &str, answering: bool) -> (P
     vars.insert("UPSTREAM_HOST", base.host.clone());
     vars.insert("UPSTREAM_PORT", UPSTREAM_PORT.to_string());
     vars.insert("HTTP_FILTERS", filters.to_string());
+    vars.insert("REPLICA_NAME", format!("baseline-{i}"));
     let mut config = render(&template("bench-baseline.yaml"), &vars);
     if answering {
         config = answering_itself(&config);
