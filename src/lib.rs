@@ -44,6 +44,7 @@ pub(crate) mod flow;
 pub(crate) mod headers;
 pub mod host;
 pub(crate) mod percent;
+pub(crate) mod plan_memo;
 pub(crate) mod reply;
 pub(crate) mod rules;
 pub mod shared;

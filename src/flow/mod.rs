@@ -208,6 +208,9 @@ pub struct Worker {
     /// hostcall per request saved, and another worker's opening is seen at
     /// most a millisecond later. This worker's own failures clear it.
     breaker_closed_at: Cell<Option<u64>>,
+    /// The last check planned, for the next request planned from the same
+    /// inputs (a busy client's).
+    plan_memo: RefCell<crate::plan_memo::PlanMemo>,
     /// The root's tick runs (leases on, and the host took the period):
     /// renewals with time to spare may wait for it.
     ticking: bool,
@@ -262,6 +265,7 @@ impl Worker {
             lease_hits: Cell::new(0),
             lease_observer: RefCell::new(crate::shared::lease::Observer::new(observed)),
             breaker_closed_at: Cell::new(None),
+            plan_memo: RefCell::default(),
             ticking: false,
         };
         if let Some(ms) = worker.lease_tick_ms() {
@@ -309,7 +313,11 @@ impl Worker {
             return Step::Continue;
         }
         let (method, path) = (request.text(":method"), request.text(":path"));
-        let check = match decision::plan(&self.config, &request, &method, &path) {
+        let planned = self
+            .plan_memo
+            .borrow_mut()
+            .plan(&self.config, &request, &method, &path);
+        let check = match planned {
             Plan::Pass { skipped } => {
                 self.metrics
                     .add(host, Stat::SkippedMissingAttribute, skipped as usize);

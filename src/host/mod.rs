@@ -39,6 +39,19 @@ pub trait RequestView {
     /// into the dynamic metadata); `None` when absent or empty.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 
+    /// Whether header `name` has exactly `values`, in order (none:
+    /// absent); a `None` among them never matches.
+    fn has_values_in(&self, name: &str, values: &mut dyn Iterator<Item = Option<&[u8]>>) -> bool {
+        let have = self.header_values(name);
+        let mut have = have.iter();
+        for want in values {
+            if want.is_none() || have.next().map(Vec::as_slice) != want {
+                return false;
+            }
+        }
+        have.next().is_none()
+    }
+
     /// A header that must be sent once to mean anything.
     fn header(&self, name: &str) -> HeaderValue {
         let mut values = self.header_values(name);
@@ -86,6 +99,17 @@ impl<'h, H: Host> Request<'h, H> {
 impl<H: Host> RequestView for Request<'_, H> {
     fn header_values(&self, name: &str) -> Vec<Vec<u8>> {
         self.headers.values(name).map(<[u8]>::to_vec).collect()
+    }
+
+    fn has_values_in(&self, name: &str, values: &mut dyn Iterator<Item = Option<&[u8]>>) -> bool {
+        // Compared in place: no copy of the request's values.
+        let mut have = self.headers.values(name);
+        for want in values {
+            if want.is_none() || have.next() != want {
+                return false;
+            }
+        }
+        have.next().is_none()
     }
 
     fn header(&self, name: &str) -> HeaderValue {
