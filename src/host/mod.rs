@@ -43,13 +43,7 @@ pub trait RequestView {
     /// absent); a `None` among them never matches.
     fn has_values_in(&self, name: &str, values: &mut dyn Iterator<Item = Option<&[u8]>>) -> bool {
         let have = self.header_values(name);
-        let mut have = have.iter();
-        for want in values {
-            if want.is_none() || have.next().map(Vec::as_slice) != want {
-                return false;
-            }
-        }
-        have.next().is_none()
+        same_values(have.iter().map(Vec::as_slice), values)
     }
 
     /// A header that must be sent once to mean anything.
@@ -61,6 +55,20 @@ pub trait RequestView {
             _ => HeaderValue::Repeated,
         }
     }
+}
+
+/// Whether `have` yields exactly `want`, in order (a `None` in `want`
+/// never matches).
+fn same_values<'a>(
+    mut have: impl Iterator<Item = &'a [u8]>,
+    want: &mut dyn Iterator<Item = Option<&[u8]>>,
+) -> bool {
+    for w in want {
+        if w.is_none() || have.next() != w {
+            return false;
+        }
+    }
+    have.next().is_none()
 }
 
 /// Every value of header `name` in a header map, in order.
@@ -103,13 +111,7 @@ impl<H: Host> RequestView for Request<'_, H> {
 
     fn has_values_in(&self, name: &str, values: &mut dyn Iterator<Item = Option<&[u8]>>) -> bool {
         // Compared in place: no copy of the request's values.
-        let mut have = self.headers.values(name);
-        for want in values {
-            if want.is_none() || have.next() != want {
-                return false;
-            }
-        }
-        have.next().is_none()
+        same_values(self.headers.values(name), values)
     }
 
     fn header(&self, name: &str) -> HeaderValue {
