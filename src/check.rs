@@ -92,7 +92,31 @@ pub struct Check {
     pub tokens: Option<Rc<TokenCost>>,
     /// The lease this check asks for with its call, if any.
     pub lease: Option<LeaseTicket>,
+    /// Where its lease lives, once looked up, and the seed that placed it
+    /// (see [`Check::lease_place`]).
+    pub place: Derived<((u64, u64), Place)>,
 }
+
+/// A value computed from the rest of a struct and kept beside it, so that
+/// a check a busy client's requests share is hashed once, not once a
+/// request. Not part of the value: any two compare equal, and a clone
+/// keeps it (it is still true of the copy).
+#[derive(Debug, Clone)]
+pub struct Derived<T: Copy>(std::cell::Cell<Option<T>>);
+
+impl<T: Copy> Default for Derived<T> {
+    fn default() -> Self {
+        Derived(std::cell::Cell::new(None))
+    }
+}
+
+impl<T: Copy> PartialEq for Derived<T> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl<T: Copy> Eq for Derived<T> {}
 
 /// A lease asked with a check's call (see `crate::shared::lease`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,6 +156,19 @@ impl std::hash::Hash for LeaseIdentity<'_> {
 }
 
 impl Check {
+    /// Its lease's place for the fingerprint seed `seed`, computed by
+    /// `place` the first time (and again if the seed changed).
+    pub fn lease_place(&self, seed: (u64, u64), place: impl FnOnce() -> Place) -> Place {
+        match self.place.0.get() {
+            Some((s, p)) if s == seed => p,
+            _ => {
+                let p = place();
+                self.place.0.set(Some((seed, p)));
+                p
+            }
+        }
+    }
+
     /// The check as one entry of a call: the global limits only.
     pub fn to_wire(&self) -> meshlimit_protocol::Check {
         meshlimit_protocol::Check {
@@ -187,6 +224,7 @@ impl Check {
             skipped: 0,
             tokens: self.tokens.clone(),
             lease: None,
+            place: Derived::default(),
         }
     }
 

@@ -30,8 +30,9 @@ pub enum Plan {
     Pass { skipped: u32 },
     /// Refused before any check, for the reason given.
     Reject(DenyResponse, RejectReason),
-    /// Decide these limits for this subject.
-    Check(Check),
+    /// Decide these limits for this subject. Shared: a busy client's
+    /// requests reuse one plan (`crate::plan_memo`) without copying it.
+    Check(Rc<Check>),
 }
 
 /// Why a request was refused without a check (each has its own stat).
@@ -128,14 +129,15 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         Some(Identity::Subject(client)) => client.clone(),
         _ => first.subject.clone(),
     };
-    Plan::Check(Check {
+    Plan::Check(Rc::new(Check {
         subject,
         local,
         global,
         skipped,
         tokens,
         lease: None,
-    })
+        place: Default::default(),
+    }))
 }
 
 /// The deny for a request whose cost exceeds an enforced limit's

@@ -18,6 +18,7 @@
 //! claim) is not kept: those are not in the header map to compare.
 
 use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 
 use crate::check::Check;
 use crate::config::Config;
@@ -36,8 +37,9 @@ pub(crate) struct PlanMemo {
     inputs: Inputs,
     /// The next plan's inputs are noted here, then swapped in.
     spare: Inputs,
-    /// The check planned from `inputs`, once planned from them twice.
-    check: Option<Check>,
+    /// The check planned from `inputs`, once planned from them twice;
+    /// shared with the requests it serves.
+    check: Option<Rc<Check>>,
     /// Plans served from the memo (tests).
     #[cfg(test)]
     reused: usize,
@@ -127,7 +129,7 @@ impl PlanMemo {
                 {
                     self.reused += 1;
                 }
-                return Plan::Check(check.clone());
+                return Plan::Check(Rc::clone(check));
             }
         }
         let mut inputs = std::mem::take(&mut self.spare);
@@ -144,7 +146,7 @@ impl PlanMemo {
         }
         self.check = match &plan {
             Plan::Check(check) if !inputs.0.is_empty() && inputs == self.inputs => {
-                Some(check.clone())
+                Some(Rc::clone(check))
             }
             _ => None,
         };

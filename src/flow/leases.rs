@@ -29,6 +29,14 @@ const HITS_PER_STAT_UPDATE: u64 = 64;
 /// settlements per call.
 const RETURNS_PER_JOB: usize = 16;
 
+/// What a request's check found in its lease slot.
+pub(super) enum Lookup {
+    /// Admitted from the lease: the result to decide by.
+    Hit(CheckResult),
+    /// No units for it: its call asks for this lease, if any.
+    Miss(Option<LeaseTicket>),
+}
+
 /// A lease this worker installed: what giving its units back needs.
 pub(super) struct LeaseRecord {
     slot: u64,
@@ -58,7 +66,8 @@ impl Worker {
     }
 
     /// A request's check, before any call: admitted from its lease (the
-    /// result to decide by), or given a lease ask for its call when busy.
+    /// result to decide by), or a miss with the lease its call asks for
+    /// when busy.
     /// Most hits spend this worker's draw and cross into Envoy for nothing;
     /// a draw spent goes to the slot for the next one (half of what is
     /// left there).
@@ -68,11 +77,17 @@ impl Worker {
         host: &impl Host,
         now: u64,
         context_id: u32,
-        check: &mut Check,
-    ) -> Option<CheckResult> {
-        let cost = check.lease_cost()?;
-        let leases = self.leases(host, now)?;
-        let place = leases.place(&LeaseIdentity(&check.global), &check.subject);
+        check: &Check,
+    ) -> Lookup {
+        let Some(cost) = check.lease_cost() else {
+            return Lookup::Miss(None);
+        };
+        let Some(leases) = self.leases(host, now) else {
+            return Lookup::Miss(None);
+        };
+        let place = check.lease_place(leases.seed, || {
+            leases.place(&LeaseIdentity(&check.global), &check.subject)
+        });
         let mut observer = self.lease_observer.borrow_mut();
         // Only checks busy on this worker ask for a lease; any check draws
         // from one its Envoy holds (another worker's ask may have got it,
@@ -88,7 +103,11 @@ impl Worker {
         let (draw, remaining) = match observer.spend(place.fingerprint, cost, now) {
             Some(draw) => (draw, draw.left),
             None => {
-                let (draw, renewal) = self.draw(&leases, &mut observer, place, want, check, now)?;
+                let (draw, renewal) =
+                    match self.draw(&leases, &mut observer, place, want, check, now) {
+                        Ok(drawn) => drawn,
+                        Err(ask) => return Lookup::Miss(ask),
+                    };
                 drop(observer);
                 if let Some(ticket) = renewal {
                     // How long what is left lasts at the rate it asks for.
@@ -109,7 +128,7 @@ impl Worker {
         } else {
             self.lease_hits.set(hits);
         }
-        Some(hit_result(
+        Lookup::Hit(hit_result(
             check,
             remaining,
             draw.reset_at_ms.saturating_sub(now),
@@ -120,17 +139,19 @@ impl Worker {
     /// the worker's last draw accounted for first, and the ticket of a
     /// renewal to ask for when the lease runs low; or, with no lease to
     /// draw from, `None`, and the request's call asks for one when `want`
-    /// is not 0 and no other ask is out.
+    /// is not 0 and no other ask is out (the ask, in `Err`).
     fn draw<H: Host>(
         &self,
         leases: &Leases<'_, H>,
         observer: &mut Observer,
         place: Place,
         want: u64,
-        check: &mut Check,
+        check: &Check,
         now: u64,
-    ) -> Option<(Draw, Option<LeaseTicket>)> {
-        let cost = check.lease_cost()?;
+    ) -> Result<(Draw, Option<LeaseTicket>), Option<LeaseTicket>> {
+        let Some(cost) = check.lease_cost() else {
+            return Err(None);
+        };
         let previous = observer.take_draw(place.fingerprint);
         // An ask is out until its answer may have come: a renewal may wait
         // for the tick first.
@@ -159,17 +180,15 @@ impl Worker {
                 }),
                 _ => None,
             };
-            return Some((draw, renewal));
+            return Ok((draw, renewal));
         }
         if let Some(draw) = kept {
             observer.keep_draw(place.fingerprint, draw);
         }
-        if let Take::Miss { want } = take {
-            if want > 0 {
-                check.lease = Some(ticket(want));
-            }
+        match take {
+            Take::Miss { want } if want > 0 => Err(Some(ticket(want))),
+            _ => Err(None),
         }
-        None
     }
 
     /// How long a renewal may wait for the root's tick: a tick period when

@@ -32,6 +32,7 @@ mod tests;
 mod tokens;
 
 use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 
 use log::{info, warn};
 use meshlimit_protocol::CheckResult;
@@ -346,14 +347,16 @@ impl Worker {
             // The reservation is in the body: decide once it is in. The
             // headers go on (a paused stream would get no body callbacks);
             // the body waits, so the upstream sees nothing it could act on.
-            stream.awaiting_body = Some(check);
+            stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
             return Step::Continue;
         }
         self.decide(host, stream, check)
     }
 
     /// Decides a planned check: local rules, deny cache, breaker, call.
-    fn decide(&self, host: &impl Host, stream: &mut Stream, check: Check) -> Step {
+    /// `check` may be shared with the plan memo: it is copied only when a
+    /// call needs one of its own (a busy client's hits copy nothing).
+    fn decide(&self, host: &impl Host, stream: &mut Stream, check: Rc<Check>) -> Step {
         let now = host.now_ms();
         let config = &self.config;
         // Local rules first: a local deny needs no call at all. (A request
@@ -384,10 +387,12 @@ impl Worker {
         // A lease's units were charged in Redis already: a hit needs no
         // call, and comes before the deny cache (a deny cached on another
         // request does not make those units any less this client's).
-        let mut check = check;
-        if let Some(result) = self.lease_hit(host, now, stream.context_id, &mut check) {
-            return stream.apply(with_local(config, &check, local.as_ref(), &result));
-        }
+        let ask = match self.lease_hit(host, now, stream.context_id, &check) {
+            leases::Lookup::Hit(result) => {
+                return stream.apply(with_local(config, &check, local.as_ref(), &result));
+            }
+            leases::Lookup::Miss(ask) => ask,
+        };
         if let Some(cache) = self.deny_cache(host, now) {
             if let Some(verdict) = decision::cached_deny(config, &check, &cache, now) {
                 self.metrics.bump(host, Stat::DenyCacheHits);
@@ -411,10 +416,14 @@ impl Worker {
                 let result = leases::hit_result(&check, 0, 0);
                 stream.apply(with_local(config, &check, local.as_ref(), &result))
             }
-            Gate::Call | Gate::Probe => match &self.group {
-                Some(group) => self.enqueue(host, group, stream, now, check, local),
-                None => self.ask_service(host, stream, now, check, local),
-            },
+            Gate::Call | Gate::Probe => {
+                let mut check = Rc::unwrap_or_clone(check);
+                check.lease = ask;
+                match &self.group {
+                    Some(group) => self.enqueue(host, group, stream, now, check, local),
+                    None => self.ask_service(host, stream, now, check, local),
+                }
+            }
         }
     }
 

@@ -186,7 +186,7 @@ impl Worker {
             self.metrics.bump(host, Stat::RejectedCostAboveCapacity);
             return Step::Reply(deny);
         }
-        self.decide(host, stream, check)
+        self.decide(host, stream, std::rc::Rc::new(check))
     }
 
     /// The response's headers: how its usage will be read. False when the
