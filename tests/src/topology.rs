@@ -268,8 +268,10 @@ impl Topology {
     }
 
     /// Envoy counts meshlimitd unhealthy until its first health check
-    /// passes; calls made before then are fallbacks.
-    fn wait_sees_meshlimitd(&self, i: usize, replica: &mut Proc) {
+    /// passes; calls made before then are fallbacks. A test that starts
+    /// replica `i` from a config of its own with [`Topology::start_envoy`]
+    /// waits here before its first request, or races the health check.
+    pub fn wait_sees_meshlimitd(&self, i: usize, replica: &mut Proc) {
         let admin = self.replica_admin(i);
         wait_until(
             replica,

@@ -58,7 +58,9 @@ fn a_raised_limit_ends_cached_denials_at_once() {
     let lds = t.dir.path().join("lds.yaml");
     std::fs::write(&lds, &listener).unwrap();
     let bootstrap = bootstrap.replace("LDS_PATH", lds.to_str().unwrap());
-    let _replica = t.start_envoy("replica-1", &bootstrap, 2);
+    let mut replica = t.start_envoy("replica-1", &bootstrap, 2);
+    // Else the first requests may be fallbacks, which feed no deny cache.
+    t.wait_sees_meshlimitd(1, &mut replica);
     let addr = t.replica_addr(1);
     let get = || {
         http::get(&addr, "/api/x", &[("x-api-key", b"pushed")])

@@ -107,7 +107,10 @@ fn on_a_gateway_behind_a_balancer_the_client_is_two_hops_from_the_right() {
             &format!("address: {}, port_value: {gateway_port}", ns.host_ip),
         );
     assert!(gateway.contains(&ns.host_ip) && gateway.contains("use_remote_address: true"));
-    let _gateway = t.start_envoy("replica-1", &gateway, 1);
+    let mut gateway = t.start_envoy("replica-1", &gateway, 1);
+    // Before then its calls fail and the fallback decides, counting
+    // nothing in Redis (seen on a fresh machine's first run).
+    t.wait_sees_meshlimitd(1, &mut gateway);
     // The balancer, in the namespace, in front of the gateway.
     let mut vars = t.base_vars(19_950, FRONT_PORT);
     vars.insert("ADMIN_HOST", ns.inner_ip.clone());
@@ -150,6 +153,13 @@ fn on_a_gateway_behind_a_balancer_the_client_is_two_hops_from_the_right() {
         .map(|_| http::get(&entry, "/api/x", forged).unwrap().status)
         .collect();
     assert_eq!(statuses, [200, 200, 200, 429, 429], "one client, limited");
+    // By meshlimitd: the fallback's share of 3 gives the same statuses,
+    // but counts nothing in Redis.
+    assert_eq!(
+        t.stat(1, "meshlimit.fallback_allowed"),
+        0,
+        "decided by the fallback"
+    );
     // Counted as the client the balancer saw (this host's side of the
     // pair), not as the balancer, nor as what the client wrote itself.
     let keys = t.redis_cli(&["--scan", "--pattern", "ml:*"]);
