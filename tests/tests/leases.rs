@@ -76,10 +76,18 @@ fn two_replicas_sharing_a_hot_clients_quota_admit_the_full_limit_and_no_more() {
     wait_for_fresh_window(Duration::from_secs(20));
     // 16 connections through the front (both replicas), 3000 requests.
     let (ok, denied) = hammer(&t, "hot", 16, 3000 / 16);
+    // Where the units are, should the bound below fail: Redis' count,
+    // what leases held, and what went back.
     eprintln!(
-        "hot client: {ok} admitted, {denied} denied; {} lease hits, {} leases, {} calls",
+        "hot client: {ok} admitted, {denied} denied; {} lease hits, {} leases of {} units, \
+         {} units returned, {} counted in Redis, {} deny-cache hits, {} fallback, {} calls",
         t.lease_hits(),
         t.stat_total("meshlimit.lease_grants"),
+        t.stat_total("meshlimit.lease_units"),
+        t.stat_total("meshlimit.lease_returns"),
+        t.key_count("api/per-minute", "hot"),
+        t.stat_total("meshlimit.deny_cache_hits"),
+        t.stat_total("meshlimit.fallback_allowed"),
         calls(&t)
     );
     assert!(ok <= limit, "never more than the limit: {ok}");
