@@ -7,6 +7,7 @@
 //! configuration (`Rc`), so a paused request carries no copies of it, and
 //! nothing downstream resolves or splits the check again.
 
+use std::cell::{Cell, OnceCell};
 use std::rc::Rc;
 
 use meshlimit_protocol::{
@@ -94,29 +95,30 @@ pub struct Check {
     pub lease: Option<LeaseTicket>,
     /// Where its lease lives, once looked up, and the seed that placed it
     /// (see [`Check::lease_place`]).
-    pub place: Derived<((u64, u64), Place)>,
+    pub place: Derived<Cell<Option<SeededPlace>>>,
+    /// Its `RateLimit-Policy` value as a lease hit reports it (see
+    /// [`crate::headers::admitted`]), once made.
+    pub hit_policy: Derived<OnceCell<String>>,
 }
 
-/// A value computed from the rest of a struct and kept beside it, so that
-/// a check a busy client's requests share is hashed once, not once a
-/// request. Not part of the value: any two compare equal, and a clone
-/// keeps it (it is still true of the copy).
-#[derive(Debug, Clone)]
-pub struct Derived<T: Copy>(std::cell::Cell<Option<T>>);
+/// A lease's place, and the fingerprint seed it was computed with.
+pub type SeededPlace = ((u64, u64), Place);
 
-impl<T: Copy> Default for Derived<T> {
-    fn default() -> Self {
-        Derived(std::cell::Cell::new(None))
-    }
-}
+/// Values computed from the rest of a struct and kept beside it, so that
+/// a check a busy client's requests share is hashed and formatted once,
+/// not once a request. Not part of the value: any two compare equal, and
+/// a clone keeps them (they are still true of the copy, whose limits and
+/// subjects are the same: only costs and the lease ask change on a copy).
+#[derive(Debug, Clone, Default)]
+pub struct Derived<T>(pub T);
 
-impl<T: Copy> PartialEq for Derived<T> {
+impl<T> PartialEq for Derived<T> {
     fn eq(&self, _: &Self) -> bool {
         true
     }
 }
 
-impl<T: Copy> Eq for Derived<T> {}
+impl<T> Eq for Derived<T> {}
 
 /// A lease asked with a check's call (see `crate::shared::lease`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,6 +227,7 @@ impl Check {
             tokens: self.tokens.clone(),
             lease: None,
             place: Derived::default(),
+            hit_policy: Derived::default(),
         }
     }
 

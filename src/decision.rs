@@ -137,6 +137,7 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         tokens,
         lease: None,
         place: Default::default(),
+        hit_policy: Default::default(),
     }))
 }
 

@@ -36,52 +36,96 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
     let (name, status) = top;
     match style {
         HeaderStyle::None => Vec::new(),
-        HeaderStyle::XRatelimit => vec![
-            ("x-ratelimit-limit", status.limit.to_string()),
-            ("x-ratelimit-remaining", status.remaining.to_string()),
-            (
-                "x-ratelimit-reset",
-                ceil_secs(status.reset_after_ms).to_string(),
-            ),
-        ],
+        HeaderStyle::XRatelimit => {
+            x_ratelimit(status.limit, status.remaining, status.reset_after_ms)
+        }
         HeaderStyle::Draft => {
             // The configured quota, or a higher one meshlimitd applied (a
             // live override raising it; a fallback's share is lower and
             // leaves the policy as configured, a lowered override shows in
             // `r`); and the window, except for calendar windows, whose
             // length varies (a month): `w` is optional in the draft.
-            // Written by hand, not with `format!`: these two values are
-            // made for every admitted request.
-            let mut policy = String::with_capacity(48 * limits.len());
-            let statuses = result
-                .limits
-                .iter()
-                .map(Some)
-                .chain(std::iter::repeat(None));
-            for (a, status) in limits.iter().zip(statuses).filter(|(a, _)| !a.shadow) {
-                let quota = status.map_or(a.limit.requests, |s| s.limit.max(a.limit.requests));
-                if !policy.is_empty() {
-                    policy.push_str(", ");
-                }
-                policy.push('"');
-                policy.push_str(&a.limit.qualified_name);
-                policy.push_str("\";q=");
-                push_u64(&mut policy, quota);
-                if a.limit.calendar.is_none() {
-                    policy.push_str(";w=");
-                    push_u64(&mut policy, ceil_secs(a.limit.window_ms));
-                }
-            }
-            let mut now = String::with_capacity(name.len() + 32);
-            now.push('"');
-            now.push_str(name);
-            now.push_str("\";r=");
-            push_u64(&mut now, status.remaining);
-            now.push_str(";t=");
-            push_u64(&mut now, ceil_secs(status.reset_after_ms));
-            vec![("ratelimit-policy", policy), ("ratelimit", now)]
+            let statuses = result.limits.iter().map(Some);
+            let policy = draft_policy(limits, statuses.chain(std::iter::repeat(None)));
+            draft(policy, name, status.remaining, status.reset_after_ms)
         }
     }
+}
+
+/// The headers of a request admitted from a lease with `remaining` units
+/// left and its window whole again in `reset_after_ms`: the same as
+/// [`rate_limit_headers`] for a result whose every limit reports those
+/// (each at its configured quota), without making that result. The
+/// policy, the same for every such request of the check, is made once
+/// and kept in `policy`.
+pub fn admitted(
+    style: HeaderStyle,
+    limits: &[Applied],
+    remaining: u64,
+    reset_after_ms: u64,
+    policy: &std::cell::OnceCell<String>,
+) -> Headers {
+    // Equal statuses: the most constraining is the first enforced limit.
+    let Some(top) = limits.iter().find(|a| !a.shadow) else {
+        return Vec::new();
+    };
+    match style {
+        HeaderStyle::None => Vec::new(),
+        HeaderStyle::XRatelimit => x_ratelimit(top.limit.requests, remaining, reset_after_ms),
+        HeaderStyle::Draft => {
+            let policy = policy.get_or_init(|| draft_policy(limits, std::iter::repeat(None)));
+            draft(
+                policy.clone(),
+                &top.limit.qualified_name,
+                remaining,
+                reset_after_ms,
+            )
+        }
+    }
+}
+
+fn x_ratelimit(limit: u64, remaining: u64, reset_after_ms: u64) -> Headers {
+    vec![
+        ("x-ratelimit-limit", limit.to_string()),
+        ("x-ratelimit-remaining", remaining.to_string()),
+        ("x-ratelimit-reset", ceil_secs(reset_after_ms).to_string()),
+    ]
+}
+
+/// `RateLimit-Policy` for `limits`, each with its status if it has one.
+/// Written by hand, not with `format!`: made for every admitted request.
+fn draft_policy<'a>(
+    limits: &[Applied],
+    statuses: impl Iterator<Item = Option<&'a LimitStatus>>,
+) -> String {
+    let mut policy = String::with_capacity(48 * limits.len());
+    for (a, status) in limits.iter().zip(statuses).filter(|(a, _)| !a.shadow) {
+        let quota = status.map_or(a.limit.requests, |s| s.limit.max(a.limit.requests));
+        if !policy.is_empty() {
+            policy.push_str(", ");
+        }
+        policy.push('"');
+        policy.push_str(&a.limit.qualified_name);
+        policy.push_str("\";q=");
+        push_u64(&mut policy, quota);
+        if a.limit.calendar.is_none() {
+            policy.push_str(";w=");
+            push_u64(&mut policy, ceil_secs(a.limit.window_ms));
+        }
+    }
+    policy
+}
+
+/// Both draft headers: `policy`, and `RateLimit` for the limit `name`.
+fn draft(policy: String, name: &str, remaining: u64, reset_after_ms: u64) -> Headers {
+    let mut now = String::with_capacity(name.len() + 32);
+    now.push('"');
+    now.push_str(name);
+    now.push_str("\";r=");
+    push_u64(&mut now, remaining);
+    now.push_str(";t=");
+    push_u64(&mut now, ceil_secs(reset_after_ms));
+    vec![("ratelimit-policy", policy), ("ratelimit", now)]
 }
 
 /// Appends `n` in decimal.
@@ -125,6 +169,60 @@ mod tests {
 
     fn st(allowed: bool, limit: u64, remaining: u64, reset: u64, retry: u64) -> LimitStatus {
         testing::status(allowed, limit, remaining, reset, retry)
+    }
+
+    /// A lease hit's headers, made without a result, are those of the
+    /// result every limit of the check would report (each admitted with
+    /// the same units left), in every style, whatever the limits: one,
+    /// several, shadow ones first, a calendar window, shadow only.
+    #[test]
+    fn a_lease_hits_headers_are_those_of_its_result() {
+        let mut monthly = limit("monthly", 100, 31 * 86_400_000);
+        monthly.calendar = Some(meshlimit_protocol::Calendar {
+            unit: meshlimit_protocol::CalendarUnit::Month,
+            utc_offset_minutes: 0,
+        });
+        let shadow = Applied {
+            shadow: true,
+            ..ap(&limit("trial", 5, 1_000))
+        };
+        let sets: Vec<Vec<Applied>> = vec![
+            vec![ap(&limit("per-hour", 1_000_000_000, 3_600_000))],
+            vec![
+                shadow.clone(),
+                ap(&limit("per-minute", 20, 60_000)),
+                ap(&monthly),
+            ],
+            vec![ap(&monthly), ap(&limit("per-second", 3, 1_500))],
+            vec![shadow],
+        ];
+        for style in [
+            HeaderStyle::Draft,
+            HeaderStyle::XRatelimit,
+            HeaderStyle::None,
+        ] {
+            for limits in &sets {
+                for (remaining, reset) in [(0, 0), (7, 1), (12_345, 59_001)] {
+                    let result = CheckResult {
+                        allowed: true,
+                        limits: limits
+                            .iter()
+                            .map(|a| a.admitted(remaining, reset))
+                            .collect(),
+                        receipts: None,
+                        leased: 0,
+                    };
+                    let policy = std::cell::OnceCell::new();
+                    for _ in 0..2 {
+                        assert_eq!(
+                            admitted(style, limits, remaining, reset, &policy),
+                            rate_limit_headers(style, limits, &result),
+                            "{style:?} {remaining} {reset}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// A live override that raised the quota shows in the policy; a

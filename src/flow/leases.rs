@@ -14,6 +14,7 @@
 use log::warn;
 use meshlimit_protocol::{Algorithm, CheckResult, Receipt, SettleOutcome, Settlement};
 
+use super::clock::NEAR_EXPIRY_MS;
 use super::{Job, Queued, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
 use crate::decision::ServiceError;
@@ -31,10 +32,15 @@ const RETURNS_PER_JOB: usize = 16;
 
 /// What a request's check found in its lease slot.
 pub(super) enum Lookup {
-    /// Admitted from the lease: the result to decide by.
-    Hit(CheckResult),
+    /// Admitted from the lease, with this many units left (a floor) and
+    /// the window whole again this much later (see [`hit_result`]).
+    Hit { remaining: u64, reset_after_ms: u64 },
     /// No units for it: its call asks for this lease, if any.
     Miss(Option<LeaseTicket>),
+    /// Decided on a reused clock read, the request's worker has no draw
+    /// it may spend then and for [`super::clock::NEAR_EXPIRY_MS`] after:
+    /// ask again on a fresh one. Nothing was counted.
+    NeedsClock,
 }
 
 /// A lease this worker installed: what giving its units back needs.
@@ -71,11 +77,13 @@ impl Worker {
     /// Most hits spend this worker's draw and cross into Envoy for nothing;
     /// a draw spent goes to the slot for the next one (half of what is
     /// left there).
-    /// `context_id`: the stream's (a renewal is sent from it).
+    /// `context_id`: the stream's (a renewal is sent from it). `reused`:
+    /// `now` is the worker's last clock read, reused (see `clock`).
     pub(super) fn lease_hit(
         &self,
         host: &impl Host,
         now: u64,
+        reused: bool,
         context_id: u32,
         check: &Check,
     ) -> Lookup {
@@ -89,6 +97,12 @@ impl Worker {
             leases.place(&LeaseIdentity(&check.global), &check.subject)
         });
         let mut observer = self.lease_observer.borrow_mut();
+        if reused
+            && !(observer.can_spend(place.fingerprint, cost, now)
+                && observer.can_spend(place.fingerprint, cost, now.saturating_add(NEAR_EXPIRY_MS)))
+        {
+            return Lookup::NeedsClock;
+        }
         // Only checks busy on this worker ask for a lease; any check draws
         // from one its Envoy holds (another worker's ask may have got it,
         // and meshlimitd would refuse the units it holds). A cold check
@@ -128,11 +142,10 @@ impl Worker {
         } else {
             self.lease_hits.set(hits);
         }
-        Lookup::Hit(hit_result(
-            check,
+        Lookup::Hit {
             remaining,
-            draw.reset_at_ms.saturating_sub(now),
-        ))
+            reset_after_ms: draw.reset_at_ms.saturating_sub(now),
+        }
     }
 
     /// A new draw from the check's slot for a request of the check's cost,
@@ -324,7 +337,8 @@ impl Worker {
         if hits > 0 {
             self.metrics.add(host, Stat::LeaseHits, hits as usize);
         }
-        let now = host.now_ms();
+        // Also the clock the next hits reuse.
+        let now = self.hit_clock.read(host);
         let (Some(leases), Some(tick_ms)) = (self.leases(host, now), self.lease_tick_ms()) else {
             return;
         };

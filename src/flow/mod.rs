@@ -24,6 +24,7 @@
 //! `set_effective_context`. Both paths end in `verdict_after_call`.
 
 mod answer;
+mod clock;
 mod leases;
 mod metrics;
 pub(crate) mod profile;
@@ -215,6 +216,8 @@ pub struct Worker {
     /// The root's tick runs (leases on, and the host took the period):
     /// renewals with time to spare may wait for it.
     ticking: bool,
+    /// The last clock read, which a lease hit may reuse (see `clock`).
+    hit_clock: clock::HitClock,
 }
 
 impl Worker {
@@ -268,6 +271,7 @@ impl Worker {
             breaker_closed_at: Cell::new(None),
             plan_memo: RefCell::default(),
             ticking: false,
+            hit_clock: clock::HitClock::default(),
         };
         if let Some(ms) = worker.lease_tick_ms() {
             if host.set_tick_period(ms) {
@@ -357,7 +361,17 @@ impl Worker {
     /// `check` may be shared with the plan memo: it is copied only when a
     /// call needs one of its own (a busy client's hits copy nothing).
     fn decide(&self, host: &impl Host, stream: &mut Stream, check: Rc<Check>) -> Step {
-        let now = host.now_ms();
+        // A hit from the worker's draw may decide on the last clock read
+        // (see `clock`); anything else reads the clock.
+        let reused = if check.local.is_empty() {
+            self.hit_clock.reuse()
+        } else {
+            None
+        };
+        let now = match reused {
+            Some(then) => then,
+            None => self.hit_clock.read(host),
+        };
         let config = &self.config;
         // Local rules first: a local deny needs no call at all. (A request
         // they admit and the global rules deny still used its local quota.)
@@ -387,11 +401,46 @@ impl Worker {
         // A lease's units were charged in Redis already: a hit needs no
         // call, and comes before the deny cache (a deny cached on another
         // request does not make those units any less this client's).
-        let ask = match self.lease_hit(host, now, stream.context_id, &check) {
-            leases::Lookup::Hit(result) => {
-                return stream.apply(with_local(config, &check, local.as_ref(), &result));
+        let mut lookup = self.lease_hit(host, now, reused.is_some(), stream.context_id, &check);
+        let now = match (&lookup, reused) {
+            (leases::Lookup::NeedsClock, _) => {
+                let now = self.hit_clock.read(host);
+                lookup = self.lease_hit(host, now, false, stream.context_id, &check);
+                now
+            }
+            // A miss goes on to calls and caches: on a fresh read.
+            (leases::Lookup::Miss(_), Some(_)) => self.hit_clock.read(host),
+            _ => now,
+        };
+        let ask = match lookup {
+            leases::Lookup::Hit {
+                remaining,
+                reset_after_ms,
+            } => {
+                let verdict = match &local {
+                    // The usual hit: its headers made without a result.
+                    None => Verdict::Allow {
+                        headers: if profile::SKIP_HEADERS {
+                            Vec::new()
+                        } else {
+                            crate::headers::admitted(
+                                config.response.headers,
+                                &check.global,
+                                remaining,
+                                reset_after_ms,
+                                &check.hit_policy.0,
+                            )
+                        },
+                    },
+                    Some(_) => {
+                        let result = leases::hit_result(&check, remaining, reset_after_ms);
+                        with_local(config, &check, local.as_ref(), &result)
+                    }
+                };
+                return stream.apply(verdict);
             }
             leases::Lookup::Miss(ask) => ask,
+            leases::Lookup::NeedsClock => None,
         };
         if let Some(cache) = self.deny_cache(host, now) {
             if let Some(verdict) = decision::cached_deny(config, &check, &cache, now) {

@@ -285,6 +285,18 @@ impl Observer {
         (want, evicted)
     }
 
+    /// Whether [`Observer::spend`] would admit a request of `cost` at `now`
+    /// (nothing changes).
+    pub(crate) fn can_spend(&self, fingerprint: u64, cost: u64, now: u64) -> bool {
+        let ways = self.ways(fingerprint);
+        ways.into_iter().any(|i| {
+            self.entries.get(i).is_some_and(|e| {
+                e.fingerprint == fingerprint
+                    && e.draw.is_some_and(|d| d.usable(now) && d.left >= cost)
+            })
+        })
+    }
+
     /// Admits a request of `cost` from this worker's draw for the check,
     /// if it has the units and they are live: the draw after it.
     pub(crate) fn spend(&mut self, fingerprint: u64, cost: u64, now: u64) -> Option<Draw> {

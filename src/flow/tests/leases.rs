@@ -3,6 +3,7 @@
 //! call, and units left unused go back on the root's tick.
 
 use super::*;
+use crate::flow::clock::READ_EVERY;
 
 /// An admitted answer for one limit of 20 that grants `leased` units,
 /// with the receipt returns need.
@@ -28,16 +29,28 @@ impl Harness {
     }
 
     /// `a`'s next `n` requests go on at once from the worker's draw: only
-    /// the headers and the clock are read, no shared data.
+    /// the headers are read, no shared data, and the clock once in
+    /// `READ_EVERY` requests at least (see `flow::clock`).
     fn hits_from_the_draw(&mut self, n: usize) {
+        let mut unread = 0;
         for i in 0..n {
             let (_, step) = self.request("a");
             assert_eq!(step, Step::Continue);
-            assert_eq!(
-                self.host.take_hostcalls(),
-                ["get_header_map_pairs", "get_current_time"],
-                "request {i} from the worker's draw"
-            );
+            let calls = self.host.take_hostcalls();
+            if calls == ["get_header_map_pairs", "get_current_time"] {
+                unread = 0;
+            } else {
+                assert_eq!(
+                    calls,
+                    ["get_header_map_pairs"],
+                    "request {i} from the worker's draw"
+                );
+                unread += 1;
+                assert!(
+                    unread < READ_EVERY,
+                    "request {i}: the clock went unread too long"
+                );
+            }
         }
     }
 
@@ -424,6 +437,68 @@ fn a_worker_new_to_a_client_admits_from_the_lease_another_worker_got() {
     assert_eq!(h.calls(), calls);
 }
 
+/// Hits reuse the worker's last clock read (`flow::clock`): near a draw's
+/// expiry they read the clock again, and a worker whose clock went unread
+/// while its lease expired (no tick: an event loop stalled for 30 s)
+/// serves at most `READ_EVERY - 1` requests from it before a fresh read
+/// refuses them; its tick, which reads the clock, ends that at once.
+#[test]
+fn a_reused_clock_serves_no_more_than_fifteen_requests_past_a_draws_expiry() {
+    let mut h = harness("");
+    // A lease of 96 units of a window that ends in 30 s (the grant's
+    // reset), all of it plenty: a draw of 48.
+    h.lease_for_a(&granted(100_000, 96));
+    h.request("a"); // the draw, from the slot
+    h.host.take_hostcalls();
+    h.hits_from_the_draw(3);
+    // 29.5 s later, with no tick, the reused time is 29.5 s behind: the
+    // draw is not within a second of its end by it, but the first
+    // request that reads the clock finds it so, and every one after
+    // reads it too.
+    h.advance(29_500);
+    let mut past = 0;
+    for _ in 0..READ_EVERY {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue, "the window is not over");
+        if h.host.take_hostcalls().contains(&"get_current_time") {
+            past += 1;
+        }
+    }
+    assert!(past >= 1, "read within READ_EVERY requests");
+    for i in 0..4 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue);
+        assert!(
+            h.host.take_hostcalls().contains(&"get_current_time"),
+            "request {i}: near the end, a fresh read each"
+        );
+    }
+    // Past the end: no unit of the draw serves a request.
+    h.advance(1_000);
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Pause, "expired: a call");
+    // A stalled worker: its clock last read well before the end.
+    let mut h = harness("");
+    h.lease_for_a(&granted(100_000, 96));
+    h.request("a"); // the draw, from the slot
+    h.host.take_hostcalls();
+    h.hits_from_the_draw(1);
+    h.advance(40_000);
+    let served = (0..READ_EVERY)
+        .take_while(|_| h.request("a").1 == Step::Continue)
+        .count();
+    assert!(served < READ_EVERY as usize, "{served} served past the end");
+    // The tick reads the clock: not one more.
+    let mut h = harness("");
+    h.lease_for_a(&granted(100_000, 96));
+    h.request("a"); // the draw, from the slot
+    h.host.take_hostcalls();
+    h.hits_from_the_draw(1);
+    h.advance(40_000);
+    h.tick();
+    assert_eq!(h.request("a").1, Step::Pause);
+}
+
 /// A small lease granted with plenty left beyond it in meshlimitd (a
 /// client far from its limit) is drawn in halves: the worker's next
 /// requests cross into Envoy for nothing. (From one near the end of the
@@ -436,4 +511,55 @@ fn a_small_lease_with_plenty_left_beyond_it_is_drawn_in_halves() {
     h.request("a");
     assert!(h.host.take_hostcalls().contains(&"set_shared_data"));
     h.hits_from_the_draw(3);
+}
+
+/// By hand, natively: what a busy client's request costs the flow, from
+/// its headers to the end of its stream, when served from a lease (the
+/// fake host's own bookkeeping included). A change to the hit path is
+/// compared here in seconds before `make bench-ab` prices it in Envoy.
+/// `cargo test --release --lib hit_path_timing -- --ignored --nocapture`
+#[test]
+#[ignore = "timing, by hand"]
+fn hit_path_timing() {
+    let config = crate::config::parse(
+        br#"{"client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
+             "rules": [{"name": "api", "match": {"path_prefix": "/api/"},
+                        "limits": [{"name": "per-hour", "requests": 1000000000, "window": "1h"}]}]}"#,
+    )
+    .unwrap();
+    let mut h = super::harness_with(config);
+    let grant = answer(&[granted(999_000_000, 10_000)]);
+    // The time of the requests served from a lease, theirs alone.
+    let serve = |h: &mut Harness, n: usize| {
+        let (mut hits, mut spent) = (0u32, std::time::Duration::ZERO);
+        for i in 0..n {
+            let started = std::time::Instant::now();
+            let (mut s, step) = h.request("a");
+            if step == Step::Continue {
+                h.worker.on_response_headers(&h.host, &mut s);
+                h.worker.on_stream_end(&h.host, &s);
+                spent += started.elapsed();
+                hits += 1;
+            } else {
+                h.wake();
+                h.answer_batch(h.last_token(), Some(200), &grant);
+                h.host.context.set(s.context_id);
+                h.worker.on_response_headers(&h.host, &mut s);
+                h.worker.on_stream_end(&h.host, &s);
+            }
+            h.host.take_hostcalls();
+            // 20 requests a millisecond.
+            h.advance(u64::from(i % 20 == 0));
+        }
+        spent.as_nanos() as f64 / f64::from(hits.max(1))
+    };
+    serve(&mut h, 10_000);
+    let per = serve(&mut h, 300_000);
+    h.tick();
+    eprintln!(
+        "{per:.0} ns a request, {} calls, {} hits, {} fallbacks",
+        h.calls(),
+        h.stat("lease_hits"),
+        h.stat("fallback_allowed")
+    );
 }
