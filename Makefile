@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile
+.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab
 
 all: build
 
@@ -91,3 +91,11 @@ bench-profile: build
 	  $(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-$$v --target-dir target/profile-$$v || exit 1; \
 	done
 	MESHLIMIT_BENCH_PROFILE=1 $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
+
+## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8).
+AB_ROUNDS ?= 8
+bench-ab: build
+	@test -n "$(AB_WASM)" || { echo "bench-ab: set AB_WASM to the build to compare with" >&2; exit 2; }
+	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
+	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+	MESHLIMIT_BENCH_AB=$(AB_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(AB_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench

@@ -33,6 +33,9 @@
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The load generator is oha.
 //!
+//! `MESHLIMIT_BENCH_AB=<builds, separated by :>` (`make bench-ab`) prices a change to
+//! the hit path: see `ab`.
+//!
 //! `MESHLIMIT_COMPARE_WASM=<path to another build>` adds configurations 3
 //! and 7 run with that build, interleaved with the others in the same run
 //! (e.g. main before a change against the change), and writes the report to
@@ -509,6 +512,9 @@ fn main() {
     cores();
     if std::env::var_os("MESHLIMIT_BENCH_PROFILE").is_some() {
         return profile();
+    }
+    if let Some(other) = std::env::var_os("MESHLIMIT_BENCH_AB") {
+        return ab(std::env::split_paths(&other).collect());
     }
     println!("meshlimit bench: {SECONDS}s runs, {CONNECTIONS} connections, {REPEATS} repeats, interleaved");
     // 1 and 2: baselines from envoy/bench-baseline.yaml.
@@ -1610,6 +1616,185 @@ fn profile() {
     let _ = std::fs::write(&path, &md);
     println!("\n{md}\nwritten to {}", path.display());
     drop((runs, bare, noop, base));
+}
+
+/// `make bench-ab`: the project's build against others (`others`), one
+/// hot client from leases, beside the do-nothing filter, each Envoy
+/// answering itself and pinned to the same core, in
+/// `MESHLIMIT_BENCH_AB_ROUNDS` alternated rounds (default 8). A change
+/// worth a fraction of a microsecond per request is within one full `make
+/// bench`'s spread; the medians of many alternated rounds of these rows
+/// alone are not. Prints each round and the medians; writes nothing.
+fn ab(others: Vec<std::path::PathBuf>) {
+    for other in &others {
+        assert!(
+            other.exists(),
+            "{} is missing: MESHLIMIT_BENCH_AB names the builds to compare with (separated by ':')",
+            other.display()
+        );
+    }
+    let rounds: usize = std::env::var("MESHLIMIT_BENCH_AB_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(8);
+    let base = Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        start_service: false,
+        ..TopologyOptions::default()
+    });
+    let (noop, noop_addr) = baseline_envoy(&base, 6, &noop_filter(), true);
+    let config = allow_all().build();
+    let builds: Vec<(String, Option<std::path::PathBuf>)> =
+        std::iter::once(("this build".to_string(), None))
+            .chain(
+                others
+                    .iter()
+                    .map(|p| (p.display().to_string(), Some(p.clone()))),
+            )
+            .collect();
+    let runs: Vec<(Topology, Proc)> = builds
+        .iter()
+        .map(|(_, wasm)| meshlimit_answering_with(&config, wasm.clone()))
+        .collect();
+    let names: Vec<&'static str> = std::iter::once("the do-nothing wasm filter")
+        .chain(
+            builds
+                .iter()
+                .map(|(n, _)| &*Box::leak(n.clone().into_boxed_str())),
+        )
+        .collect();
+    let mut targets = vec![direct_row(
+        names[0],
+        &noop_addr,
+        base.addr(19_906),
+        noop.pid(),
+    )];
+    for (name, (t, envoy)) in names.iter().skip(1).zip(&runs) {
+        targets.push(direct_row(
+            name,
+            &t.replica_addr(1),
+            t.replica_admin(1),
+            envoy.pid(),
+        ));
+    }
+    let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
+        panic!("bench-ab pins Envoy to a core of its own: it needs two cores");
+    };
+    for t in &targets {
+        pin(Some(t.pid), &envoy_cpus);
+    }
+    for p in std::iter::once(&base)
+        .chain(runs.iter().map(|(t, _)| t))
+        .flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()])
+    {
+        pin(p, &other_cpus);
+    }
+    if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
+        *cpus = Some(other_cpus);
+    }
+    let key = "x-api-key: bench";
+    for t in &targets {
+        let _ = run(t, key, Some(2_000));
+    }
+    println!(
+        "bench-ab: {} builds, {rounds} rounds of {SECONDS} s",
+        builds.len()
+    );
+    let mut samples: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
+    // All rows at once: the Envoys share their core, and whatever slows
+    // the machine during a round slows every row alike.
+    let together = std::env::var_os("MESHLIMIT_BENCH_AB_TOGETHER").is_some();
+    for round in 0..rounds {
+        if together {
+            let before: Vec<u64> = targets.iter().map(|t| cpu_ticks(Some(t.pid))).collect();
+            let runs: Vec<Sample> = std::thread::scope(|sc| {
+                let handles: Vec<_> = targets
+                    .iter()
+                    .map(|t| sc.spawn(|| run(t, key, None)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_default())
+                    .collect()
+            });
+            for (i, (t, mut s)) in targets.iter().zip(runs).enumerate() {
+                let ticks = cpu_ticks(Some(t.pid)) - before.get(i).copied().unwrap_or(0);
+                s.envoy_cpu_us = ticks as f64 * 10_000.0 / (s.rps * SECONDS as f64).max(1.0);
+                println!(
+                    "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs",
+                    t.name, s.rps, s.envoy_cpu_us
+                );
+                samples.entry(i).or_default().push(s);
+            }
+            continue;
+        }
+        // Each round starts with another row, so no row always runs first.
+        for k in 0..targets.len() {
+            let i = (round + k) % targets.len();
+            let Some(t) = targets.get(i) else { continue };
+            let before = cpu_ticks(Some(t.pid));
+            let mut s = run(t, key, None);
+            s.envoy_cpu_us = (cpu_ticks(Some(t.pid)) - before) as f64 * 10_000.0
+                / (s.rps * SECONDS as f64).max(1.0);
+            println!(
+                "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs",
+                t.name, s.rps, s.envoy_cpu_us
+            );
+            samples.entry(i).or_default().push(s);
+        }
+    }
+    let cpu = |i: usize| {
+        median(
+            samples
+                .get(&i)
+                .map(|v| v.iter().map(|s| s.envoy_cpu_us).collect())
+                .unwrap_or_default(),
+        )
+    };
+    let rps = |i: usize| median_rps(&samples, i);
+    // The machine's speed drifts over minutes; a row's ratio to the
+    // do-nothing filter within the same round drifts much less.
+    let round_ratio = |i: usize| {
+        let (Some(row), Some(floor)) = (samples.get(&i), samples.get(&0)) else {
+            return 0.0;
+        };
+        median(
+            row.iter()
+                .zip(floor)
+                .map(|(s, f)| s.rps / f.rps.max(1.0))
+                .collect(),
+        )
+    };
+    // The same from Envoy's CPU per request: the throughput ratio were each
+    // row alone on the core; with the rows together, the one to read.
+    let round_cpu_ratio = |i: usize| {
+        let (Some(row), Some(floor)) = (samples.get(&i), samples.get(&0)) else {
+            return 0.0;
+        };
+        median(
+            row.iter()
+                .zip(floor)
+                .map(|(s, f)| f.envoy_cpu_us / s.envoy_cpu_us.max(0.001))
+                .collect(),
+        )
+    };
+    println!(
+        "\n| row | req/s | ratio to the do-nothing filter | median of the rounds' ratios | the same from CPU per request | Envoy CPU per request | minus this build |\n|---|---|---|---|---|---|---|"
+    );
+    for (i, t) in targets.iter().enumerate() {
+        println!(
+            "| {} | {:.0} | {:.3} | {:.3} | {:.3} | {:.2} µs | {:+.2} µs |",
+            t.name,
+            rps(i),
+            rps(i) / rps(0).max(1.0),
+            round_ratio(i),
+            round_cpu_ratio(i),
+            cpu(i),
+            cpu(i) - cpu(1)
+        );
+    }
+    drop((runs, noop, base));
 }
 
 /// A row of the profile: an Envoy answering itself.
