@@ -97,10 +97,8 @@ impl Worker {
             leases.place(&LeaseIdentity(&check.global), &check.subject)
         });
         let mut observer = self.lease_observer.borrow_mut();
-        if reused
-            && !(observer.can_spend(place.fingerprint, cost, now)
-                && observer.can_spend(place.fingerprint, cost, now.saturating_add(NEAR_EXPIRY_MS)))
-        {
+        let until = now.saturating_add(NEAR_EXPIRY_MS);
+        if reused && !observer.can_spend(place.fingerprint, cost, now, until) {
             return Lookup::NeedsClock;
         }
         // Only checks busy on this worker ask for a lease; any check draws

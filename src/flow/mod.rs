@@ -99,6 +99,11 @@ pub struct Stream {
     /// A check whose reservation is read from the request body, while the
     /// body comes in.
     awaiting_body: Option<Check>,
+    /// Admitted from a lease: it was never queued, called for, resumed by
+    /// the root or priced in tokens, so the worker's tables of such
+    /// streams hold nothing of it (a busy client's every request skips
+    /// reading them).
+    from_lease: bool,
 }
 
 /// A check a stream sent itself and waits for.
@@ -290,6 +295,7 @@ impl Worker {
             in_flight: None,
             response_headers: Vec::new(),
             awaiting_body: None,
+            from_lease: false,
         }
     }
 
@@ -437,6 +443,7 @@ impl Worker {
                         with_local(config, &check, local.as_ref(), &result)
                     }
                 };
+                stream.from_lease = true;
                 return stream.apply(verdict);
             }
             leases::Lookup::Miss(ask) => ask,
@@ -480,6 +487,12 @@ impl Worker {
     /// False when the response must wait (a token budget settling first).
     pub fn on_response_headers(&self, host: &impl Host, stream: &mut Stream) -> bool {
         let mut headers = std::mem::take(&mut stream.response_headers);
+        if stream.from_lease {
+            for (name, value) in headers {
+                host.add_response_header(name, &value);
+            }
+            return true;
+        }
         if let Some(decided) = self.decided_headers.borrow_mut().remove(&stream.context_id) {
             headers.extend(decided);
         }
@@ -495,6 +508,9 @@ impl Worker {
     /// A reservation not settled yet is settled as the request got
     /// (`on_stream_gone`).
     pub fn on_stream_end(&self, host: &impl Host, stream: &Stream) {
+        if stream.from_lease {
+            return;
+        }
         let id = stream.context_id;
         self.decided_headers.borrow_mut().remove(&id);
         self.awaiting.borrow_mut().remove(&id);

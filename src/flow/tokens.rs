@@ -270,6 +270,9 @@ impl Worker {
         size: usize,
         end_of_stream: bool,
     ) -> bool {
+        if stream.from_lease {
+            return true;
+        }
         let id = stream.context_id;
         let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
             return true;

@@ -285,14 +285,15 @@ impl Observer {
         (want, evicted)
     }
 
-    /// Whether [`Observer::spend`] would admit a request of `cost` at `now`
-    /// (nothing changes).
-    pub(crate) fn can_spend(&self, fingerprint: u64, cost: u64, now: u64) -> bool {
+    /// Whether [`Observer::spend`] would admit a request of `cost` at
+    /// `now`, and at `until` too (nothing changes).
+    pub(crate) fn can_spend(&self, fingerprint: u64, cost: u64, now: u64, until: u64) -> bool {
         let ways = self.ways(fingerprint);
         ways.into_iter().any(|i| {
             self.entries.get(i).is_some_and(|e| {
                 e.fingerprint == fingerprint
-                    && e.draw.is_some_and(|d| d.usable(now) && d.left >= cost)
+                    && e.draw
+                        .is_some_and(|d| d.left >= cost && d.usable(now) && d.usable(until))
             })
         })
     }

@@ -444,13 +444,17 @@ fn a_worker_new_to_a_client_admits_from_the_lease_another_worker_got() {
 /// refuses them; its tick, which reads the clock, ends that at once.
 #[test]
 fn a_reused_clock_serves_no_more_than_fifteen_requests_past_a_draws_expiry() {
-    let mut h = harness("");
     // A lease of 96 units of a window that ends in 30 s (the grant's
-    // reset), all of it plenty: a draw of 48.
-    h.lease_for_a(&granted(100_000, 96));
-    h.request("a"); // the draw, from the slot
-    h.host.take_hostcalls();
-    h.hits_from_the_draw(3);
+    // reset), all of it plenty: a draw of 48, then `hits` from it.
+    let drawing = |hits: usize| {
+        let mut h = harness("");
+        h.lease_for_a(&granted(100_000, 96));
+        h.request("a"); // the draw, from the slot
+        h.host.take_hostcalls();
+        h.hits_from_the_draw(hits);
+        h
+    };
+    let mut h = drawing(3);
     // 29.5 s later, with no tick, the reused time is 29.5 s behind: the
     // draw is not within a second of its end by it, but the first
     // request that reads the clock finds it so, and every one after
@@ -478,22 +482,14 @@ fn a_reused_clock_serves_no_more_than_fifteen_requests_past_a_draws_expiry() {
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Pause, "expired: a call");
     // A stalled worker: its clock last read well before the end.
-    let mut h = harness("");
-    h.lease_for_a(&granted(100_000, 96));
-    h.request("a"); // the draw, from the slot
-    h.host.take_hostcalls();
-    h.hits_from_the_draw(1);
+    let mut h = drawing(1);
     h.advance(40_000);
     let served = (0..READ_EVERY)
         .take_while(|_| h.request("a").1 == Step::Continue)
         .count();
     assert!(served < READ_EVERY as usize, "{served} served past the end");
     // The tick reads the clock: not one more.
-    let mut h = harness("");
-    h.lease_for_a(&granted(100_000, 96));
-    h.request("a"); // the draw, from the slot
-    h.host.take_hostcalls();
-    h.hits_from_the_draw(1);
+    let mut h = drawing(1);
     h.advance(40_000);
     h.tick();
     assert_eq!(h.request("a").1, Step::Pause);
