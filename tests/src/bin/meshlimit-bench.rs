@@ -828,10 +828,7 @@ fn main() {
             let before: Vec<u64> = watched.iter().map(|(_, p)| cpu_ticks(*p)).collect();
             let busy_before = busy_ticks();
             let envoy_before = cpu_ticks(Some(t.pid));
-            let mut s = run(t, key(t), None);
-            // USER_HZ is 100 on Linux: a tick is 10 ms.
-            s.envoy_cpu_us = (cpu_ticks(Some(t.pid)) - envoy_before) as f64 * 10_000.0
-                / (s.rps * SECONDS as f64).max(1.0);
+            let s = with_cpu(t, run(t, key(t), None), envoy_before);
             if rep == 0 && !watched.is_empty() {
                 let requests = (s.rps * SECONDS as f64).max(1.0);
                 let tick_ms = 10.0; // USER_HZ is 100 on Linux
@@ -1521,32 +1518,18 @@ fn profile() {
             envoy.pid(),
         ));
     }
-    let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
-        panic!("bench-profile pins Envoy to a core of its own: it needs two cores");
-    };
-    for t in &targets {
-        pin(Some(t.pid), &envoy_cpus);
-    }
-    for p in std::iter::once(&base)
-        .chain(runs.iter().map(|(t, _)| t))
-        .flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()])
-    {
-        pin(p, &other_cpus);
-    }
-    if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
-        *cpus = Some(other_cpus);
-    }
     let key = "x-api-key: bench";
-    for t in &targets {
-        let _ = run(t, key, Some(2_000));
-    }
+    pin_and_warm(
+        "bench-profile",
+        &targets,
+        std::iter::once(&base).chain(runs.iter().map(|(t, _)| t)),
+        key,
+    );
     let mut samples: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
     for rep in 0..REPEATS {
         for (i, t) in targets.iter().enumerate() {
             let before = cpu_ticks(Some(t.pid));
-            let mut s = run(t, key, None);
-            s.envoy_cpu_us = (cpu_ticks(Some(t.pid)) - before) as f64 * 10_000.0
-                / (s.rps * SECONDS as f64).max(1.0);
+            let s = with_cpu(t, run(t, key, None), before);
             println!(
                 "  profile {rep} {:<64} {:>8.0} req/s {:>5.1} µs",
                 t.name, s.rps, s.envoy_cpu_us
@@ -1644,7 +1627,26 @@ fn ab(others: Vec<std::path::PathBuf>) {
         ..TopologyOptions::default()
     });
     let (noop, noop_addr) = baseline_envoy(&base, 6, &noop_filter(), true);
-    let config = allow_all().build();
+    // MESHLIMIT_BENCH_AB_ZIPF=1: the Zipf mix of 1000 clients (rows 16 and
+    // 17 of `make bench`) instead of one hot client.
+    let zipf = std::env::var_os("MESHLIMIT_BENCH_AB_ZIPF").is_some();
+    let config = if zipf {
+        allow_all()
+            .client_id(json!({"headers": ["x-api-key"], "query_params": ["key"]}))
+            .build()
+    } else {
+        allow_all().build()
+    };
+    let zipf_dir = TempDir::new("bench-ab-zipf");
+    let row = |name: &'static str, addr: &str, admin: String, pid: Option<u32>| Target {
+        many_clients: zipf,
+        urls_file: zipf.then(|| {
+            let dir = zipf_dir.path().join(addr.replace([':', '.'], "-"));
+            let _ = std::fs::create_dir_all(&dir);
+            zipf_urls(&dir, &format!("http://{addr}/"))
+        }),
+        ..direct_row(name, addr, admin, pid)
+    };
     let builds: Vec<(String, Option<std::path::PathBuf>)> =
         std::iter::once(("this build".to_string(), None))
             .chain(
@@ -1664,39 +1666,22 @@ fn ab(others: Vec<std::path::PathBuf>) {
                 .map(|(n, _)| &*Box::leak(n.clone().into_boxed_str())),
         )
         .collect();
-    let mut targets = vec![direct_row(
-        names[0],
-        &noop_addr,
-        base.addr(19_906),
-        noop.pid(),
-    )];
+    let mut targets = vec![row(names[0], &noop_addr, base.addr(19_906), noop.pid())];
     for (name, (t, envoy)) in names.iter().skip(1).zip(&runs) {
-        targets.push(direct_row(
+        targets.push(row(
             name,
             &t.replica_addr(1),
             t.replica_admin(1),
             envoy.pid(),
         ));
     }
-    let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
-        panic!("bench-ab pins Envoy to a core of its own: it needs two cores");
-    };
-    for t in &targets {
-        pin(Some(t.pid), &envoy_cpus);
-    }
-    for p in std::iter::once(&base)
-        .chain(runs.iter().map(|(t, _)| t))
-        .flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()])
-    {
-        pin(p, &other_cpus);
-    }
-    if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
-        *cpus = Some(other_cpus);
-    }
     let key = "x-api-key: bench";
-    for t in &targets {
-        let _ = run(t, key, Some(2_000));
-    }
+    pin_and_warm(
+        "bench-ab",
+        &targets,
+        std::iter::once(&base).chain(runs.iter().map(|(t, _)| t)),
+        key,
+    );
     println!(
         "bench-ab: {} builds, {rounds} rounds of {SECONDS} s",
         builds.len()
@@ -1718,9 +1703,8 @@ fn ab(others: Vec<std::path::PathBuf>) {
                     .map(|h| h.join().unwrap_or_default())
                     .collect()
             });
-            for (i, (t, mut s)) in targets.iter().zip(runs).enumerate() {
-                let ticks = cpu_ticks(Some(t.pid)) - before.get(i).copied().unwrap_or(0);
-                s.envoy_cpu_us = ticks as f64 * 10_000.0 / (s.rps * SECONDS as f64).max(1.0);
+            for (i, (t, s)) in targets.iter().zip(runs).enumerate() {
+                let s = with_cpu(t, s, before.get(i).copied().unwrap_or(0));
                 println!(
                     "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs",
                     t.name, s.rps, s.envoy_cpu_us
@@ -1734,9 +1718,7 @@ fn ab(others: Vec<std::path::PathBuf>) {
             let i = (round + k) % targets.len();
             let Some(t) = targets.get(i) else { continue };
             let before = cpu_ticks(Some(t.pid));
-            let mut s = run(t, key, None);
-            s.envoy_cpu_us = (cpu_ticks(Some(t.pid)) - before) as f64 * 10_000.0
-                / (s.rps * SECONDS as f64).max(1.0);
+            let s = with_cpu(t, run(t, key, None), before);
             println!(
                 "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs",
                 t.name, s.rps, s.envoy_cpu_us
@@ -1795,6 +1777,41 @@ fn ab(others: Vec<std::path::PathBuf>) {
         );
     }
     drop((runs, noop, base));
+}
+
+/// Pins the Envoys under test (`targets`) to a core of their own and the
+/// rest of `topologies` (upstreams, meshlimitd, Redis) and the load
+/// generator to the other, then warms every row up at a fixed rate.
+fn pin_and_warm<'t>(
+    what: &str,
+    targets: &[Target],
+    topologies: impl Iterator<Item = &'t Topology>,
+    key: &str,
+) {
+    let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
+        panic!("{what} pins Envoy to a core of its own: it needs two cores");
+    };
+    for t in targets {
+        pin(Some(t.pid), &envoy_cpus);
+    }
+    for p in topologies.flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()]) {
+        pin(p, &other_cpus);
+    }
+    if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
+        *cpus = Some(other_cpus);
+    }
+    for t in targets {
+        let _ = run(t, key, Some(2_000));
+    }
+}
+
+/// A saturation run of `t`, with the Envoy CPU it spent per request
+/// (since `before`, its CPU ticks when the run started; USER_HZ is 100 on
+/// Linux: a tick is 10 ms).
+fn with_cpu(t: &Target, mut s: Sample, before: u64) -> Sample {
+    s.envoy_cpu_us =
+        (cpu_ticks(Some(t.pid)) - before) as f64 * 10_000.0 / (s.rps * SECONDS as f64).max(1.0);
+    s
 }
 
 /// A row of the profile: an Envoy answering itself.
