@@ -17,7 +17,7 @@ use meshlimit_protocol::{Algorithm, CheckResult, Receipt, SettleOutcome, Settlem
 use super::clock::NEAR_EXPIRY_MS;
 use super::{Job, Queued, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
-use crate::decision::ServiceError;
+use crate::decision::{ServiceError, Verdict};
 use crate::host::Host;
 use crate::shared::lease::{self, AskFor, Draw, Grant, Leases, Observer, Place, Reclaim, Take};
 use crate::stats::Stat;
@@ -144,6 +144,35 @@ impl Worker {
             remaining,
             reset_after_ms: draw.reset_at_ms.saturating_sub(now),
         }
+    }
+
+    /// The verdict of a request admitted from a lease with `remaining`
+    /// units left, its window whole again in `reset_after_ms`; `local`: its
+    /// `scope: local` rules' admitted decision, if any.
+    pub(super) fn lease_verdict(
+        &self,
+        check: &Check,
+        local: Option<&CheckResult>,
+        remaining: u64,
+        reset_after_ms: u64,
+    ) -> Verdict {
+        if local.is_some() {
+            let result = hit_result(check, remaining, reset_after_ms);
+            return super::with_local(&self.config, check, local, &result);
+        }
+        // The usual hit: its headers made without a result.
+        let headers = if super::profile::SKIP_HEADERS {
+            Vec::new()
+        } else {
+            crate::headers::admitted(
+                self.config.response.headers,
+                &check.global,
+                remaining,
+                reset_after_ms,
+                &check.hit_policy.0,
+            )
+        };
+        Verdict::Allow { headers }
     }
 
     /// A new draw from the check's slot for a request of the check's cost,

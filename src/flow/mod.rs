@@ -423,27 +423,8 @@ impl Worker {
                 remaining,
                 reset_after_ms,
             } => {
-                let verdict = match &local {
-                    // The usual hit: its headers made without a result.
-                    None => Verdict::Allow {
-                        headers: if profile::SKIP_HEADERS {
-                            Vec::new()
-                        } else {
-                            crate::headers::admitted(
-                                config.response.headers,
-                                &check.global,
-                                remaining,
-                                reset_after_ms,
-                                &check.hit_policy.0,
-                            )
-                        },
-                    },
-                    Some(_) => {
-                        let result = leases::hit_result(&check, remaining, reset_after_ms);
-                        with_local(config, &check, local.as_ref(), &result)
-                    }
-                };
                 stream.from_lease = true;
+                let verdict = self.lease_verdict(&check, local.as_ref(), remaining, reset_after_ms);
                 return stream.apply(verdict);
             }
             leases::Lookup::Miss(ask) => ask,
