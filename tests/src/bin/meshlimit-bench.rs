@@ -1511,12 +1511,7 @@ fn profile() {
         ),
     ];
     for ((name, _, _), (t, envoy)) in variants.iter().zip(&runs) {
-        targets.push(direct_row(
-            name,
-            &t.replica_addr(1),
-            t.replica_admin(1),
-            envoy.pid(),
-        ));
+        targets.push(replica_row(name, t, envoy));
     }
     let key = "x-api-key: bench";
     pin_and_warm(
@@ -1629,7 +1624,7 @@ fn ab(others: Vec<std::path::PathBuf>) {
     let (noop, noop_addr) = baseline_envoy(&base, 6, &noop_filter(), true);
     // MESHLIMIT_BENCH_AB_ZIPF=1: the Zipf mix of 1000 clients (rows 16 and
     // 17 of `make bench`) instead of one hot client.
-    let zipf = std::env::var_os("MESHLIMIT_BENCH_AB_ZIPF").is_some();
+    let zipf = flag("MESHLIMIT_BENCH_AB_ZIPF");
     let config = if zipf {
         allow_all()
             .client_id(json!({"headers": ["x-api-key"], "query_params": ["key"]}))
@@ -1638,14 +1633,15 @@ fn ab(others: Vec<std::path::PathBuf>) {
         allow_all().build()
     };
     let zipf_dir = TempDir::new("bench-ab-zipf");
-    let row = |name: &'static str, addr: &str, admin: String, pid: Option<u32>| Target {
+    // A row as the mix asks: its URLs drawn from a file for its address.
+    let mixed = |target: Target, addr: &str| Target {
         many_clients: zipf,
         urls_file: zipf.then(|| {
             let dir = zipf_dir.path().join(addr.replace([':', '.'], "-"));
             let _ = std::fs::create_dir_all(&dir);
             zipf_urls(&dir, &format!("http://{addr}/"))
         }),
-        ..direct_row(name, addr, admin, pid)
+        ..target
     };
     let builds: Vec<(String, Option<std::path::PathBuf>)> =
         std::iter::once(("this build".to_string(), None))
@@ -1666,14 +1662,10 @@ fn ab(others: Vec<std::path::PathBuf>) {
                 .map(|(n, _)| &*Box::leak(n.clone().into_boxed_str())),
         )
         .collect();
-    let mut targets = vec![row(names[0], &noop_addr, base.addr(19_906), noop.pid())];
+    let noop_row = direct_row(names[0], &noop_addr, base.addr(19_906), noop.pid());
+    let mut targets = vec![mixed(noop_row, &noop_addr)];
     for (name, (t, envoy)) in names.iter().skip(1).zip(&runs) {
-        targets.push(row(
-            name,
-            &t.replica_addr(1),
-            t.replica_admin(1),
-            envoy.pid(),
-        ));
+        targets.push(mixed(replica_row(name, t, envoy), &t.replica_addr(1)));
     }
     let key = "x-api-key: bench";
     pin_and_warm(
@@ -1689,7 +1681,7 @@ fn ab(others: Vec<std::path::PathBuf>) {
     let mut samples: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
     // All rows at once: the Envoys share their core, and whatever slows
     // the machine during a round slows every row alike.
-    let together = std::env::var_os("MESHLIMIT_BENCH_AB_TOGETHER").is_some();
+    let together = flag("MESHLIMIT_BENCH_AB_TOGETHER");
     for round in 0..rounds {
         if together {
             let before: Vec<u64> = targets.iter().map(|t| cpu_ticks(Some(t.pid))).collect();
@@ -1736,31 +1728,19 @@ fn ab(others: Vec<std::path::PathBuf>) {
     };
     let rps = |i: usize| median_rps(&samples, i);
     // The machine's speed drifts over minutes; a row's ratio to the
-    // do-nothing filter within the same round drifts much less.
-    let round_ratio = |i: usize| {
+    // do-nothing filter within the same round drifts much less. `ratio`
+    // of a row's sample and the filter's in the same round.
+    let median_ratio = |i: usize, ratio: fn(&Sample, &Sample) -> f64| {
         let (Some(row), Some(floor)) = (samples.get(&i), samples.get(&0)) else {
             return 0.0;
         };
-        median(
-            row.iter()
-                .zip(floor)
-                .map(|(s, f)| s.rps / f.rps.max(1.0))
-                .collect(),
-        )
+        median(row.iter().zip(floor).map(|(s, f)| ratio(s, f)).collect())
     };
+    let round_ratio = |i: usize| median_ratio(i, |s, f| s.rps / f.rps.max(1.0));
     // The same from Envoy's CPU per request: the throughput ratio were each
     // row alone on the core; with the rows together, the one to read.
-    let round_cpu_ratio = |i: usize| {
-        let (Some(row), Some(floor)) = (samples.get(&i), samples.get(&0)) else {
-            return 0.0;
-        };
-        median(
-            row.iter()
-                .zip(floor)
-                .map(|(s, f)| f.envoy_cpu_us / s.envoy_cpu_us.max(0.001))
-                .collect(),
-        )
-    };
+    let round_cpu_ratio =
+        |i: usize| median_ratio(i, |s, f| f.envoy_cpu_us / s.envoy_cpu_us.max(0.001));
     println!(
         "\n| row | req/s | ratio to the do-nothing filter | median of the rounds' ratios | the same from CPU per request | Envoy CPU per request | minus this build |\n|---|---|---|---|---|---|---|"
     );
@@ -1812,6 +1792,17 @@ fn with_cpu(t: &Target, mut s: Sample, before: u64) -> Sample {
     s.envoy_cpu_us =
         (cpu_ticks(Some(t.pid)) - before) as f64 * 10_000.0 / (s.rps * SECONDS as f64).max(1.0);
     s
+}
+
+/// Whether the environment variable `name` is set to something (an empty
+/// value, as `make` passes an unset one, is off).
+fn flag(name: &str) -> bool {
+    std::env::var_os(name).is_some_and(|v| !v.is_empty())
+}
+
+/// The row of replica 1 of `t`, run by `envoy`, answering itself.
+fn replica_row(name: &'static str, t: &Topology, envoy: &Proc) -> Target {
+    direct_row(name, &t.replica_addr(1), t.replica_admin(1), envoy.pid())
 }
 
 /// A row of the profile: an Envoy answering itself.
