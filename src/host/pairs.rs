@@ -6,16 +6,23 @@
 //! (name, value); then each name and each value in order, each followed by
 //! a NUL byte.
 
-/// A header map as the host sent it: the bytes, kept whole, and where
-/// each name and value lies in them. Reading a request's headers is one
-/// allocation (the host's buffer) and one for this index, not two per
-/// header: measured in Envoy, decoding into owned pairs cost about as much
-/// as the hostcall that fetched them.
+/// A header map as the host sent it, kept whole and checked once: its
+/// headers are then found by walking the sizes at the front of the bytes.
+/// Reading a request's headers is one allocation, the host's buffer: no
+/// copy per header (measured in Envoy, decoding into owned pairs cost about
+/// as much as the hostcall that fetched them), and no index (a request has
+/// a few headers, and the walk is a few additions each).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HeaderMap {
+    /// Checked by [`HeaderMap::parse`]: a whole map (empty when there are
+    /// no headers).
     bytes: Vec<u8>,
-    /// Per header: the name's start and end, the value's start and end.
-    fields: Vec<[usize; 4]>,
+}
+
+/// The little-endian u32 at `at` in `bytes`.
+fn word(bytes: &[u8], at: usize) -> Option<usize> {
+    let b = bytes.get(at..at.checked_add(4)?)?;
+    Some(u32::from_le_bytes(<[u8; 4]>::try_from(b).ok()?) as usize)
 }
 
 impl HeaderMap {
@@ -24,26 +31,34 @@ impl HeaderMap {
         if bytes.is_empty() {
             return Some(HeaderMap::default());
         }
-        let word = |at: usize| -> Option<usize> {
-            let b = bytes.get(at..at.checked_add(4)?)?;
-            Some(u32::from_le_bytes(<[u8; 4]>::try_from(b).ok()?) as usize)
-        };
-        let n = word(0)?;
+        let n = word(&bytes, 0)?;
         // Each pair takes at least 8 bytes of sizes and 2 NULs.
         if n > bytes.len() / 10 {
             return None;
         }
-        let mut data = 4 + n * 8;
-        let mut fields = Vec::with_capacity(n);
-        for i in 0..n {
-            let name_len = word(4 + i * 8)?;
-            let value_len = word(8 + i * 8)?;
-            let name_end = field(&bytes, data, name_len)?;
-            let value_end = field(&bytes, name_end + 1, value_len)?;
-            fields.push([data, name_end, name_end + 1, value_end]);
+        let map = HeaderMap { bytes };
+        // Every field checked here, so that a walk never stops early.
+        (map.fields().count() == n).then_some(map)
+    }
+
+    /// Each header's name and value, walked from the sizes; stops at the
+    /// first field that is not where its size says (never, once parsed).
+    fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+        let bytes = self.bytes.as_slice();
+        let n = word(bytes, 0).unwrap_or(0);
+        let mut data = 4usize.saturating_add(n.saturating_mul(8));
+        (0..n).map_while(move |i| {
+            let name_len = word(bytes, 4 + i * 8)?;
+            let value_len = word(bytes, 8 + i * 8)?;
+            let name_end = field(bytes, data, name_len)?;
+            let value_end = field(bytes, name_end + 1, value_len)?;
+            let pair = (
+                bytes.get(data..name_end)?,
+                bytes.get(name_end + 1..value_end)?,
+            );
             data = value_end + 1;
-        }
-        Some(HeaderMap { bytes, fields })
+            Some(pair)
+        })
     }
 
     /// The map holding `pairs` (tests and the fake host).
@@ -53,12 +68,7 @@ impl HeaderMap {
 
     /// Every header, in order: name and value.
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
-        self.fields.iter().map(|[ns, ne, vs, ve]| {
-            (
-                self.bytes.get(*ns..*ne).unwrap_or_default(),
-                self.bytes.get(*vs..*ve).unwrap_or_default(),
-            )
-        })
+        self.fields()
     }
 
     /// Every value of header `name`, in order.
@@ -76,11 +86,11 @@ impl HeaderMap {
     }
 
     pub fn len(&self) -> usize {
-        self.fields.len()
+        word(&self.bytes, 0).unwrap_or(0)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.fields.is_empty()
+        self.len() == 0
     }
 }
 
