@@ -97,7 +97,7 @@ pub struct Check {
     /// (see [`Check::lease_place`]).
     pub place: Derived<Cell<Option<SeededPlace>>>,
     /// Its `RateLimit-Policy` value as a lease hit reports it (see
-    /// [`crate::headers::admitted`]), once made.
+    /// [`crate::headers::add_admitted`]), once made.
     pub hit_policy: Derived<OnceCell<String>>,
 }
 

@@ -52,34 +52,50 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
     }
 }
 
-/// The headers of a request admitted from a lease with `remaining` units
-/// left and its window whole again in `reset_after_ms`: the same as
-/// [`rate_limit_headers`] for a result whose every limit reports those
-/// (each at its configured quota), without making that result. The
-/// policy, the same for every such request of the check, is made once
-/// and kept in `policy`.
-pub fn admitted(
+/// Adds, through `add`, the headers of a request admitted from a lease
+/// with `remaining` units left and its window whole again in
+/// `reset_after_ms`: the same as [`rate_limit_headers`] for a result whose
+/// every limit reports those (each at its configured quota), without
+/// making that result. The policy, the same for every such request of the
+/// check, is made once and kept in `policy`; the other values are written
+/// in `scratch`, so a busy client's hits allocate nothing once it has
+/// grown.
+pub fn add_admitted(
     style: HeaderStyle,
     limits: &[Applied],
-    remaining: u64,
-    reset_after_ms: u64,
+    (remaining, reset_after_ms): (u64, u64),
     policy: &std::cell::OnceCell<String>,
-) -> Headers {
+    scratch: &mut String,
+    mut add: impl FnMut(&'static str, &str),
+) {
     // Equal statuses: the most constraining is the first enforced limit.
     let Some(top) = limits.iter().find(|a| !a.shadow) else {
-        return Vec::new();
+        return;
     };
     match style {
-        HeaderStyle::None => Vec::new(),
-        HeaderStyle::XRatelimit => x_ratelimit(top.limit.requests, remaining, reset_after_ms),
+        HeaderStyle::None => {}
+        HeaderStyle::XRatelimit => {
+            for (name, n) in [
+                ("x-ratelimit-limit", top.limit.requests),
+                ("x-ratelimit-remaining", remaining),
+                ("x-ratelimit-reset", ceil_secs(reset_after_ms)),
+            ] {
+                scratch.clear();
+                push_u64(scratch, n);
+                add(name, scratch);
+            }
+        }
         HeaderStyle::Draft => {
             let policy = policy.get_or_init(|| draft_policy(limits, std::iter::repeat(None)));
-            draft(
-                policy.clone(),
+            add("ratelimit-policy", policy);
+            scratch.clear();
+            push_rate_limit(
+                scratch,
                 &top.limit.qualified_name,
                 remaining,
                 reset_after_ms,
-            )
+            );
+            add("ratelimit", scratch);
         }
     }
 }
@@ -119,13 +135,18 @@ fn draft_policy<'a>(
 /// Both draft headers: `policy`, and `RateLimit` for the limit `name`.
 fn draft(policy: String, name: &str, remaining: u64, reset_after_ms: u64) -> Headers {
     let mut now = String::with_capacity(name.len() + 32);
-    now.push('"');
-    now.push_str(name);
-    now.push_str("\";r=");
-    push_u64(&mut now, remaining);
-    now.push_str(";t=");
-    push_u64(&mut now, ceil_secs(reset_after_ms));
+    push_rate_limit(&mut now, name, remaining, reset_after_ms);
     vec![("ratelimit-policy", policy), ("ratelimit", now)]
+}
+
+/// The `RateLimit` value for the limit `name`: `"name";r=<remaining>;t=<s>`.
+fn push_rate_limit(out: &mut String, name: &str, remaining: u64, reset_after_ms: u64) {
+    out.push('"');
+    out.push_str(name);
+    out.push_str("\";r=");
+    push_u64(out, remaining);
+    out.push_str(";t=");
+    push_u64(out, ceil_secs(reset_after_ms));
 }
 
 /// Appends `n` in decimal.
@@ -212,10 +233,19 @@ mod tests {
                         receipts: None,
                         leased: 0,
                     };
-                    let policy = std::cell::OnceCell::new();
+                    let (policy, mut scratch) = (std::cell::OnceCell::new(), String::new());
                     for _ in 0..2 {
+                        let mut added = Vec::new();
+                        add_admitted(
+                            style,
+                            limits,
+                            (remaining, reset),
+                            &policy,
+                            &mut scratch,
+                            |name, value| added.push((name, value.to_string())),
+                        );
                         assert_eq!(
-                            admitted(style, limits, remaining, reset, &policy),
+                            added,
                             rate_limit_headers(style, limits, &result),
                             "{style:?} {remaining} {reset}"
                         );

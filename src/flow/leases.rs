@@ -11,13 +11,15 @@
 //!   this worker installed that expired or went idle, and sends them to
 //!   meshlimitd as settlements at 0.
 
+use std::rc::Rc;
+
 use log::warn;
 use meshlimit_protocol::{Algorithm, CheckResult, Receipt, SettleOutcome, Settlement};
 
 use super::clock::NEAR_EXPIRY_MS;
-use super::{Job, Queued, Worker};
+use super::{Job, Queued, Step, Stream, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
-use crate::decision::{ServiceError, Verdict};
+use crate::decision::ServiceError;
 use crate::host::Host;
 use crate::shared::lease::{self, AskFor, Draw, Grant, Leases, Observer, Place, Reclaim, Take};
 use crate::stats::Stat;
@@ -41,6 +43,14 @@ pub(super) enum Lookup {
     /// it may spend then and for [`super::clock::NEAR_EXPIRY_MS`] after:
     /// ask again on a fresh one. Nothing was counted.
     NeedsClock,
+}
+
+/// What a request admitted from a lease reports in its RateLimit headers,
+/// until its response comes.
+pub(crate) struct LeaseHeaders {
+    check: Rc<Check>,
+    remaining: u64,
+    reset_after_ms: u64,
 }
 
 /// A lease this worker installed: what giving its units back needs.
@@ -146,33 +156,45 @@ impl Worker {
         }
     }
 
-    /// The verdict of a request admitted from a lease with `remaining`
-    /// units left, its window whole again in `reset_after_ms`; `local`: its
-    /// `scope: local` rules' admitted decision, if any.
-    pub(super) fn lease_verdict(
+    /// Admits a request from a lease with `remaining` units left, its
+    /// window whole again in `reset_after_ms`; `local`: its `scope: local`
+    /// rules' admitted decision, if any.
+    pub(super) fn lease_admit(
         &self,
-        check: &Check,
+        stream: &mut Stream,
+        check: Rc<Check>,
         local: Option<&CheckResult>,
         remaining: u64,
         reset_after_ms: u64,
-    ) -> Verdict {
+    ) -> Step {
+        stream.from_lease = true;
         if local.is_some() {
-            let result = hit_result(check, remaining, reset_after_ms);
-            return super::with_local(&self.config, check, local, &result);
+            let result = hit_result(&check, remaining, reset_after_ms);
+            return stream.apply(super::with_local(&self.config, &check, local, &result));
         }
-        // The usual hit: its headers made without a result.
-        let headers = if super::profile::SKIP_HEADERS {
-            Vec::new()
-        } else {
-            crate::headers::admitted(
-                self.config.response.headers,
-                &check.global,
+        // The usual hit: its headers are made when they are added, from
+        // the check it shares with the plan memo (nothing is allocated).
+        if !super::profile::SKIP_HEADERS {
+            stream.lease_headers = Some(LeaseHeaders {
+                check,
                 remaining,
                 reset_after_ms,
-                &check.hit_policy.0,
-            )
-        };
-        Verdict::Allow { headers }
+            });
+        }
+        Step::Continue
+    }
+
+    /// Adds a lease hit's RateLimit headers to its response.
+    pub(super) fn add_lease_headers(&self, host: &impl Host, hit: &LeaseHeaders) {
+        let mut scratch = self.header_scratch.borrow_mut();
+        crate::headers::add_admitted(
+            self.config.response.headers,
+            &hit.check.global,
+            (hit.remaining, hit.reset_after_ms),
+            &hit.check.hit_policy.0,
+            &mut scratch,
+            |name, value| host.add_response_header(name, value),
+        );
     }
 
     /// A new draw from the check's slot for a request of the check's cost,

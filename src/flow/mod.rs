@@ -104,6 +104,8 @@ pub struct Stream {
     /// streams hold nothing of it (a busy client's every request skips
     /// reading them).
     from_lease: bool,
+    /// Admitted from a lease: its RateLimit headers, made with its response.
+    lease_headers: Option<leases::LeaseHeaders>,
 }
 
 /// A check a stream sent itself and waits for.
@@ -223,6 +225,8 @@ pub struct Worker {
     ticking: bool,
     /// The last clock read, which a lease hit may reuse (see `clock`).
     hit_clock: clock::HitClock,
+    /// Where a lease hit's header values are written (keeps its capacity).
+    header_scratch: RefCell<String>,
 }
 
 impl Worker {
@@ -277,6 +281,7 @@ impl Worker {
             plan_memo: RefCell::default(),
             ticking: false,
             hit_clock: clock::HitClock::default(),
+            header_scratch: RefCell::default(),
         };
         if let Some(ms) = worker.lease_tick_ms() {
             if host.set_tick_period(ms) {
@@ -296,6 +301,7 @@ impl Worker {
             response_headers: Vec::new(),
             awaiting_body: None,
             from_lease: false,
+            lease_headers: None,
         }
     }
 
@@ -423,9 +429,7 @@ impl Worker {
                 remaining,
                 reset_after_ms,
             } => {
-                stream.from_lease = true;
-                let verdict = self.lease_verdict(&check, local.as_ref(), remaining, reset_after_ms);
-                return stream.apply(verdict);
+                return self.lease_admit(stream, check, local.as_ref(), remaining, reset_after_ms);
             }
             leases::Lookup::Miss(ask) => ask,
             leases::Lookup::NeedsClock => None,
@@ -469,6 +473,9 @@ impl Worker {
     pub fn on_response_headers(&self, host: &impl Host, stream: &mut Stream) -> bool {
         let mut headers = std::mem::take(&mut stream.response_headers);
         if stream.from_lease {
+            if let Some(hit) = stream.lease_headers.take() {
+                self.add_lease_headers(host, &hit);
+            }
             for (name, value) in headers {
                 host.add_response_header(name, &value);
             }
