@@ -62,6 +62,10 @@ pub(super) struct LeaseRecord {
     /// Only fixed windows: once expired, their window is gone and so is
     /// any point in giving units back.
     fixed_only: bool,
+    /// The tick looks at the slot again from then (see
+    /// [`Reclaim::Keep`]): a live lease costs a shared-data read an
+    /// interval, not one a tick.
+    look_at_ms: u64,
 }
 
 impl Worker {
@@ -353,7 +357,13 @@ impl Worker {
         if room && lifetime.is_some() && leases.install(ticket.place, grant, now) {
             self.metrics.bump(host, Stat::LeaseGrants);
             self.metrics.add(host, Stat::LeaseUnits, units as usize);
-            self.lease_records.borrow_mut().push(LeaseRecord {
+            let mut records = self.lease_records.borrow_mut();
+            // A grant may replace a lease this worker installed there:
+            // look at that one on the next tick, not when it was due.
+            for record in records.iter_mut().filter(|r| r.slot == ticket.place.slot) {
+                record.look_at_ms = 0;
+            }
+            records.push(LeaseRecord {
                 slot: ticket.place.slot,
                 lease_id,
                 check: check.clone(),
@@ -362,6 +372,7 @@ impl Worker {
                     .global
                     .iter()
                     .all(|a| a.limit.algorithm == Algorithm::FixedWindow),
+                look_at_ms: 0,
             });
             return;
         }
@@ -404,10 +415,19 @@ impl Worker {
             }
         }
         let mut returns = Vec::new();
-        self.lease_records.borrow_mut().retain(|record| {
+        let interval_ms = leases.config.interval_ms;
+        self.lease_records.borrow_mut().retain_mut(|record| {
+            // Not due yet (unless the clock stepped back past an interval).
+            if now < record.look_at_ms && record.look_at_ms - now <= interval_ms {
+                return true;
+            }
             match leases.reclaim(record.slot, record.lease_id, now) {
+                Ok(Reclaim::Keep { until_ms }) => {
+                    record.look_at_ms = until_ms;
+                    true
+                }
                 // A store that fails is asked again next tick.
-                Ok(Reclaim::Keep) | Err(_) => true,
+                Err(_) => true,
                 Ok(Reclaim::Gone) => false,
                 Ok(Reclaim::Back { units, expired }) => {
                     if !(expired && record.fixed_only) {

@@ -371,8 +371,10 @@ pub(crate) struct Grant {
 /// What the granting worker's tick found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reclaim {
-    /// The lease is live and in use: look again later.
-    Keep,
+    /// The lease is live and in use: it cannot be due before `until_ms`
+    /// (a hit only puts that later) unless it is replaced first (see
+    /// [`Lease::due_from`]); look again then.
+    Keep { until_ms: u64 },
     /// The lease is spent or replaced: nothing to give back.
     Gone,
     /// Expired or idle: these units are taken out of the slot and go back.
@@ -424,6 +426,18 @@ impl Lease {
         } else {
             expired || draining || now.saturating_sub(self.last_hit_ms) >= idle_ms
         }
+    }
+
+    /// The earliest time [`Lease::due`] can hold: its expiry, or an
+    /// interval after its last hit, whichever comes first (a draw put back
+    /// may move the last hit later, never earlier). A lease waiting aside
+    /// for its draws is due once they are back, whenever that is: now.
+    fn due_from(&self, idle_ms: u64, draining: bool) -> u64 {
+        if draining {
+            return 0;
+        }
+        self.expires_ms
+            .min(self.last_hit_ms.saturating_add(idle_ms))
     }
 }
 
@@ -610,7 +624,8 @@ impl Slot {
             return (None, Reclaim::Gone);
         }
         if !lease.due(now, idle_ms, draining) {
-            return (None, Reclaim::Keep);
+            let until_ms = lease.due_from(idle_ms, draining);
+            return (None, Reclaim::Keep { until_ms });
         }
         let expired = !lease.usable(now);
         let units = lease.units;
@@ -826,6 +841,10 @@ mod tests {
         interval_ms: 1000,
         share: 2,
     };
+
+    fn keep(until_ms: u64) -> Reclaim {
+        Reclaim::Keep { until_ms }
+    }
 
     fn at(fingerprint: u64) -> Place {
         Place {
@@ -1045,8 +1064,9 @@ mod tests {
         let slot = Slot::default().install(1, grant(40, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
         let a = drawn(t);
-        // Idle in the slot, but `a` still holds units: not yet.
-        assert_eq!(slot.reclaim(7, 1_500, 1000), (None, Reclaim::Keep));
+        // Idle in the slot, but `a` still holds units: not yet (and the
+        // units may come back any time: look again at the next tick).
+        assert_eq!(slot.reclaim(7, 1_500, 1000), (None, keep(1_020)));
         assert_eq!(slot.install(1, grant(3, 9_000), 1_500), None);
         let back = slot.put_back(&a).unwrap();
         let (next, r) = back.reclaim(7, 1_500, 1000);
@@ -1059,7 +1079,7 @@ mod tests {
         );
         // Expired: the draws get a little time to come back, then the slot
         // goes back without them.
-        assert_eq!(slot.reclaim(7, 5_100, 1000), (None, Reclaim::Keep));
+        assert_eq!(slot.reclaim(7, 5_100, 1000), (None, keep(1_020)));
         let (_, r) = slot.reclaim(7, 5_000 + DRAWS_BACK_WITHIN_MS, 1000);
         assert_eq!(r, gives_back(20, true));
         // Spent in draws and accounted for: nothing to give back.
@@ -1097,7 +1117,7 @@ mod tests {
         let slot = slot.put_back(&a).unwrap();
         assert_eq!((slot.previous.units, slot.previous.lent), (7, 8));
         // Still a draw out of the old lease: it waits, and so does a third.
-        assert_eq!(slot.reclaim(7, 40, 1000), (None, Reclaim::Keep));
+        assert_eq!(slot.reclaim(7, 40, 1000), (None, keep(0)));
         let third = Grant {
             lease_id: 9,
             ..grant(6, 5_000)
@@ -1116,7 +1136,7 @@ mod tests {
         assert_eq!(r, gives_back(7, false));
         let slot = next.unwrap();
         assert_eq!(slot.previous, Lease::default());
-        assert_eq!(slot.reclaim(8, 41, 1000), (None, Reclaim::Keep));
+        assert_eq!(slot.reclaim(8, 41, 1000), (None, keep(1_031)));
     }
 
     #[test]
@@ -1301,7 +1321,10 @@ mod tests {
     #[test]
     fn expired_or_idle_leases_give_their_units_back_once() {
         let slot = Slot::default().install(1, grant(5, 5000), 10).unwrap();
-        assert_eq!(slot.reclaim(7, 500, 1000), (None, Reclaim::Keep));
+        // Not due before an interval after it was granted: no look needed
+        // until then, and it goes back then.
+        assert_eq!(slot.reclaim(7, 500, 1000), (None, keep(1_010)));
+        assert_eq!(slot.reclaim(7, 1_009, 1000), (None, keep(1_010)));
         assert_eq!(slot.reclaim(8, 500, 1000), (None, Reclaim::Gone));
         let (next, r) = slot.reclaim(7, 1010, 1000);
         assert_eq!(r, gives_back(5, false));
@@ -1311,7 +1334,14 @@ mod tests {
         assert_eq!(r, gives_back(5, true));
         // A hit keeps it from going idle.
         let (hit, _) = take(slot, 1, 900);
-        assert_eq!(hit.reclaim(7, 1500, 1000).1, Reclaim::Keep);
+        assert_eq!(hit.reclaim(7, 1500, 1000).1, keep(1_900));
+        // An expiry before that comes first.
+        let (soon, _) = take(
+            Slot::default().install(1, grant(5, 1_200), 10).unwrap(),
+            1,
+            900,
+        );
+        assert_eq!(soon.reclaim(7, 1_000, 1000).1, keep(1_200));
     }
 
     #[test]

@@ -267,6 +267,37 @@ fn an_idle_lease_gives_its_units_back_on_the_tick() {
     assert_eq!(step, Step::Pause);
 }
 
+/// The tick reads a live lease's slot once the lease could first be due
+/// (an interval after its last hit, or its expiry), not on every tick: a
+/// thousand live leases cost a shared-data read each an interval, not
+/// one each a tick (a read is a VM re-entry for the host to copy into).
+#[test]
+fn the_tick_reads_a_live_leases_slot_only_once_it_could_be_due() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    h.request("a");
+    h.tick();
+    h.advance(250);
+    // The worker's idle draw goes back to the slot (a read and a write).
+    h.tick();
+    assert_eq!(h.calls(), calls, "in use: kept");
+    for _ in 0..2 {
+        h.advance(250);
+        h.host.take_hostcalls();
+        h.tick();
+        let read = h.host.take_hostcalls();
+        assert!(
+            !read.contains(&"get_shared_data"),
+            "a lease hit 500 ms ago cannot be idle yet: {read:?}"
+        );
+    }
+    // An interval after its last hit: looked at, and given back.
+    h.advance(250);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    assert_eq!(h.last_call_body()["settlements"][0]["limits"][0]["cost"], 7);
+}
+
 #[test]
 fn an_expired_fixed_window_lease_is_dropped_and_a_token_bucket_one_given_back() {
     let mut h = harness("");
