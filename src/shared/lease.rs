@@ -428,16 +428,23 @@ impl Lease {
         }
     }
 
-    /// The earliest time [`Lease::due`] can hold: its expiry, or an
-    /// interval after its last hit, whichever comes first (a draw put back
-    /// may move the last hit later, never earlier). A lease waiting aside
-    /// for its draws is due once they are back, whenever that is: now.
-    fn due_from(&self, idle_ms: u64, draining: bool) -> u64 {
+    /// The earliest time after `now` that [`Lease::due`] can hold: its
+    /// expiry, or an interval after its last hit, whichever comes first (a
+    /// draw put back may move the last hit later, never earlier). With
+    /// draws out, the slot's last hit is often long past (workers hit from
+    /// their draws), but a draw still out was hit within about two ticks
+    /// (its worker puts it back on the first tick a tick after its last
+    /// hit): idle no sooner than half an interval from now either. A lease waiting aside for its draws is due once they
+    /// are back, whenever that is: now.
+    fn due_from(&self, now: u64, idle_ms: u64, draining: bool) -> u64 {
         if draining {
-            return 0;
+            return now;
         }
-        self.expires_ms
-            .min(self.last_hit_ms.saturating_add(idle_ms))
+        let mut idle_at = self.last_hit_ms.saturating_add(idle_ms);
+        if self.lent > 0 {
+            idle_at = idle_at.max(now.saturating_add(idle_ms / 2));
+        }
+        self.expires_ms.min(idle_at)
     }
 }
 
@@ -624,7 +631,7 @@ impl Slot {
             return (None, Reclaim::Gone);
         }
         if !lease.due(now, idle_ms, draining) {
-            let until_ms = lease.due_from(idle_ms, draining);
+            let until_ms = lease.due_from(now, idle_ms, draining);
             return (None, Reclaim::Keep { until_ms });
         }
         let expired = !lease.usable(now);
@@ -1064,9 +1071,9 @@ mod tests {
         let slot = Slot::default().install(1, grant(40, 5_000), 10).unwrap();
         let (slot, t) = take(slot, 1, 20);
         let a = drawn(t);
-        // Idle in the slot, but `a` still holds units: not yet (and the
-        // units may come back any time: look again at the next tick).
-        assert_eq!(slot.reclaim(7, 1_500, 1000), (None, keep(1_020)));
+        // Idle in the slot, but `a` still holds units: not yet, nor before
+        // half an interval (a draw still out was hit within two ticks).
+        assert_eq!(slot.reclaim(7, 1_500, 1000), (None, keep(2_000)));
         assert_eq!(slot.install(1, grant(3, 9_000), 1_500), None);
         let back = slot.put_back(&a).unwrap();
         let (next, r) = back.reclaim(7, 1_500, 1000);
@@ -1079,7 +1086,7 @@ mod tests {
         );
         // Expired: the draws get a little time to come back, then the slot
         // goes back without them.
-        assert_eq!(slot.reclaim(7, 5_100, 1000), (None, keep(1_020)));
+        assert_eq!(slot.reclaim(7, 5_100, 1000), (None, keep(5_000)));
         let (_, r) = slot.reclaim(7, 5_000 + DRAWS_BACK_WITHIN_MS, 1000);
         assert_eq!(r, gives_back(20, true));
         // Spent in draws and accounted for: nothing to give back.
@@ -1117,7 +1124,7 @@ mod tests {
         let slot = slot.put_back(&a).unwrap();
         assert_eq!((slot.previous.units, slot.previous.lent), (7, 8));
         // Still a draw out of the old lease: it waits, and so does a third.
-        assert_eq!(slot.reclaim(7, 40, 1000), (None, keep(0)));
+        assert_eq!(slot.reclaim(7, 40, 1000), (None, keep(40)));
         let third = Grant {
             lease_id: 9,
             ..grant(6, 5_000)
@@ -1334,7 +1341,7 @@ mod tests {
         assert_eq!(r, gives_back(5, true));
         // A hit keeps it from going idle.
         let (hit, _) = take(slot, 1, 900);
-        assert_eq!(hit.reclaim(7, 1500, 1000).1, keep(1_900));
+        assert_eq!(hit.reclaim(7, 1500, 1000).1, keep(2_000));
         // An expiry before that comes first.
         let (soon, _) = take(
             Slot::default().install(1, grant(5, 1_200), 10).unwrap(),
