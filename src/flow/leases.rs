@@ -63,8 +63,8 @@ pub(super) struct LeaseRecord {
     /// any point in giving units back.
     fixed_only: bool,
     /// The tick looks at the slot again from then (see
-    /// [`Reclaim::Keep`]): a live lease costs a shared-data read an
-    /// interval, not one a tick.
+    /// [`Reclaim::Keep`]): a live lease costs a shared-data read every half
+    /// interval or less often, not one a tick.
     look_at_ms: u64,
 }
 
