@@ -91,9 +91,20 @@ fn ping(conn: &mut TcpStream) -> Duration {
 /// time, blocking Redis for minutes (and `SCRIPT KILL` refuses once a
 /// script has written). Now the sliding log is bounded and members go in
 /// one `ZADD` per thousand.
+///
+/// The script still blocks Redis while it runs (about 30 ms on an idle
+/// CI machine, twice that under the test suite's load): the bound on the
+/// slowest PING is set well above that and far below the minutes it
+/// guards against, and meshlimitd's own Redis timeout (50 ms by default,
+/// which would fail the check under load) is raised, as it is not what is
+/// tested. A failed check ends the PINGs before it fails the test: the
+/// test used to hang there for good.
 #[test]
 fn the_largest_allowed_check_leaves_redis_responsive() {
-    let f = start();
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &["--redis-timeout-ms", "5000"],
+    );
     let addr = f.service.addr.clone();
     let log = |requests: u64, cost: u64| {
         json!({"checks": [{"subject": "heavy", "limits": [{
@@ -107,7 +118,7 @@ fn the_largest_allowed_check_leaves_redis_responsive() {
     conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     ping(&mut conn);
     let done = std::sync::atomic::AtomicBool::new(false);
-    let slowest = std::thread::scope(|s| {
+    let (slowest, answers) = std::thread::scope(|s| {
         let pinger = s.spawn(|| {
             let mut slowest = Duration::ZERO;
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
@@ -115,19 +126,31 @@ fn the_largest_allowed_check_leaves_redis_responsive() {
             }
             slowest
         });
-        for _ in 0..3 {
-            let r = post(
-                &addr,
-                &log(MAX_SLIDING_LOG_REQUESTS, MAX_SLIDING_LOG_REQUESTS),
-            );
-            assert_eq!(r.status, 200, "{}", r.body);
-            let _ = f.redis.cli(&["FLUSHALL"]);
-        }
+        // Nothing here may panic before `done` is set: the scope would
+        // wait for the pinger, which would never stop.
+        let answers: Vec<_> = (0..3)
+            .map(|_| {
+                let body = log(MAX_SLIDING_LOG_REQUESTS, MAX_SLIDING_LOG_REQUESTS);
+                let r = http::request(
+                    &addr,
+                    "POST",
+                    "/v1/check",
+                    &[("content-type", b"application/json")],
+                    body.to_string().as_bytes(),
+                );
+                let _ = f.redis.cli(&["FLUSHALL"]);
+                r.map(|r| (r.status, r.body))
+            })
+            .collect();
         done.store(true, std::sync::atomic::Ordering::Relaxed);
-        pinger.join().unwrap()
+        (pinger.join().unwrap(), answers)
     });
+    for answer in answers {
+        let (status, body) = answer.expect("meshlimitd answers the largest check");
+        assert_eq!(status, 200, "{body}");
+    }
     eprintln!("slowest PING during the largest checks: {slowest:?}");
-    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+    assert!(slowest < Duration::from_millis(250), "{slowest:?}");
 }
 
 /// Fixed windows across many window edges: the first millisecond of a
