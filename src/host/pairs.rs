@@ -38,12 +38,13 @@ impl HeaderMap {
         }
         let map = HeaderMap { bytes };
         // Every field checked here, so that a walk never stops early.
-        (map.fields().count() == n).then_some(map)
+        (map.iter().count() == n).then_some(map)
     }
 
-    /// Each header's name and value, walked from the sizes; stops at the
-    /// first field that is not where its size says (never, once parsed).
-    fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+    /// Every header, in order: name and value, walked from the sizes; stops
+    /// at the first field that is not where its size says (never, once
+    /// parsed).
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
         let bytes = self.bytes.as_slice();
         let n = word(bytes, 0).unwrap_or(0);
         let mut data = 4usize.saturating_add(n.saturating_mul(8));
@@ -64,11 +65,6 @@ impl HeaderMap {
     /// The map holding `pairs` (tests and the fake host).
     pub fn from_pairs(pairs: &[(&str, &[u8])]) -> HeaderMap {
         HeaderMap::parse(encode(pairs)).unwrap_or_default()
-    }
-
-    /// Every header, in order: name and value.
-    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
-        self.fields()
     }
 
     /// Every value of header `name`, in order.
