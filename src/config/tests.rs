@@ -44,7 +44,12 @@ fn minimal_config_gets_documented_defaults() {
     assert_eq!(c.deny_cache_slots, 4096);
     let leases = c.leases.unwrap();
     assert_eq!(
-        (leases.interval_ms, leases.max_units, leases.slots, leases.share),
+        (
+            leases.interval_ms,
+            leases.max_units,
+            leases.slots,
+            leases.share
+        ),
         (1_000, 10_000, 4096, 2)
     );
     let off = parse_str(
