@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab
+.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers
 
 all: build
 
@@ -21,6 +21,8 @@ lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --release --target wasm32-wasip1 -p meshlimit -- -D warnings
+	# The timed build of `make bench-timers` holds to the same rules.
+	$(CARGO) clippy --release --target wasm32-wasip1 -p meshlimit --features profile-timers -- -D warnings
 
 ## test: lint, unit tests, meshlimitd on a real redis-server, end to end with real Envoy, deploy/ manifests.
 test: build lint
@@ -91,6 +93,16 @@ bench-profile: build
 	  $(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-$$v --target-dir target/profile-$$v || exit 1; \
 	done
 	MESHLIMIT_BENCH_PROFILE=1 $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
+
+## bench-timers: where one Envoy's time goes, inside the VM: a build with each callback and costly hostcall timed (src/wasm/timers.rs), beside this build and the do-nothing filter, one hot client then the Zipf mix (TIMERS_ROUNDS rounds, default 2); prints tables, writes nothing.
+TIMERS_ROUNDS ?= 2
+TIMERS_WASM := target/profile-timers/wasm32-wasip1/release/meshlimit.wasm
+bench-timers: build
+	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
+	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-timers --target-dir target/profile-timers
+	MESHLIMIT_BENCH_AB=$(TIMERS_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(TIMERS_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
+	MESHLIMIT_BENCH_AB_ZIPF=1 MESHLIMIT_BENCH_AB=$(TIMERS_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(TIMERS_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8).
 AB_ROUNDS ?= 8

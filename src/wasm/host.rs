@@ -7,6 +7,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
 use super::abi;
+use super::timers::{timed, Site};
 use crate::host::{Call, HeaderMap, Host, SharedStore, StoreError};
 use crate::reply::DenyResponse;
 use crate::stats::MetricKind;
@@ -17,11 +18,14 @@ pub(super) struct WasmHost;
 /// proxy-wasm shared data (one per VM id, shared by all workers).
 impl SharedStore for WasmHost {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
-        hostcalls::get_shared_data(key).map_err(|_| StoreError::Failed)
+        timed(Site::SharedGet, || hostcalls::get_shared_data(key)).map_err(|_| StoreError::Failed)
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        hostcalls::set_shared_data(key, Some(value), cas).map_err(|e| match e {
+        timed(Site::SharedSet, || {
+            hostcalls::set_shared_data(key, Some(value), cas)
+        })
+        .map_err(|e| match e {
             Status::CasMismatch => StoreError::CasMismatch,
             _ => StoreError::Failed,
         })
@@ -30,7 +34,7 @@ impl SharedStore for WasmHost {
 
 impl Host for WasmHost {
     fn request_headers(&self) -> HeaderMap {
-        abi::request_headers().unwrap_or_default()
+        timed(Site::ReadHeaders, abi::request_headers).unwrap_or_default()
     }
 
     fn source_address(&self) -> Option<String> {
@@ -105,13 +109,15 @@ impl Host for WasmHost {
         if let Some(authorization) = call.authorization {
             headers.push(("authorization", authorization));
         }
-        hostcalls::dispatch_http_call(
-            call.cluster,
-            headers,
-            Some(call.body),
-            vec![],
-            Duration::from_millis(call.timeout_ms),
-        )
+        timed(Site::Dispatch, || {
+            hostcalls::dispatch_http_call(
+                call.cluster,
+                headers,
+                Some(call.body),
+                vec![],
+                Duration::from_millis(call.timeout_ms),
+            )
+        })
         .map_err(|e| format!("{e:?}"))
     }
 
@@ -120,7 +126,7 @@ impl Host for WasmHost {
     }
 
     fn call_response_body(&self, max: usize) -> Option<Vec<u8>> {
-        abi::call_response_body(max)
+        timed(Site::ReadAnswer, || abi::call_response_body(max))
     }
 
     fn set_effective_context(&self, context_id: u32) -> bool {
@@ -128,7 +134,7 @@ impl Host for WasmHost {
     }
 
     fn resume_request(&self) -> bool {
-        hostcalls::resume_http_request().is_ok()
+        timed(Site::Resume, hostcalls::resume_http_request).is_ok()
     }
 
     fn send_reply(&self, reply: &DenyResponse) -> bool {
@@ -141,7 +147,9 @@ impl Host for WasmHost {
     }
 
     fn add_response_header(&self, name: &str, value: &str) {
-        let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+        let _ = timed(Site::AddHeader, || {
+            hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value)
+        });
     }
 
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {

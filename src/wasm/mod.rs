@@ -9,6 +9,7 @@
 
 mod abi;
 mod host;
+mod timers;
 
 use std::rc::Rc;
 
@@ -20,6 +21,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel};
 use crate::config;
 use crate::flow::{self, Step, Worker};
 use host::WasmHost;
+use timers::Site;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -57,6 +59,7 @@ impl RootContext for Root {
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
+        let _timer = timers::start(Site::Wake);
         // The queue only carries wake-ups; the checks are in the batcher.
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
         if let Some(worker) = &self.worker {
@@ -65,12 +68,14 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        let _timer = timers::start(Site::Tick);
         if let Some(worker) = &self.worker {
             worker.on_tick(&WasmHost);
         }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let _timer = timers::start(Site::StreamCreated);
         // The SDK panics on None, so an unconfigured plugin gets a stream
         // that does nothing (Envoy does not send traffic to it anyway).
         let worker = self.worker.clone();
@@ -85,6 +90,7 @@ impl RootContext for Root {
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _: usize) {
+        let _timer = timers::start(Site::BatchAnswer);
         if let Some(worker) = &self.worker {
             worker.on_batch_answer(&WasmHost, token, headers, body_size);
         }
@@ -133,13 +139,18 @@ fn action(go_on: bool) -> Action {
 
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
-        match (&self.worker, &mut self.state) {
+        let timer = timers::start(Site::RequestGoesOn);
+        let action = match (&self.worker, &mut self.state) {
             (Some(worker), Some(state)) => Self::perform(
                 worker.on_request_headers(&WasmHost, state, end_of_stream),
                 false,
             ),
             _ => Action::Continue,
+        };
+        if let (Some(timer), Action::Pause) = (timer, action) {
+            timer.finish_as(Site::RequestPaused);
         }
+        action
     }
 
     fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
@@ -153,6 +164,7 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        let _timer = timers::start(Site::ResponseHeaders);
         match (&self.worker, &mut self.state) {
             (Some(worker), Some(state)) => action(worker.on_response_headers(&WasmHost, state)),
             _ => Action::Continue,
@@ -171,6 +183,7 @@ impl HttpContext for Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        let _timer = timers::start(Site::StreamEnd);
         if let (Some(worker), Some(state)) = (&self.worker, &self.state) {
             worker.on_stream_end(&WasmHost, state);
         }
