@@ -48,7 +48,7 @@ impl Default for RawLeases {
             // and every unit was charged in Redis before it was used.
             enabled: true,
             max_units: 10_000,
-            interval: "1s".into(),
+            interval: "2s".into(),
             slots: 4096,
         }
     }

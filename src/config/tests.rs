@@ -50,7 +50,7 @@ fn minimal_config_gets_documented_defaults() {
             leases.slots,
             leases.share
         ),
-        (1_000, 10_000, 4096, 2)
+        (2_000, 10_000, 4096, 2)
     );
     let off = parse_str(
             r#"{"group_commit":{"enabled":false},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,

@@ -127,7 +127,7 @@ fn a_client_that_goes_idle_gives_its_units_back() {
     // Redis holds the admitted requests and the leased units not used ...
     let counted = t.key_count("api/per-hour", "sleeper");
     assert!(counted >= 200, "{counted}");
-    // ... until the client has been idle an interval (1 s): then only the
+    // ... until the client has been idle an interval (2 s): then only the
     // admitted ones.
     assert!(
         eventually(Duration::from_secs(5), || t

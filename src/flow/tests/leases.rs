@@ -5,6 +5,20 @@
 use super::*;
 use crate::flow::clock::READ_EVERY;
 
+/// The interval these tests' times are written for (1 s, not the default):
+/// ticks every 250 ms, leases idle after a second.
+const INTERVAL: &str = r#""leases": {"interval": "1s"},"#;
+
+/// The flow's harness, with leases observed over [`INTERVAL`] unless
+/// `extra` configures them.
+fn harness(extra: &str) -> Harness {
+    if extra.contains(r#""leases""#) {
+        super::harness(extra)
+    } else {
+        super::harness(&format!("{INTERVAL}{extra}"))
+    }
+}
+
 /// An admitted answer for one limit of 20 that grants `leased` units,
 /// with the receipt returns need.
 fn granted(remaining: u64, leased: u64) -> String {
@@ -312,7 +326,8 @@ fn an_expired_fixed_window_lease_is_dropped_and_a_token_bucket_one_given_back() 
     assert_eq!(h.calls(), calls, "no return for a window that ended");
     let mut h = harness_with(
         crate::config::parse(
-            br#"{"client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
+            br#"{"leases": {"interval": "1s"},
+                "client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
                 "rules": [{"name": "api", "limits": [{"name": "b", "requests": 20, "window": "60s",
                            "algorithm": "token_bucket"}]}]}"#,
         )
