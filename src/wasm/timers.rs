@@ -54,11 +54,13 @@ pub(super) enum Site {
     SharedGet,
     SharedSet,
     AddHeader,
+    /// The last site: [`Site::COUNT`] counts from it.
     Resume,
 }
 
 impl Site {
-    const COUNT: usize = 15;
+    /// Sites, counted from the last one (new sites go before it).
+    const COUNT: usize = Site::Resume as usize + 1;
 
     fn name(self) -> &'static str {
         match self {
