@@ -218,9 +218,10 @@ fn a_live_override_applies_on_every_replica() {
     std::thread::sleep(Duration::from_millis(1_100));
     // Replica 1 may lease units it does not use before the client moves
     // to replica 2; they come back once the client idles there (an
-    // interval, then a tick): docs/leases.md, "What is exact".
+    // interval, 2 s, then a tick of 250 ms): docs/leases.md, "What is
+    // exact".
     let first = on(1, 10);
-    std::thread::sleep(Duration::from_millis(1_500));
+    std::thread::sleep(Duration::from_millis(2_500));
     assert_eq!(first + on(2, 10), 20, "20 more, on both replicas");
     assert_eq!(on(1, 1) + on(2, 1), 0, "and no more");
     assert_eq!(admin("DELETE", "", token).status, 204);
