@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers
+.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers bench-perf
 
 all: build
 
@@ -103,6 +103,14 @@ bench-timers: build
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-timers --target-dir target/profile-timers
 	MESHLIMIT_BENCH_AB=$(TIMERS_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(TIMERS_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 	MESHLIMIT_BENCH_AB_ZIPF=1 MESHLIMIT_BENCH_AB=$(TIMERS_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(TIMERS_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
+
+## bench-perf: where each Envoy's CPU goes per request, from perf's call chains over a bench-ab run (this build beside the do-nothing filter, and AB_WASM if set; MESHLIMIT_BENCH_AB_ZIPF=1 for the mix): the filter's wasm, its hostcalls, Envoy outside the VM, and the call paths that differ (scripts/perf_split.py); recordings in target/bench-perf.
+PERF_ROUNDS ?= 4
+bench-perf: build
+	@command -v perf >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-perf >/dev/null; }
+	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
+	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+	MESHLIMIT_BENCH_PERF=$(CURDIR)/target/bench-perf MESHLIMIT_BENCH_AB=$(AB_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(PERF_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8).
 AB_ROUNDS ?= 8

@@ -514,7 +514,10 @@ fn main() {
         return profile();
     }
     if let Some(other) = std::env::var_os("MESHLIMIT_BENCH_AB") {
-        return ab(std::env::split_paths(&other).collect());
+        // Empty: this build beside the do-nothing filter alone.
+        return ab(std::env::split_paths(&other)
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect());
     }
     println!("meshlimit bench: {SECONDS}s runs, {CONNECTIONS} connections, {REPEATS} repeats, interleaved");
     // 1 and 2: baselines from envoy/bench-baseline.yaml.
@@ -806,6 +809,8 @@ fn main() {
             )
         })
         .collect();
+    let fallbacks_before: Vec<Fallbacks> =
+        targets.iter().map(|t| Fallbacks::read(&t.admin)).collect();
     let mut saturation: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
     // The processes behind each meshlimit configuration, for the CPU split.
     let procs = |i: usize| -> Vec<(&'static str, Option<u32>)> {
@@ -869,6 +874,11 @@ fn main() {
             let cx = stat(&t.admin, "cluster.meshlimit.upstream_cx_total").saturating_sub(*cx0);
             (calls as f64 / rq.max(1) as f64, cx)
         })
+        .collect();
+    let fallbacks: Vec<Fallbacks> = targets
+        .iter()
+        .zip(&fallbacks_before)
+        .map(|(t, before)| Fallbacks::read(&t.admin).since(before))
         .collect();
     let rate = {
         let min = saturation
@@ -939,6 +949,7 @@ fn main() {
         &unpinned,
         &fixed,
         &calls,
+        &fallbacks,
         rate,
         (median(service_rps), median(grpc_rps)),
         median(redis_rps),
@@ -955,6 +966,55 @@ fn main() {
     ));
     drop((leased_hot, unleased_hot, leased_zipf, unleased_zipf));
     drop((native_envoy, native, rls_dir));
+}
+
+/// Requests an Envoy's filter decided by its local fallback, and its calls
+/// to meshlimitd that timed out. A row meant to measure global decisions
+/// that fell back measured the fallback instead: meshlimitd answered late
+/// (its core is shared with the load generator), timeouts opened the
+/// breaker, and a lease that ran out could not be renewed. The report and
+/// `make bench-ab` name such rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Fallbacks {
+    decisions: u64,
+    timeouts: u64,
+}
+
+impl Fallbacks {
+    fn read(admin: &str) -> Fallbacks {
+        let stats = http::envoy_stats(
+            admin,
+            r"^wasmcustom\.meshlimit\.(fallback_(allowed|denied|uncounted)|service_errors\.timeout)$",
+        );
+        let sum = |part: &str| {
+            stats
+                .iter()
+                .filter(|(name, _)| name.contains(part))
+                .map(|(_, v)| *v)
+                .sum()
+        };
+        Fallbacks {
+            decisions: sum("fallback_"),
+            timeouts: sum("timeout"),
+        }
+    }
+
+    fn since(self, before: &Fallbacks) -> Fallbacks {
+        Fallbacks {
+            decisions: self.decisions.saturating_sub(before.decisions),
+            timeouts: self.timeouts.saturating_sub(before.timeouts),
+        }
+    }
+
+    /// `"N fallback decisions, M call timeouts"`, or `None` when neither.
+    fn describe(&self) -> Option<String> {
+        (*self != Fallbacks::default()).then(|| {
+            format!(
+                "{} requests decided by the fallback, {} calls timed out",
+                self.decisions, self.timeouts
+            )
+        })
+    }
 }
 
 /// Calls an Envoy made to meshlimitd: the wasm filter's HTTP checks, or
@@ -1073,6 +1133,7 @@ fn report(
     unpinned: &BTreeMap<usize, Vec<Sample>>,
     fixed: &BTreeMap<usize, Vec<Sample>>,
     calls: &[(f64, u64)],
+    fallbacks: &[Fallbacks],
     rate: u64,
     (service_rps, grpc_rps): (f64, f64),
     redis_rps: f64,
@@ -1151,12 +1212,29 @@ fn report(
             rss.get(i).copied().unwrap_or(0) / 1024
         );
     }
+    // Row 5 decides by its fallback by design; any other row that did
+    // measured something else than its name says.
+    let fell_back: Vec<String> = targets
+        .iter()
+        .zip(fallbacks)
+        .filter(|(t, _)| !t.name.starts_with("5."))
+        .filter_map(|(t, f)| Some(format!("{} ({})", t.name, f.describe()?)))
+        .collect();
+    let fell_back = if fell_back.is_empty() {
+        "Over the saturation runs, no configuration but 5 decided a request by its fallback, and no call to meshlimitd timed out.".to_string()
+    } else {
+        format!(
+            "**Decided partly by the fallback** over the saturation runs (meshlimitd answered late): {}. Their rows measure the fallback as much as their names.",
+            fell_back.join("; ")
+        )
+    };
     let _ = writeln!(
         md,
         "| 6. meshlimitd alone (HTTP checks) | {service_rps:.0} | **{:.2}** of redis-benchmark | | | | | | | | |\n| 6''. meshlimitd alone (gRPC `ShouldRateLimit`) | {grpc_rps:.0} | **{:.2}** of redis-benchmark | | | | | | | | |\n| 6'. redis-benchmark, same script (EVALSHA) | {redis_rps:.0} | 1.00 | | | | | | | | |\n",
         service_rps / redis_rps.max(1.0),
         grpc_rps / redis_rps.max(1.0)
     );
+    let _ = writeln!(md, "{fell_back}\n");
     let check = |ok: bool| if ok { "met" } else { "**not met**" };
     let _ = writeln!(md, "## Targets\n\n| target | measured | |\n|---|---|---|");
     let _ = writeln!(
@@ -1678,6 +1756,12 @@ fn ab(others: Vec<std::path::PathBuf>) {
         "bench-ab: {} builds, {rounds} rounds of {SECONDS} s",
         builds.len()
     );
+    let fallbacks_before: Vec<Fallbacks> =
+        targets.iter().map(|t| Fallbacks::read(&t.admin)).collect();
+    // `make bench-perf`: each Envoy's call chains, recorded over the rounds.
+    let recording = std::env::var_os("MESHLIMIT_BENCH_PERF")
+        .map(std::path::PathBuf::from)
+        .map(|dir| PerfRecording::start(&dir, &targets));
     let mut samples: BTreeMap<usize, Vec<Sample>> = BTreeMap::new();
     // All rows at once: the Envoys share their core, and whatever slows
     // the machine during a round slows every row alike.
@@ -1756,10 +1840,112 @@ fn ab(others: Vec<std::path::PathBuf>) {
             cpu(i) - cpu(1)
         );
     }
+    if let Some(recording) = recording {
+        recording.finish(&targets);
+    }
+    for (t, before) in targets.iter().zip(&fallbacks_before) {
+        if let Some(what) = Fallbacks::read(&t.admin).since(before).describe() {
+            println!(
+                "\n{}: {what}: its rounds measured the fallback too (meshlimitd answered late).",
+                t.name
+            );
+        }
+    }
     for t in &targets {
         print_timers(t);
     }
     drop((runs, noop, base));
+}
+
+/// `perf record -g` on every Envoy of a `make bench-ab` run, and the
+/// requests each served meanwhile; [`PerfRecording::finish`] splits their
+/// time with scripts/perf_split.py: inside the VM (the filter's wasm and
+/// its hostcalls) and outside it, and the call paths that differ from the
+/// first row's (the do-nothing filter).
+struct PerfRecording {
+    dir: std::path::PathBuf,
+    recorders: Vec<std::process::Child>,
+    requests_before: Vec<u64>,
+}
+
+impl PerfRecording {
+    fn start(dir: &std::path::Path, targets: &[Target]) -> PerfRecording {
+        let _ = std::fs::create_dir_all(dir);
+        let recorders = targets
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                Command::new("perf")
+                    .args(["record", "-q", "-F", "499", "-g", "-e", "cpu-clock", "-p"])
+                    .arg(t.pid.to_string())
+                    .arg("-o")
+                    .arg(dir.join(format!("row{i}.data")))
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap_or_else(|e| {
+                        panic!("cannot run perf: {e} (make bench-perf installs it)")
+                    })
+            })
+            .collect();
+        let requests_before = targets
+            .iter()
+            .map(|t| stat(&t.admin, "http.ingress.downstream_rq_total"))
+            .collect();
+        PerfRecording {
+            dir: dir.to_path_buf(),
+            recorders,
+            requests_before,
+        }
+    }
+
+    fn finish(self, targets: &[Target]) {
+        let requests: Vec<u64> = targets
+            .iter()
+            .zip(&self.requests_before)
+            .map(|(t, before)| {
+                stat(&t.admin, "http.ingress.downstream_rq_total").saturating_sub(*before)
+            })
+            .collect();
+        for mut recorder in self.recorders {
+            // perf writes its file out on SIGINT.
+            let _ = Command::new("kill")
+                .args(["-INT", &recorder.id().to_string()])
+                .status();
+            let _ = recorder.wait();
+        }
+        let mut args = Vec::new();
+        for (i, (t, n)) in targets.iter().zip(&requests).enumerate() {
+            let stacks = self.dir.join(format!("row{i}.stacks"));
+            let written = std::fs::File::create(&stacks).ok().and_then(|out| {
+                Command::new("perf")
+                    .args(["script", "-F", "ip,dso", "-i"])
+                    .arg(self.dir.join(format!("row{i}.data")))
+                    .stdout(out)
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .ok()
+            });
+            if written.is_some_and(|s| s.success()) {
+                args.push(format!("{}={}:{n}", t.name, stacks.display()));
+            }
+        }
+        // Every Envoy runs the same binary.
+        let envoy = targets
+            .first()
+            .and_then(|t| std::fs::read_link(format!("/proc/{}/exe", t.pid)).ok())
+            .unwrap_or_else(tools::envoy);
+        let split = Command::new("python3")
+            .arg(tools::root().join("scripts/perf_split.py"))
+            .arg(envoy)
+            .args(&args)
+            .status();
+        assert!(
+            split.is_ok_and(|s| s.success()),
+            "scripts/perf_split.py failed on {}",
+            self.dir.display()
+        );
+    }
 }
 
 /// The in-VM timers of a `make bench-timers` build (src/wasm/timers.rs),
