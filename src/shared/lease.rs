@@ -464,14 +464,37 @@ impl Slot {
         if current_serves || self.next.lease_id == 0 || !self.next.usable(now) {
             return false;
         }
-        if self.current.holds_units(now) {
-            if self.previous.holds_units(now) {
-                return false;
-            }
-            self.previous = self.current;
+        if !self.set_current_aside(now) {
+            return false;
         }
         self.current = self.next;
         self.next = Lease::default();
+        true
+    }
+
+    /// Frees `current` for a new lease: one that still holds units (draws
+    /// out, or units its owner has not taken back) waits aside in
+    /// `previous` for them. False when that place is taken by a lease
+    /// that is still live.
+    ///
+    /// A lease in `previous` that has ended gives way. Leases of a fixed
+    /// window all end with it, a busy client's two often together (the
+    /// one in use and the spent one whose draws are out), and their owners
+    /// take them out only on their next tick: if they kept the place, every
+    /// grant until then would go back (charged and refunded for nothing)
+    /// and the client would call per request. What the ended lease held is
+    /// lost to its window, which is over for a fixed window's lease; for a
+    /// token bucket's (one interval, renewed before it ends while the
+    /// client is busy) it is at most one lease not refunded: fewer
+    /// admitted, never more.
+    fn set_current_aside(&mut self, now: u64) -> bool {
+        if !self.current.holds_units(now) {
+            return true;
+        }
+        if self.previous.holds_units(now) && self.previous.usable(now) {
+            return false;
+        }
+        self.previous = self.current;
         true
     }
 
@@ -563,8 +586,10 @@ impl Slot {
     }
 
     /// The slot with `grant` installed, or `None` when the current lease
-    /// still has units in the slot, or has draws out while an older lease
-    /// still waits for its own (the grant must then go back at once).
+    /// is live with units in the slot (a renewal then waits as the next
+    /// one, unless one already does), or must wait aside while a live
+    /// older lease still does (see [`Slot::set_current_aside`]); the grant
+    /// must then go back at once.
     /// Units are never merged across leases, so each goes back in the
     /// counter and window it was charged to.
     pub(crate) fn install(mut self, fingerprint: u64, grant: Grant, now: u64) -> Option<Slot> {
@@ -587,7 +612,7 @@ impl Slot {
             reset_at_ms: grant.reset_at_ms,
             last_hit_ms: now,
         };
-        if self.current.holds_units(now) && self.current.units > 0 {
+        if self.current.usable(now) && self.current.units > 0 {
             // A renewal waits its turn (one at a time); anything else
             // finds units and goes back.
             if !grant.renewal || self.next.holds_units(now) {
@@ -597,12 +622,10 @@ impl Slot {
             self.asking_until_ms = 0;
             return Some(self);
         }
-        if self.current.holds_units(now) {
-            if self.previous.holds_units(now) {
-                return None;
-            }
-            // Spent but for draws still out: it waits aside for them.
-            self.previous = self.current;
+        // Spent but for draws still out, or ended with units its owner
+        // has yet to take out: it waits aside.
+        if !self.set_current_aside(now) {
+            return None;
         }
         self.current = lease;
         self.asking_until_ms = 0;
@@ -1354,15 +1377,58 @@ mod tests {
     #[test]
     fn units_whose_owner_is_gone_free_their_slot_after_expiry() {
         let slot = Slot::default().install(1, grant(5, 500), 10).unwrap();
+        let newer = Grant {
+            lease_id: 8,
+            ..grant(3, 900)
+        };
+        let aside = slot.install(1, newer, 600).unwrap();
+        assert_eq!((aside.current.lease_id, aside.current.units), (8, 3));
         assert_eq!(
-            slot.install(1, grant(3, 900), 600),
-            None,
-            "its owner may still return them"
+            aside.reclaim(7, 600, 1000).1,
+            gives_back(5, true),
+            "its owner may still take them out"
         );
         let next = slot.install(1, grant(3, 5_000), 2_500).unwrap();
         assert_eq!(next.current.units, 3);
         let (next, _) = slot.take(at(2), 1, 2_500, BUSY, ASK, None);
         assert!(next.is_some(), "another check may take the slot");
+    }
+
+    #[test]
+    fn ended_leases_give_way_to_a_grant_and_a_live_one_waiting_aside_does_not() {
+        // The spent lease (draws out) waits aside; the one in use ends
+        // with its window; so does the aside one.
+        let spent = Slot::default().install(1, grant(1, 1_000), 10).unwrap();
+        let (spent, taken) = take(spent, 1, 20);
+        assert!(matches!(taken, Take::Hit(_)));
+        assert_eq!(spent.current.lent, 1);
+        let in_use = Grant {
+            lease_id: 8,
+            ..grant(5, 1_000)
+        };
+        let both = spent.install(1, in_use, 30).unwrap();
+        assert_eq!((both.previous.lease_id, both.current.lease_id), (7, 8));
+        // The next window's grant goes in: the ended one in use waits
+        // aside, the older ended one gives way.
+        let next_window = Grant {
+            lease_id: 9,
+            ..grant(4, 61_000)
+        };
+        let installed = both.install(1, next_window, 1_000).unwrap();
+        assert_eq!(
+            (installed.previous.lease_id, installed.current.lease_id),
+            (8, 9)
+        );
+        // While the aside lease is live, an ended current one cannot
+        // take its place.
+        let live_aside = Slot {
+            previous: Lease {
+                expires_ms: 5_000,
+                ..both.previous
+            },
+            ..both
+        };
+        assert_eq!(live_aside.install(1, next_window, 1_000), None);
     }
 
     #[test]

@@ -193,6 +193,69 @@ fn a_killed_master_is_replaced_and_limiting_turns_global_again() {
 }
 
 #[test]
+fn a_leased_client_rides_a_killed_master_and_is_leased_again() {
+    // Leases on, the default. While the slot has no master, the hot
+    // client's requests come from the lease each replica holds, then (a
+    // renewal failing) from the fallback; none of them is an error. Once a
+    // replica has taken over, each replica's breaker closes on a probe and
+    // a renewal reaches the new master: the client is leased again, its
+    // requests come from leases, none from the fallback.
+    let t = cluster_topology(json!([{"name": "per-minute", "requests": 1000000, "window": "60s"}]));
+    let (id, slot, port) = clients_on_different_masters(&t, 1).remove(0);
+    let (stop, ok, bad) = (
+        AtomicBool::new(false),
+        AtomicUsize::new(0),
+        AtomicUsize::new(0),
+    );
+    let grants = |i: usize| t.stat(i, "meshlimit.lease_grants");
+    let cluster = t.cluster.as_ref().unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| traffic(&t, &id, &stop, &ok, &bad));
+        let leased = eventually(Duration::from_secs(10), || t.lease_hits() > 20);
+        let killed = Instant::now();
+        if leased {
+            cluster.kill(port);
+        }
+        let replaced = leased
+            && eventually(Duration::from_secs(30), || {
+                cluster.master_of(slot).is_some_and(|n| n.port != port)
+            });
+        // A grant counted once the new master is known was answered by it.
+        let granted_before = [grants(1), grants(2)];
+        let leased_again = replaced
+            && eventually(Duration::from_secs(20), || {
+                grants(1) > granted_before[0] && grants(2) > granted_before[1]
+            });
+        let (hits, fell_back) = (t.lease_hits(), fallbacks(&t));
+        std::thread::sleep(Duration::from_secs(1));
+        let (hits_after, fell_back_after) = (t.lease_hits(), fallbacks(&t));
+        stop.store(true, Ordering::Relaxed);
+        eprintln!(
+            "master {port} of slot {slot} killed; replaced {replaced}, leased again {leased_again} \
+             after about {} ms; fallback decisions {fell_back}; lease hits {hits} then {hits_after}",
+            killed.elapsed().as_millis()
+        );
+        assert!(leased, "the hot client was leased before the kill");
+        assert!(replaced, "a replica took over the slot");
+        assert!(
+            leased_again,
+            "each replica was granted a lease by the new master"
+        );
+        assert!(hits_after > hits, "requests come from the new leases");
+        assert_eq!(
+            fell_back_after, fell_back,
+            "none from the fallback once leased again"
+        );
+    });
+    assert_eq!(
+        bad.load(Ordering::Relaxed),
+        0,
+        "no 5xx or errors during the failover"
+    );
+    assert_no_vm_panics(&t);
+}
+
+#[test]
 fn moving_a_clients_slot_under_traffic_keeps_its_count() {
     let t = cluster_topology(json!([{"name": "per-hour", "requests": 100000, "window": "1h"}]));
     let id = "mover";

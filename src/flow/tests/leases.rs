@@ -22,8 +22,13 @@ fn harness(extra: &str) -> Harness {
 /// An admitted answer for one limit of 20 that grants `leased` units,
 /// with the receipt returns need.
 fn granted(remaining: u64, leased: u64) -> String {
+    granted_until(remaining, leased, 30_000)
+}
+
+/// As [`granted`], in a window that ends in `reset_after_ms`.
+fn granted_until(remaining: u64, leased: u64, reset_after_ms: u64) -> String {
     format!(
-        r#"{{"allowed":true,"leased":{leased},"limits":[{{"allowed":true,"limit":20,"remaining":{remaining},"reset_after_ms":30000,"retry_after_ms":0}}],"receipts":[{{"clock_us":7000,"nonce":"n.1","place":1}}]}}"#
+        r#"{{"allowed":true,"leased":{leased},"limits":[{{"allowed":true,"limit":20,"remaining":{remaining},"reset_after_ms":{reset_after_ms},"retry_after_ms":0}}],"receipts":[{{"clock_us":7000,"nonce":"n.1","place":1}}]}}"#
     )
 }
 
@@ -604,4 +609,43 @@ fn hit_path_timing() {
         h.stat("lease_hits"),
         h.stat("fallback_allowed")
     );
+}
+
+#[test]
+fn a_lease_that_ended_with_units_left_keeps_no_grant_out() {
+    // A fixed window's lease ends with its window, mostly with units left,
+    // which its owner's tick drops up to a tick later. The next window's
+    // grant must go in at once: sent back instead, it is charged and
+    // refunded for nothing, and its ask, still counted as out, keeps the
+    // busy client calling per request until the ask's deadline.
+    let mut h = harness("");
+    h.lease_for_a(&granted_until(10, 8, 300));
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue);
+    // The window ends with 7 units left in the lease, before any tick.
+    h.advance(300);
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Pause, "an ended lease admits nothing");
+    h.wake();
+    let ask = &h.last_call_body()["checks"][0]["lease"];
+    assert!(ask["units"].as_u64().is_some_and(|u| u > 0), "{ask}");
+    h.answer_batch(h.last_token(), Some(200), &answer(&[granted(10, 8)]));
+    assert_eq!(h.stat("lease_grants"), 2, "the new window's lease is in");
+    let calls = h.calls();
+    h.wake();
+    for i in 0..8 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue, "request {i} from the new lease");
+    }
+    h.tick();
+    // What the tick may send is the new lease's renewal, never a return.
+    let sent = h.host.sent.borrow();
+    for call in &sent[calls..] {
+        let body: serde_json::Value = serde_json::from_slice(&call.body).unwrap();
+        assert!(body["settlements"].is_null(), "nothing goes back: {body}");
+        assert_eq!(
+            body["checks"][0]["limits"][0]["cost"], 0,
+            "no request calls"
+        );
+    }
 }

@@ -81,6 +81,18 @@ pub fn burst(t: &Topology, headers: &[(&'static str, Vec<u8>)], n: usize) -> (us
     (ok, denied)
 }
 
+/// Waits until `what` holds, for at most `within`.
+pub fn eventually(within: Duration, what: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while !what() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    true
+}
+
 /// Sends requests until several in a row (so every replica's breaker has
 /// closed) are decided by the service, for at most `within`.
 pub fn wait_for_global_decisions(t: &Topology, within: Duration) {
