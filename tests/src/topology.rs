@@ -377,6 +377,38 @@ impl Topology {
             .map_or(0, |(_, v)| v)
     }
 
+    /// Why requests were decided without meshlimitd's answer, for failure
+    /// messages: per replica, every nonzero failed-call, queue-overflow and
+    /// breaker stat, and the meshlimit cluster's upstream errors.
+    pub fn fallback_causes(&self) -> String {
+        (1..=self.options.replicas)
+            .map(|i| {
+                let mut causes: Vec<String> =
+                    http::envoy_stats(&self.replica_admin(i), "^wasmcustom\\.meshlimit\\.")
+                        .into_iter()
+                        .filter(|(k, v)| {
+                            *v > 0
+                                && ["service_errors", "batch_overflow", "breaker_opened", "fallback"]
+                                    .iter()
+                                    .any(|c| k.contains(c))
+                        })
+                        .map(|(k, v)| format!("{}={v}", k.trim_start_matches("wasmcustom.")))
+                        .collect();
+                causes.extend(
+                    http::envoy_stats(
+                        &self.replica_admin(i),
+                        "^cluster\\.meshlimit\\.(upstream_rq_(timeout|pending_overflow|5xx)|upstream_cx_(connect_fail|connect_timeout|overflow)|health_check\\.failure)$",
+                    )
+                    .into_iter()
+                    .filter(|(_, v)| *v > 0)
+                    .map(|(k, v)| format!("{k}={v}")),
+                );
+                format!("replica {i}: [{}]", causes.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
     /// The stat summed over every replica.
     pub fn stat_total(&self, name: &str) -> u64 {
         (1..=self.options.replicas)

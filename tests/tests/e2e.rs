@@ -71,7 +71,12 @@ fn sixty_four_concurrent_connections_never_exceed_the_limit() {
     );
     let fallbacks =
         t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
-    assert_eq!(fallbacks, 0, "the service must have decided every request");
+    assert_eq!(
+        fallbacks,
+        0,
+        "the service must have decided every request: {}",
+        t.fallback_causes()
+    );
     assert_eq!(*allowed.lock().unwrap(), LIMIT);
 }
 
