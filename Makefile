@@ -112,10 +112,10 @@ bench-perf: build
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	MESHLIMIT_BENCH_PERF=$(CURDIR)/target/bench-perf MESHLIMIT_BENCH_AB=$(AB_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(PERF_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
-## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8).
+## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8); AB_RATE=<req/s> measures p50 at that fixed rate instead, beside Envoy alone.
 AB_ROUNDS ?= 8
 bench-ab: build
 	@test -n "$(AB_WASM)" || { echo "bench-ab: set AB_WASM to the build to compare with" >&2; exit 2; }
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
-	MESHLIMIT_BENCH_AB=$(AB_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(AB_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
+	MESHLIMIT_BENCH_AB=$(AB_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(AB_ROUNDS) MESHLIMIT_BENCH_AB_RATE=$(AB_RATE) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench

@@ -1757,6 +1757,13 @@ fn ab(others: Vec<std::path::PathBuf>) {
         ..TopologyOptions::default()
     });
     let (noop, noop_addr) = baseline_envoy(&base, 6, &noop_filter(), true);
+    // MESHLIMIT_BENCH_AB_RATE=<req/s>: latency at that fixed rate instead
+    // of throughput, with Envoy alone (answering itself) as a last row: the
+    // p50 each row adds to it, as `make bench`'s target (14) reads it.
+    let rate: Option<u64> = std::env::var("MESHLIMIT_BENCH_AB_RATE")
+        .ok()
+        .and_then(|r| r.parse().ok());
+    let bare = rate.map(|_| baseline_envoy(&base, 5, "", true));
     // MESHLIMIT_BENCH_AB_ZIPF=1: the Zipf mix of 1000 clients (rows 16 and
     // 17 of `make bench`) instead of one hot client.
     let zipf = flag("MESHLIMIT_BENCH_AB_ZIPF");
@@ -1801,6 +1808,10 @@ fn ab(others: Vec<std::path::PathBuf>) {
     let mut targets = vec![mixed(noop_row, &noop_addr)];
     for (name, (t, envoy)) in names.iter().skip(1).zip(&runs) {
         targets.push(mixed(replica_row(name, t, envoy), &t.replica_addr(1)));
+    }
+    if let Some((envoy, addr)) = &bare {
+        let row = direct_row("Envoy alone", addr, base.addr(19_905), envoy.pid());
+        targets.push(mixed(row, addr));
     }
     let key = "x-api-key: bench";
     pin_and_warm(
@@ -1851,10 +1862,10 @@ fn ab(others: Vec<std::path::PathBuf>) {
             let i = (round + k) % targets.len();
             let Some(t) = targets.get(i) else { continue };
             let before = cpu_ticks(Some(t.pid));
-            let s = with_cpu(t, run(t, key, None), before);
+            let s = with_cpu(t, run(t, key, rate), before);
             println!(
-                "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs",
-                t.name, s.rps, s.envoy_cpu_us
+                "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs p50 {:.3} ms",
+                t.name, s.rps, s.envoy_cpu_us, s.p50_ms
             );
             samples.entry(i).or_default().push(s);
         }
@@ -1897,6 +1908,35 @@ fn ab(others: Vec<std::path::PathBuf>) {
             cpu(i) - cpu(1)
         );
     }
+    if let (Some(rate), Some(bare)) = (rate, targets.len().checked_sub(1)) {
+        let p50 = |i: usize| {
+            median(
+                samples
+                    .get(&i)
+                    .map(|v| v.iter().map(|s| s.p50_ms).collect())
+                    .unwrap_or_default(),
+            )
+        };
+        // Within a round, as the throughput ratios: the row's p50 minus
+        // Envoy alone's of the same round.
+        let added = |i: usize| {
+            let (Some(row), Some(floor)) = (samples.get(&i), samples.get(&bare)) else {
+                return f64::NAN;
+            };
+            median(
+                row.iter()
+                    .zip(floor)
+                    .map(|(s, f)| s.p50_ms - f.p50_ms)
+                    .collect(),
+            )
+        };
+        println!(
+            "\n| row (at {rate} req/s) | p50 | p50 added to Envoy alone (median of the rounds') |\n|---|---|---|"
+        );
+        for (i, t) in targets.iter().enumerate() {
+            println!("| {} | {:.3} ms | {:+.3} ms |", t.name, p50(i), added(i));
+        }
+    }
     if let Some(recording) = recording {
         recording.finish(&targets);
     }
@@ -1911,7 +1951,7 @@ fn ab(others: Vec<std::path::PathBuf>) {
     for t in &targets {
         print_timers(t);
     }
-    drop((runs, noop, base));
+    drop((runs, noop, bare, base));
 }
 
 /// Samples a second `make bench-perf` takes of each Envoy: what one
