@@ -210,9 +210,14 @@ fn parse(out: std::io::Result<std::process::Output>) -> Sample {
 
 /// Median throughput of configuration `i`'s runs.
 fn median_rps(runs: &BTreeMap<usize, Vec<Sample>>, i: usize) -> f64 {
+    median_of(runs, i, |s| s.rps)
+}
+
+/// Median of one measure (`f`) over configuration `i`'s runs.
+fn median_of(runs: &BTreeMap<usize, Vec<Sample>>, i: usize, f: fn(&Sample) -> f64) -> f64 {
     median(
         runs.get(&i)
-            .map(|v| v.iter().map(|s| s.rps).collect())
+            .map(|v| v.iter().map(f).collect())
             .unwrap_or_default(),
     )
 }
@@ -1187,22 +1192,8 @@ fn report(
     wasm_bytes: u64,
 ) {
     let sat = |i: usize| median_rps(saturation, i);
-    let envoy_cpu = |i: usize| {
-        median(
-            saturation
-                .get(&i)
-                .map(|v| v.iter().map(|s| s.envoy_cpu_us).collect())
-                .unwrap_or_default(),
-        )
-    };
-    let lat = |i: usize, f: fn(&Sample) -> f64| {
-        median(
-            fixed
-                .get(&i)
-                .map(|v| v.iter().map(f).collect())
-                .unwrap_or_default(),
-        )
-    };
+    let envoy_cpu = |i: usize| median_of(saturation, i, |s| s.envoy_cpu_us);
+    let lat = |i: usize, f: fn(&Sample) -> f64| median_of(fixed, i, f);
     let bad: u64 = saturation
         .values()
         .chain(fixed.values())
@@ -1669,14 +1660,7 @@ fn profile() {
         }
     }
     let rps = |i: usize| median_rps(&samples, i);
-    let cpu = |i: usize| {
-        median(
-            samples
-                .get(&i)
-                .map(|v| v.iter().map(|s| s.envoy_cpu_us).collect())
-                .unwrap_or_default(),
-        )
-    };
+    let cpu = |i: usize| median_of(&samples, i, |s| s.envoy_cpu_us);
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -1871,14 +1855,7 @@ fn ab(others: Vec<std::path::PathBuf>) {
             samples.entry(i).or_default().push(s);
         }
     }
-    let cpu = |i: usize| {
-        median(
-            samples
-                .get(&i)
-                .map(|v| v.iter().map(|s| s.envoy_cpu_us).collect())
-                .unwrap_or_default(),
-        )
-    };
+    let cpu = |i: usize| median_of(&samples, i, |s| s.envoy_cpu_us);
     let rps = |i: usize| median_rps(&samples, i);
     // The machine's speed drifts over minutes; a row's ratio to the
     // do-nothing filter within the same round drifts much less. `ratio`
@@ -1910,14 +1887,7 @@ fn ab(others: Vec<std::path::PathBuf>) {
         );
     }
     if let (Some(rate), Some(bare)) = (rate, targets.len().checked_sub(1)) {
-        let p50 = |i: usize| {
-            median(
-                samples
-                    .get(&i)
-                    .map(|v| v.iter().map(|s| s.p50_ms).collect())
-                    .unwrap_or_default(),
-            )
-        };
+        let p50 = |i: usize| median_of(&samples, i, |s| s.p50_ms);
         // Within a round, as the throughput ratios: the row's p50 minus
         // Envoy alone's of the same round.
         let added = |i: usize| {
