@@ -894,11 +894,6 @@ fn main() {
             (calls as f64 / rq.max(1) as f64, cx)
         })
         .collect();
-    let fallbacks: Vec<Fallbacks> = targets
-        .iter()
-        .zip(&fallbacks_before)
-        .map(|(t, before)| Fallbacks::read(&t.admin).since(before))
-        .collect();
     // The target pairs: the repeats' ratios (each pair ran side by side,
     // the two rows next to each other), and as many more pairs again.
     let mut paired: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
@@ -929,6 +924,13 @@ fn main() {
             ratios.push(r / f.max(1.0));
         }
     }
+    // Over the saturation runs and the target pairs: every run a ratio is
+    // read from.
+    let fallbacks: Vec<Fallbacks> = targets
+        .iter()
+        .zip(&fallbacks_before)
+        .map(|(t, before)| Fallbacks::read(&t.admin).since(before))
+        .collect();
     let rate = {
         let min = saturation
             .keys()
@@ -1258,10 +1260,10 @@ fn report(
         .filter_map(|(t, f)| Some(format!("{} ({})", t.name, f.describe()?)))
         .collect();
     let fell_back = if fell_back.is_empty() {
-        "Over the saturation runs, no configuration but 5 decided a request by its fallback, and no call to meshlimitd timed out.".to_string()
+        "Over the saturation runs and the target pairs, no configuration but 5 decided a request by its fallback, and no call to meshlimitd timed out.".to_string()
     } else {
         format!(
-            "**Decided partly by the fallback** over the saturation runs (meshlimitd answered late): {}. Their rows measure the fallback as much as their names.",
+            "**Decided partly by the fallback** over the saturation runs and the target pairs (meshlimitd answered late): {}. Their rows measure the fallback as much as their names.",
             fell_back.join("; ")
         )
     };
