@@ -53,6 +53,14 @@ pub(crate) struct LeaseHeaders {
     reset_after_ms: u64,
 }
 
+/// The next lease a draw found due: its ticket, and how long the units
+/// left last at the check's pace (a renewal with time to spare waits for
+/// the next batch or the tick).
+pub(super) struct Renewal {
+    ticket: LeaseTicket,
+    runway_ms: u64,
+}
+
 /// A lease this worker installed: what giving its units back needs.
 pub(super) struct LeaseRecord {
     slot: u64,
@@ -135,11 +143,7 @@ impl Worker {
                         Err(ask) => return Lookup::Miss(ask),
                     };
                 drop(observer);
-                if let Some(ticket) = renewal {
-                    // How long what is left lasts at the rate it asks for.
-                    let left = draw.left.saturating_add(draw.in_slot);
-                    let runway_ms =
-                        left.saturating_mul(leases.config.interval_ms) / ticket.want.max(1);
+                if let Some(Renewal { ticket, runway_ms }) = renewal {
                     self.renew(host, context_id, check, ticket, runway_ms);
                 }
                 (draw, draw.left.saturating_add(draw.in_slot))
@@ -203,7 +207,8 @@ impl Worker {
 
     /// A new draw from the check's slot for a request of the check's cost,
     /// the worker's last draw accounted for first, and the ticket of a
-    /// renewal to ask for when the lease runs low; or, with no lease to
+    /// renewal to ask for when the lease runs low (with how long what is
+    /// left lasts at the check's pace); or, with no lease to
     /// draw from, `None`, and the request's call asks for one when `want`
     /// is not 0 and no other ask is out (the ask, in `Err`).
     fn draw<H: Host>(
@@ -214,7 +219,7 @@ impl Worker {
         want: u64,
         check: &Check,
         now: u64,
-    ) -> Result<(Draw, Option<LeaseTicket>), Option<LeaseTicket>> {
+    ) -> Result<(Draw, Option<Renewal>), Option<LeaseTicket>> {
         let Some(cost) = check.lease_cost() else {
             return Err(None);
         };
@@ -240,10 +245,18 @@ impl Worker {
             }
             observer.keep_draw(place.fingerprint, draw);
             let renewal = match take {
-                Take::Renew(_, want) => Some(LeaseTicket {
-                    renewal: true,
-                    ..ticket(want)
-                }),
+                Take::Renew(_, pace) => {
+                    let interval = leases.config.interval_ms;
+                    let want = renewal_want(check, &draw, pace, now, interval);
+                    // How long what is left lasts at the check's pace.
+                    let left = draw.left.saturating_add(draw.in_slot);
+                    let runway_ms = left.saturating_mul(interval) / pace.max(1);
+                    let ticket = LeaseTicket {
+                        renewal: true,
+                        ..ticket(want)
+                    };
+                    (want > 0).then_some(Renewal { ticket, runway_ms })
+                }
                 _ => None,
             };
             return Ok((draw, renewal));
@@ -507,6 +520,32 @@ pub(super) fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> Check
 /// answer gives; sliding counter: the end of the window the run's clock
 /// is in), or one interval for a token bucket; the shortest of the
 /// check's limits.
+/// What a renewal asks for, `want` being the check's pace over an
+/// interval. A lease of fixed windows and sliding counters ends with its
+/// window (see [`lease_lifetime`]), and so does a renewal granted in it: a
+/// renewal near that end asks only for what the pace spends before it,
+/// beyond the units this worker knows are still there (its draw's and the
+/// slot's), and for none when those last until then. Units granted beyond
+/// would be charged to the ending window and expire unused, while another
+/// replica is refused them. (A renewal answered once the next window began
+/// is a small lease there; the misses after it ask for the whole pace.)
+/// A token bucket's lease lasts an interval from its grant: its renewals
+/// ask for the whole pace.
+fn renewal_want(check: &Check, draw: &Draw, want: u64, now: u64, interval_ms: u64) -> u64 {
+    let ends_with_window = check
+        .global
+        .iter()
+        .all(|a| a.limit.algorithm != Algorithm::TokenBucket);
+    let time_left = draw.expires_ms.saturating_sub(now);
+    if !ends_with_window || time_left >= interval_ms {
+        return want;
+    }
+    let spent_before_end = u128::from(want) * u128::from(time_left);
+    let spent_before_end = spent_before_end.div_ceil(u128::from(interval_ms.max(1)));
+    let held = u128::from(draw.left.saturating_add(draw.in_slot));
+    u64::try_from(spent_before_end.saturating_sub(held)).map_or(want, |w| w.min(want))
+}
+
 fn lease_lifetime(
     check: &Check,
     result: &CheckResult,

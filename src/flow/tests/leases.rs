@@ -329,15 +329,7 @@ fn an_expired_fixed_window_lease_is_dropped_and_a_token_bucket_one_given_back() 
     let calls = h.calls();
     h.tick();
     assert_eq!(h.calls(), calls, "no return for a window that ended");
-    let mut h = harness_with(
-        crate::config::parse(
-            br#"{"leases": {"interval": "1s"},
-                "client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
-                "rules": [{"name": "api", "limits": [{"name": "b", "requests": 20, "window": "60s",
-                           "algorithm": "token_bucket"}]}]}"#,
-        )
-        .unwrap(),
-    );
+    let mut h = bucket_harness();
     let calls = h.lease_for_a(&granted(10, 8));
     h.request("a");
     // A bucket's lease lives one interval, then its units go back.
@@ -648,4 +640,64 @@ fn a_lease_that_ended_with_units_left_keeps_no_grant_out() {
             "no request calls"
         );
     }
+}
+
+impl Harness {
+    /// `a` leased 8 units in a window that ends `reset_after_ms` after the
+    /// grant, then, `after_ms` later, spends them until a renewal is due:
+    /// the lease units the renewal asks for, or `None` when none is sent.
+    fn renewal_ask(&mut self, reset_after_ms: u64, after_ms: u64) -> Option<u64> {
+        let calls = self.lease_for_a(&granted_until(13, 8, reset_after_ms));
+        self.advance(after_ms);
+        for _ in 0..7 {
+            let (_, step) = self.request("a");
+            assert_eq!(step, Step::Continue);
+        }
+        self.wake();
+        self.tick();
+        if self.calls() == calls {
+            return None;
+        }
+        let body = self.last_call_body();
+        assert_eq!(
+            body["checks"][0]["limits"][0]["cost"], 0,
+            "a renewal: {body}"
+        );
+        body["checks"][0]["lease"]["units"].as_u64()
+    }
+}
+
+/// A token bucket of 20 a minute, leased over a 1 s interval.
+fn bucket_harness() -> Harness {
+    harness_with(
+        crate::config::parse(
+            br#"{"leases": {"interval": "1s"},
+                "client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
+                "rules": [{"name": "api", "limits": [{"name": "b", "requests": 20, "window": "60s",
+                           "algorithm": "token_bucket"}]}]}"#,
+        )
+        .unwrap(),
+    )
+}
+
+#[test]
+fn a_renewal_near_its_windows_end_asks_only_for_what_the_window_has_time_for() {
+    // A fixed window's lease ends with its window, and so does a renewal
+    // granted in it: units beyond what the client spends before the end
+    // would be charged to the ending window and expire unused while
+    // another replica is refused them.
+    let whole = harness("").renewal_ask(30_000, 0);
+    let near_end = harness("").renewal_ask(400, 0);
+    assert_eq!(whole, Some(104), "the pace over the interval");
+    // The fifth request finds half left and asks: 400 ms of the 1 s
+    // interval at that pace (41.6, rounded up), beyond the 3 units left.
+    assert_eq!(near_end, Some(42 - 3));
+    // With the window ending in 10 ms, the units left last until then.
+    assert_eq!(harness("").renewal_ask(10, 0), None);
+    // A token bucket's lease lasts an interval from its grant, and so
+    // does its renewal's: 300 ms before the lease ends, it asks for the
+    // whole pace, as a fixed window far from its end does.
+    let fixed = harness("").renewal_ask(30_000, 700);
+    assert!(fixed.is_some_and(|u| u > 3), "{fixed:?}");
+    assert_eq!(bucket_harness().renewal_ask(30_000, 700), fixed);
 }
