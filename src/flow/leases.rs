@@ -227,9 +227,15 @@ impl Worker {
         // An ask is out until its answer may have come: a renewal may wait
         // for the tick first.
         let timeout = self.config.service.timeout_ms;
+        let interval = leases.config.interval_ms;
+        let ends_with_window = check
+            .global
+            .iter()
+            .all(|a| a.limit.algorithm != Algorithm::TokenBucket);
         let ask_for = AskFor {
             miss_ms: timeout,
             renewal_ms: timeout.saturating_add(self.deferral_ms()),
+            window_bound_interval_ms: ends_with_window.then_some(interval),
         };
         let (take, kept, decided_at) = leases.take(place, cost, now, want, ask_for, previous);
         let ticket = |want| LeaseTicket {
@@ -245,17 +251,16 @@ impl Worker {
             }
             observer.keep_draw(place.fingerprint, draw);
             let renewal = match take {
-                Take::Renew(_, pace) => {
-                    let interval = leases.config.interval_ms;
-                    let want = renewal_want(check, &draw, pace, now, interval);
-                    // How long what is left lasts at the check's pace.
+                Take::Renew(_, units) => {
+                    // How long what is left lasts at the check's pace (a
+                    // renewal near its window's end asks for less).
                     let left = draw.left.saturating_add(draw.in_slot);
-                    let runway_ms = left.saturating_mul(interval) / pace.max(1);
+                    let runway_ms = left.saturating_mul(interval) / want.max(1);
                     let ticket = LeaseTicket {
                         renewal: true,
-                        ..ticket(want)
+                        ..ticket(units)
                     };
-                    (want > 0).then_some(Renewal { ticket, runway_ms })
+                    Some(Renewal { ticket, runway_ms })
                 }
                 _ => None,
             };
@@ -520,32 +525,6 @@ pub(super) fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> Check
 /// answer gives; sliding counter: the end of the window the run's clock
 /// is in), or one interval for a token bucket; the shortest of the
 /// check's limits.
-/// What a renewal asks for, `want` being the check's pace over an
-/// interval. A lease of fixed windows and sliding counters ends with its
-/// window (see [`lease_lifetime`]), and so does a renewal granted in it: a
-/// renewal near that end asks only for what the pace spends before it,
-/// beyond the units this worker knows are still there (its draw's and the
-/// slot's), and for none when those last until then. Units granted beyond
-/// would be charged to the ending window and expire unused, while another
-/// replica is refused them. (A renewal answered once the next window began
-/// is a small lease there; the misses after it ask for the whole pace.)
-/// A token bucket's lease lasts an interval from its grant: its renewals
-/// ask for the whole pace.
-fn renewal_want(check: &Check, draw: &Draw, want: u64, now: u64, interval_ms: u64) -> u64 {
-    let ends_with_window = check
-        .global
-        .iter()
-        .all(|a| a.limit.algorithm != Algorithm::TokenBucket);
-    let time_left = draw.expires_ms.saturating_sub(now);
-    if !ends_with_window || time_left >= interval_ms {
-        return want;
-    }
-    let spent_before_end = u128::from(want) * u128::from(time_left);
-    let spent_before_end = spent_before_end.div_ceil(u128::from(interval_ms.max(1)));
-    let held = u128::from(draw.left.saturating_add(draw.in_slot));
-    u64::try_from(spent_before_end.saturating_sub(held)).map_or(want, |w| w.min(want))
-}
-
 fn lease_lifetime(
     check: &Check,
     result: &CheckResult,

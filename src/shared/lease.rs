@@ -173,6 +173,37 @@ fn projected(before: u64, elapsed_ms: u64, interval_ms: u64) -> u64 {
 pub(crate) struct AskFor {
     pub miss_ms: u64,
     pub renewal_ms: u64,
+    /// The interval a check's pace is counted over, when its lease ends
+    /// with its window (fixed windows and sliding counters; `None` for a
+    /// token bucket, whose lease lasts an interval from its grant): a
+    /// renewal near that end asks for less (see [`AskFor::renewal_units`]).
+    pub window_bound_interval_ms: Option<u64>,
+}
+
+impl AskFor {
+    /// What a renewal of a lease expiring at `expires_ms` asks for, `pace`
+    /// being the check's units per interval and `held` the units known to
+    /// be left (the draw's and the slot's). A renewal granted in the
+    /// window of a lease that ends with it ends there too: near that end
+    /// it asks only for what the pace spends before it, beyond `held`,
+    /// and for nothing when `held` lasts until then. Units asked beyond
+    /// would be charged to the ending window and expire unused, while
+    /// another replica is refused them. (One answered after the window
+    /// turned is a small lease in the next one; spending it asks for the
+    /// whole pace again.)
+    pub(crate) fn renewal_units(&self, pace: u64, expires_ms: u64, held: u64, now: u64) -> u64 {
+        let Some(interval_ms) = self.window_bound_interval_ms else {
+            return pace;
+        };
+        let time_left = expires_ms.saturating_sub(now);
+        if time_left >= interval_ms {
+            return pace;
+        }
+        let spent_before_end =
+            (u128::from(pace) * u128::from(time_left)).div_ceil(u128::from(interval_ms.max(1)));
+        u64::try_from(spent_before_end.saturating_sub(u128::from(held)))
+            .map_or(pace, |u| u.min(pace))
+    }
 }
 
 /// What one worker saw of one check: units asked in the current
@@ -571,8 +602,14 @@ impl Slot {
             };
             let next_due = self.next.lease_id == 0 || !self.next.holds_units(now);
             if low && next_due && want > 0 && now >= self.asking_until_ms {
-                self.asking_until_ms = now + ask_for.renewal_ms;
-                return (Some(self), Take::Renew(draw, want));
+                let held = draw.left.saturating_add(draw.in_slot);
+                let units = ask_for.renewal_units(want, draw.expires_ms, held, now);
+                // None needed: no ask goes out, and none is counted as out
+                // (a miss after the window turns asks at once).
+                if units > 0 {
+                    self.asking_until_ms = now + ask_for.renewal_ms;
+                    return (Some(self), Take::Renew(draw, units));
+                }
             }
             return (Some(self), Take::Hit(draw));
         }
@@ -863,6 +900,7 @@ mod tests {
     const ASK: AskFor = AskFor {
         miss_ms: 100,
         renewal_ms: 100,
+        window_bound_interval_ms: None,
     };
 
     const CONFIG: LeaseConfig = LeaseConfig {
@@ -1471,5 +1509,24 @@ mod tests {
             let bytes = le_words(&vec![1_700_000_000_000u64; words]);
             assert_eq!(Slot::decode(Some(&bytes)), Slot::default(), "{words} words");
         }
+    }
+
+    #[test]
+    fn a_renewal_near_its_windows_end_asks_for_what_the_pace_spends_before_it() {
+        let window_bound = AskFor {
+            window_bound_interval_ms: Some(1_000),
+            ..ASK
+        };
+        // A token bucket's lease, or a window an interval or more from its
+        // end: the whole pace.
+        assert_eq!(ASK.renewal_units(100, 1_250, 10, 1_000), 100);
+        assert_eq!(window_bound.renewal_units(100, 2_000, 10, 1_000), 100);
+        // 250 ms left: a quarter of the pace, beyond the 10 units held.
+        assert_eq!(window_bound.renewal_units(100, 1_250, 10, 1_000), 15);
+        // What is held lasts until the end, or the end has passed.
+        assert_eq!(window_bound.renewal_units(100, 1_250, 25, 1_000), 0);
+        assert_eq!(window_bound.renewal_units(100, 900, 0, 1_000), 0);
+        // Rounded up: 1 ms of a slow pace still asks for a unit.
+        assert_eq!(window_bound.renewal_units(3, 1_001, 0, 1_000), 1);
     }
 }

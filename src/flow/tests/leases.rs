@@ -692,8 +692,11 @@ fn a_renewal_near_its_windows_end_asks_only_for_what_the_window_has_time_for() {
     // The fifth request finds half left and asks: 400 ms of the 1 s
     // interval at that pace (41.6, rounded up), beyond the 3 units left.
     assert_eq!(near_end, Some(42 - 3));
-    // With the window ending in 10 ms, the units left last until then.
-    assert_eq!(harness("").renewal_ask(10, 0), None);
+    // With the window ending in 10 ms, the pace spends 2 units (1.04,
+    // rounded up) before the end: the fifth and sixth requests, finding 3
+    // and 2 left, ask for nothing (and leave no ask out); the seventh,
+    // finding 1, asks for the one more.
+    assert_eq!(harness("").renewal_ask(10, 0), Some(2 - 1));
     // A token bucket's lease lasts an interval from its grant, and so
     // does its renewal's: 300 ms before the lease ends, it asks for the
     // whole pace, as a fixed window far from its end does.
