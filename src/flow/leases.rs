@@ -228,14 +228,10 @@ impl Worker {
         // for the tick first.
         let timeout = self.config.service.timeout_ms;
         let interval = leases.config.interval_ms;
-        let ends_with_window = check
-            .global
-            .iter()
-            .all(|a| a.limit.algorithm != Algorithm::TokenBucket);
         let ask_for = AskFor {
             miss_ms: timeout,
             renewal_ms: timeout.saturating_add(self.deferral_ms()),
-            window_bound_interval_ms: ends_with_window.then_some(interval),
+            window_bound_interval_ms: lease_ends_with_window(check).then_some(interval),
         };
         let (take, kept, decided_at) = leases.take(place, cost, now, want, ask_for, previous);
         let ticket = |want| LeaseTicket {
@@ -518,6 +514,18 @@ pub(super) fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> Check
         receipts: None,
         leased: 0,
     }
+}
+
+/// Whether a lease of `check` ends with the window it was charged to (see
+/// [`lease_lifetime`]): every limit a fixed window or a sliding counter. A
+/// token bucket's lease lasts an interval from its grant.
+fn lease_ends_with_window(check: &Check) -> bool {
+    check.global.iter().all(|a| {
+        matches!(
+            a.limit.algorithm,
+            Algorithm::FixedWindow | Algorithm::SlidingWindowCounter
+        )
+    })
 }
 
 /// How long a lease may be used, from when it was asked: until the end of

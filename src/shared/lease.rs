@@ -199,8 +199,9 @@ impl AskFor {
         if time_left >= interval_ms {
             return pace;
         }
+        // interval_ms > time_left >= 0: no division by zero.
         let spent_before_end =
-            (u128::from(pace) * u128::from(time_left)).div_ceil(u128::from(interval_ms.max(1)));
+            (u128::from(pace) * u128::from(time_left)).div_ceil(u128::from(interval_ms));
         u64::try_from(spent_before_end.saturating_sub(u128::from(held)))
             .map_or(pace, |u| u.min(pace))
     }

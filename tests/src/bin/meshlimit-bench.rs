@@ -337,8 +337,7 @@ fn token_budget() -> String {
         .build()
 }
 
-/// Without group commit: one call per request.
-/// Row 3: every request its own call. Leases are on by default and would
+/// Row 3: every request its own call (group commit off). Leases are on by default and would
 /// decide a hot client's requests without one (from when they landed until
 /// December 2026 this row did, at 0.00 to 0.01 calls per request).
 fn one_call_each() -> String {
