@@ -161,6 +161,12 @@ impl<T> Batcher<T> {
         self.deferred.remove(pos)
     }
 
+    /// Takes back the check queued last (its wake-up could not be sent,
+    /// and it must be decided elsewhere).
+    pub fn withdraw_last(&mut self) -> Option<T> {
+        self.queue.pop_back().map(|(_, item)| item)
+    }
+
     /// Records a batch sent as call `token`.
     pub fn sent(&mut self, token: u32, batch: Vec<T>) {
         self.in_flight.insert(token, batch);

@@ -188,6 +188,13 @@ impl Check {
         }
     }
 
+    /// Whether its answer matters once its request has ended: it asks for
+    /// a lease (granted units serve later requests) or reserves tokens
+    /// (given back if the request is gone).
+    pub fn answer_outlives_request(&self) -> bool {
+        self.tokens.is_some() || self.lease.is_some_and(|t| t.want > 0)
+    }
+
     /// The token-priced limits (all global).
     pub fn token_limits(&self) -> impl Iterator<Item = &Applied> + Clone {
         self.global.iter().filter(|a| a.tokens)

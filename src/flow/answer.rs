@@ -71,15 +71,9 @@ impl Worker {
     /// A batch call the root sent came back: every stream in it is resumed
     /// or answered.
     pub fn on_batch_answer(&self, host: &impl Host, token: u32, headers: usize, body_size: usize) {
-        let batch = self
-            .group
-            .as_ref()
-            .and_then(|g| g.batcher.borrow_mut().answered(token))
-            .or_else(|| self.solo_calls.borrow_mut().remove(&token));
-        let Some(batch) = batch else {
+        let Some((batch, started)) = self.outbox.answered(token) else {
             return;
         };
-        let started = self.batch_started.borrow_mut().remove(&token).unwrap_or(0);
         let expected: Vec<usize> = batch
             .iter()
             .filter_map(|q| Some(q.check()?.global.len()))

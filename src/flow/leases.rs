@@ -274,8 +274,8 @@ impl Worker {
     /// How long a renewal may wait for the root's tick: a tick period when
     /// the tick runs and group commit is on, else 0.
     fn deferral_ms(&self) -> u64 {
-        match (&self.group, self.ticking, self.lease_tick_ms()) {
-            (Some(_), true, Some(tick)) => u64::from(tick),
+        match (self.ticking, self.lease_tick_ms()) {
+            (true, Some(tick)) => u64::from(tick),
             _ => 0,
         }
     }
@@ -305,17 +305,15 @@ impl Worker {
         self.metrics.bump(host, Stat::LeaseRenewals);
         let mut job = Job::Renew { check: renewal };
         let wait = self.deferral_ms();
-        if let Some(group) = &self.group {
-            if wait > 0 && runway_ms >= wait.saturating_mul(3) / 2 {
-                let deferred = Queued {
-                    context_id: self.root_context_id,
-                    job,
-                };
-                match group.batcher.borrow_mut().defer(deferred) {
-                    Ok(()) => return,
-                    // Too many wait already: this one goes now.
-                    Err(back) => job = back.job,
-                }
+        if wait > 0 && runway_ms >= wait.saturating_mul(3) / 2 {
+            let deferred = Queued {
+                context_id: self.root_context_id,
+                job,
+            };
+            match self.outbox.defer(deferred) {
+                None => return,
+                // Too many wait already: this one goes now.
+                Some(back) => job = back.job,
             }
         }
         if let Err(e) = self.send_job(host, context_id, job) {

@@ -21,12 +21,16 @@
 //! Group commit: streams queue their checks and wake their worker's root
 //! through a shared queue; the root owns the calls (a call must outlive any
 //! one stream) and acts for each paused stream through
-//! `set_effective_context`. Both paths end in `verdict_after_call`.
+//! `set_effective_context`. Both paths end in `verdict_after_call`. Calls
+//! whose answers matter after their request (renewals, returns,
+//! settlements, top-ups, checks that ask for a lease or reserve) leave
+//! from the root with group commit off too: see `outbox`.
 
 mod answer;
 mod clock;
 mod leases;
 mod metrics;
+mod outbox;
 pub(crate) mod profile;
 #[cfg(test)]
 mod tests;
@@ -38,20 +42,19 @@ use std::rc::Rc;
 use log::{info, warn};
 use meshlimit_protocol::CheckResult;
 
-use crate::batch::{Batcher, Enqueued};
 use crate::check::{Applied, Check};
 use crate::config::Config;
 use crate::context_map::{ContextMap, ContextSet};
 use crate::decision::{self, DenyResponse, Plan, RejectReason, ServiceError, Verdict};
 use crate::headers::Headers;
-use crate::host::{Call, Host, Request};
+use crate::host::{Host, Request};
 use crate::shared::breaker::{Breaker, Gate, Transition};
 use crate::shared::deny_cache::DenyCache;
 use crate::shared::fallback::{self, LocalLimiter};
-use crate::shared::keys;
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
 use metrics::Metrics;
+use outbox::{Job, Outbox, Queue, Queued};
 
 /// Interval between two log lines about the same kind of trouble.
 const LOG_EVERY_MS: u64 = 10_000;
@@ -118,60 +121,6 @@ struct InFlight {
     local: Option<CheckResult>,
 }
 
-/// Work waiting in (or sent in) a batch, and the stream it is for.
-struct Queued {
-    context_id: u32,
-    job: Job,
-}
-
-/// What a queued item asks of meshlimitd.
-enum Job {
-    /// Decide a paused request.
-    Admit {
-        check: Check,
-        /// The admitted decision of the request's `scope: local` rules.
-        local: Option<CheckResult>,
-    },
-    /// Reserve more for a stream that outgrew its reservation.
-    TopUp { check: Check },
-    /// Settle a finished request's reservations.
-    Settle {
-        settlements: Vec<meshlimit_protocol::Settlement>,
-    },
-    /// Ask for the next lease of a check whose lease runs low (a check of
-    /// cost 0: no request waits on it).
-    Renew { check: Check },
-    /// Give back leased units left unused (settlements at 0).
-    Return {
-        settlements: Vec<meshlimit_protocol::Settlement>,
-    },
-}
-
-impl Queued {
-    /// The check it carries, if any.
-    fn check(&self) -> Option<&Check> {
-        match &self.job {
-            Job::Admit { check, .. } | Job::TopUp { check } | Job::Renew { check } => Some(check),
-            Job::Settle { .. } | Job::Return { .. } => None,
-        }
-    }
-
-    fn settlements(&self) -> &[meshlimit_protocol::Settlement] {
-        match &self.job {
-            Job::Settle { settlements } | Job::Return { settlements } => settlements,
-            _ => &[],
-        }
-    }
-}
-
-/// Group commit's state on one worker.
-struct Group {
-    /// The checks waiting for a call, and the calls in flight.
-    batcher: RefCell<Batcher<Queued>>,
-    /// The root's shared queue: enqueueing to it wakes the root.
-    wake_queue: u32,
-}
-
 /// What every context of one worker shares.
 pub struct Worker {
     config: Config,
@@ -187,10 +136,8 @@ pub struct Worker {
     /// then so that workers that raced to create it converge.
     seed: Cell<Option<(u64, u64)>>,
     seed_read_ms: Cell<u64>,
-    /// Group commit, when on and its wake-up queue could be registered.
-    group: Option<Group>,
-    /// When each batch call went out, by token.
-    batch_started: RefCell<ContextMap<u64>>,
+    /// Every call to meshlimitd, and which context sends it.
+    outbox: Outbox,
     /// RateLimit headers for streams the root admitted, by context id.
     decided_headers: RefCell<ContextMap<Headers>>,
     /// Streams whose check went to the batcher and that have not ended:
@@ -200,9 +147,6 @@ pub struct Worker {
     /// Token-priced streams' reservations and response state, by context
     /// id (the root's answers update them too).
     budgets: RefCell<ContextMap<tokens::Budget>>,
-    /// Top-ups and settlements sent one per call (group commit off), by
-    /// token.
-    solo_calls: RefCell<ContextMap<Vec<Queued>>>,
     /// Leases this worker installed, until their units are spent or back.
     lease_records: RefCell<Vec<leases::LeaseRecord>>,
     /// The last lease id this worker gave out (ids start at a random
@@ -243,20 +187,9 @@ impl Worker {
                 "off"
             }
         );
-        // One queue per worker: each worker's streams wake their own root.
-        let group = config.group_commit.and_then(|c| {
-            let Some(wake_queue) = host.register_queue(&keys::wake_queue(host.random_seed().0))
-            else {
-                warn!("cannot register the group-commit queue; calling per request");
-                return None;
-            };
-            Some(Group {
-                batcher: RefCell::new(Batcher::new(c)),
-                wake_queue,
-            })
-        });
         // The busy-check table: as many entries as lease slots.
         let observed = config.leases.map_or(1, |l| l.slots);
+        let outbox = Outbox::new(host, &config, root_context_id);
         let mut worker = Worker {
             metrics: Metrics::define(host),
             config,
@@ -267,12 +200,10 @@ impl Worker {
             cut_log: LogThrottle::new(LOG_EVERY_MS),
             seed: Cell::new(None),
             seed_read_ms: Cell::new(0),
-            group,
-            batch_started: RefCell::default(),
+            outbox,
             decided_headers: RefCell::default(),
             awaiting: RefCell::default(),
             budgets: RefCell::default(),
-            solo_calls: RefCell::default(),
             lease_records: RefCell::new(Vec::new()),
             lease_ids: Cell::new(host.random_seed().1),
             lease_hits: Cell::new(0),
@@ -460,9 +391,13 @@ impl Worker {
             Gate::Call | Gate::Probe => {
                 let mut check = Rc::unwrap_or_clone(check);
                 check.lease = ask;
-                match &self.group {
-                    Some(group) => self.enqueue(host, group, stream, now, check, local),
-                    None => self.ask_service(host, stream, now, check, local),
+                // A check whose answer matters after its request (a lease
+                // granted, a reservation to give back) leaves from the
+                // root, group commit or not (see `outbox`).
+                if self.outbox.batching() || check.answer_outlives_request() {
+                    self.enqueue(host, stream, now, check, local)
+                } else {
+                    self.ask_service(host, stream, now, check, local)
                 }
             }
         }
@@ -502,11 +437,7 @@ impl Worker {
         let id = stream.context_id;
         self.decided_headers.borrow_mut().remove(&id);
         self.awaiting.borrow_mut().remove(&id);
-        if let Some(group) = &self.group {
-            if let Ok(mut b) = group.batcher.try_borrow_mut() {
-                let _ = b.withdraw(|q| q.context_id == id && matches!(q.job, Job::Admit { .. }));
-            }
-        }
+        self.outbox.forget_stream(id);
         self.on_stream_gone(host, id);
     }
 
@@ -515,7 +446,8 @@ impl Worker {
         self.flush(host, host.now_ms());
     }
 
-    /// Calls meshlimitd for this request alone.
+    /// Calls meshlimitd for this request alone, from its callback: only
+    /// the request waits for the answer.
     fn ask_service(
         &self,
         host: &impl Host,
@@ -524,17 +456,9 @@ impl Worker {
         check: Check,
         local: Option<CheckResult>,
     ) -> Step {
-        // The call belongs to the root, as batches do. Envoy cancels the
-        // calls a stream owns when the stream ends (a client reset), and
-        // then never answers them: the SDK would keep each one's entry in
-        // its call table for good, and trap on a reused token once Envoy's
-        // counter wraps. A root's call always completes; its answer still
-        // reaches this stream (the SDK routes it by token) if it is there.
-        host.set_effective_context(self.root_context_id);
-        let dispatched = serde_json::to_vec(&check.to_request())
-            .map_err(|e| ServiceError::BadBody(e.to_string()))
-            .and_then(|body| self.dispatch(host, &body, now));
-        host.set_effective_context(stream.context_id);
+        let dispatched =
+            self.outbox
+                .send_check(host, &self.config.service, stream.context_id, &check, now);
         match dispatched {
             Ok(token) => {
                 stream.in_flight = Some(InFlight {
@@ -552,23 +476,22 @@ impl Worker {
         }
     }
 
-    /// Group commit: queues the check for the root to send in a batch.
+    /// Queues the check for the root to send (in a batch, with group
+    /// commit on).
     fn enqueue(
         &self,
         host: &impl Host,
-        group: &Group,
         stream: &mut Stream,
         now: u64,
         check: Check,
         local: Option<CheckResult>,
     ) -> Step {
-        let batcher = &group.batcher;
         self.awaiting.borrow_mut().insert(stream.context_id);
         let queued = Queued {
             context_id: stream.context_id,
             job: Job::Admit { check, local },
         };
-        let outcome = batcher.borrow_mut().enqueue(queued, now);
+        let outcome = self.outbox.queue(host, queued, now);
         let paused = if profile::SKIP_PAUSE {
             // Its answer will find it gone, and act on nothing.
             self.awaiting.borrow_mut().remove(&stream.context_id);
@@ -577,136 +500,64 @@ impl Worker {
             Step::Pause
         };
         match outcome {
-            Enqueued::Wait => paused,
-            Enqueued::Wake => {
-                if host.enqueue(group.wake_queue) {
-                    return paused;
-                }
-                // The root cannot be woken: call for this check ourselves.
-                let mut b = batcher.borrow_mut();
-                b.wake_failed();
-                let id = stream.context_id;
-                let mine = b.withdraw(|q| q.context_id == id && matches!(q.job, Job::Admit { .. }));
-                drop(b);
-                match mine.map(|q| q.job) {
-                    Some(Job::Admit { check, local }) => {
-                        self.ask_service(host, stream, now, check, local)
-                    }
-                    _ => Step::Pause,
-                }
+            Queue::Queued => paused,
+            // The root cannot be woken: call for this check ourselves.
+            Queue::NoWake(Queued {
+                job: Job::Admit { check, local },
+                ..
+            }) => {
+                self.awaiting.borrow_mut().remove(&stream.context_id);
+                self.ask_service(host, stream, now, check, local)
             }
-            Enqueued::Refused(q) => {
+            Queue::Refused(Queued {
+                job: Job::Admit { check, local },
+                ..
+            }) => {
                 // Too many queued: decide by failure_mode, and count it.
+                self.awaiting.borrow_mut().remove(&stream.context_id);
                 self.metrics.bump(host, Stat::BatchOverflow);
-                match q.job {
-                    Job::Admit { check, local } => self.conclude(
-                        host,
-                        stream,
-                        now,
-                        &check,
-                        local.as_ref(),
-                        Err(ServiceError::Connection),
-                    ),
-                    _ => Step::Pause,
-                }
+                self.conclude(
+                    host,
+                    stream,
+                    now,
+                    &check,
+                    local.as_ref(),
+                    Err(ServiceError::Connection),
+                )
             }
+            Queue::NoWake(_) | Queue::Refused(_) => paused,
         }
     }
 
     /// Sends every batch that is due, as the root (the calls outlive any
     /// one stream).
     fn flush(&self, host: &impl Host, now: u64) {
-        self.send_batches(host, now, |b| b.take_batch(now));
+        self.send_batches(host, now, false);
     }
 
     /// The root's tick: sends the deferred jobs (and whatever is queued
     /// with them), then every batch that is due.
     fn flush_deferred(&self, host: &impl Host, now: u64) {
-        self.send_batches(host, now, |b| {
-            b.take_deferred().or_else(|| b.take_batch(now))
-        });
+        self.send_batches(host, now, true);
     }
 
-    /// Sends the batches `take` gives, until it gives none.
-    fn send_batches(
-        &self,
-        host: &impl Host,
-        now: u64,
-        mut take: impl FnMut(&mut Batcher<Queued>) -> Option<Vec<Queued>>,
-    ) {
-        let Some(group) = &self.group else {
-            return;
-        };
-        let batcher = &group.batcher;
-        loop {
-            let Some(batch) = take(&mut batcher.borrow_mut()) else {
-                return;
-            };
-            // After acting for streams, calls must again belong to the root.
-            host.set_effective_context(self.root_context_id);
-            let dispatched = self.dispatch_jobs(host, &batch, now);
-            match dispatched {
-                Ok(token) => {
+    /// Sends the outbox's due calls, as the root, until none is due.
+    fn send_batches(&self, host: &impl Host, now: u64, deferred: bool) {
+        while let Some(batch) = self.outbox.take(now, deferred) {
+            let checks = batch.iter().filter(|q| q.check().is_some()).count();
+            match self.outbox.send(host, &self.config.service, batch, now) {
+                // With group commit off, a call of one job is no batch.
+                Ok(_) if self.outbox.batching() => {
                     self.metrics.bump(host, Stat::Batches);
-                    self.metrics.add(
-                        host,
-                        Stat::BatchedChecks,
-                        batch.iter().filter(|q| q.check().is_some()).count(),
-                    );
-                    self.batch_started.borrow_mut().insert(token, now);
-                    batcher.borrow_mut().sent(token, batch);
+                    self.metrics.add(host, Stat::BatchedChecks, checks);
                 }
-                Err(e) => {
+                Ok(_) => {}
+                Err((batch, e)) => {
                     self.record_call(host, false, now);
                     self.settle_batch(host, now, &batch, Err(e));
                 }
             }
         }
-    }
-
-    /// Sends the checks and settlements of `jobs` in one call.
-    fn dispatch_jobs(
-        &self,
-        host: &impl Host,
-        jobs: &[Queued],
-        now: u64,
-    ) -> Result<u32, ServiceError> {
-        let request = meshlimit_protocol::CheckRequest {
-            checks: jobs
-                .iter()
-                .filter_map(|q| Some(q.check()?.to_wire()))
-                .collect(),
-            settlements: jobs
-                .iter()
-                .flat_map(|q| q.settlements().iter().cloned())
-                .collect(),
-        };
-        serde_json::to_vec(&request)
-            .map_err(|e| ServiceError::BadBody(e.to_string()))
-            .and_then(|body| self.dispatch(host, &body, now))
-    }
-
-    /// Sends a check request to meshlimitd from the current context.
-    fn dispatch(&self, host: &impl Host, body: &[u8], now: u64) -> Result<u32, ServiceError> {
-        let service = &self.config.service;
-        host.dispatch(&Call {
-            cluster: &service.cluster,
-            authority: &service.authority,
-            path: meshlimit_protocol::CHECK_PATH,
-            body,
-            timeout_ms: service.timeout_ms,
-            authorization: service.authorization.as_deref(),
-        })
-        .map_err(|e| {
-            // Typically an unknown cluster, or no healthy meshlimitd.
-            if let Some(skipped) = self.error_log.allow(now) {
-                warn!(
-                    "cannot dispatch to cluster \"{}\": {e} ({skipped} similar lines suppressed)",
-                    service.cluster
-                );
-            }
-            ServiceError::Connection
-        })
     }
 
     /// Carries out a verdict for a paused stream from another context (the

@@ -7,6 +7,7 @@ use crate::host::fake::{Acted, FakeHost, FakeRequest};
 use serde_json::json;
 
 mod leases;
+mod routing;
 mod tokens;
 
 const ROOT: u32 = 1;
@@ -71,7 +72,7 @@ fn config(extra: &str) -> Config {
 fn harness_with(config: Config) -> Harness {
     capture_logs();
     let host = FakeHost::default();
-    host.context.set(ROOT);
+    host.enter(ROOT);
     let worker = Worker::new(&host, config, ROOT);
     Harness {
         host,
@@ -100,7 +101,7 @@ impl Harness {
             req = req.with_header("x-api-key", id.as_bytes());
         }
         *self.host.request.borrow_mut() = req;
-        self.host.context.set(stream.context_id);
+        self.host.enter(stream.context_id);
         let step = self
             .worker
             .on_request_headers(&self.host, &mut stream, true);
@@ -113,27 +114,91 @@ impl Harness {
 
     /// The root is woken and sends what is due.
     fn wake(&self) {
-        self.host.context.set(ROOT);
+        self.host.enter(ROOT);
         self.worker.on_wake(&self.host);
     }
 
-    /// The batch call `token` comes back with `status` and `body`
+    /// Call `token`, which no stream owns (a batch, a renewal, a return, a
+    /// settlement, a top-up), comes back with `status` and `body`
     /// (`status` None: no response at all, as after a timeout or reset).
-    fn answer_batch(&self, token: u32, status: Option<u32>, body: &str) {
+    /// It goes where the SDK sends it: to the context whose callback
+    /// dispatched it, and nowhere when that context has ended (false).
+    fn answer_batch(&self, token: u32, status: Option<u32>, body: &str) -> bool {
+        let Some(to) = self.host.answer_goes_to(token) else {
+            return false;
+        };
         self.host.respond(status, body);
-        self.host.context.set(ROOT);
+        self.host.enter(to);
         let headers = usize::from(status.is_some());
         self.worker
             .on_batch_answer(&self.host, token, headers, body.len());
+        true
     }
 
-    /// The stream's own call comes back.
+    /// The stream's own call comes back (the SDK hands it to the stream:
+    /// it was dispatched from the stream's callback, and the stream lives).
     fn answer_own(&self, stream: &mut Stream, status: Option<u32>, body: &str) -> Step {
+        let token = stream.in_flight.as_ref().map_or(0, |f| f.token);
+        assert_eq!(
+            self.host.answer_goes_to(token),
+            Some(stream.context_id),
+            "the SDK delivers call {token}'s answer to the stream"
+        );
         self.host.respond(status, body);
-        self.host.context.set(stream.context_id);
+        self.host.enter(stream.context_id);
         let headers = usize::from(status.is_some());
         self.worker
             .on_call_answer(&self.host, stream, headers, body.len())
+    }
+
+    /// The call that decides `stream` comes back, wherever it left from:
+    /// the stream's own call, or the root's, for a check whose answer
+    /// outlives its request (it asks for a lease, or reserves), which
+    /// leaves from the root with group commit off too. The step the
+    /// stream is left with.
+    fn answer_check(&mut self, stream: &mut Stream, status: Option<u32>, body: &str) -> Step {
+        if stream.in_flight.is_some() {
+            return self.answer_own(stream, status, body);
+        }
+        self.wake();
+        self.answer_batch(self.last_token(), status, body);
+        self.acted_for(stream)
+    }
+
+    /// The step `stream` is left with once the root has sent what it
+    /// queued: `step` itself unless the check waits for the root (a check
+    /// whose answer outlives its request leaves from the root, group
+    /// commit or not).
+    fn decided(&self, stream: &Stream, step: Step) -> Step {
+        if step != Step::Pause || stream.in_flight.is_some() {
+            return step;
+        }
+        self.wake();
+        self.acted_for(stream)
+    }
+
+    /// What the root did for `stream` since it was last asked, as a step
+    /// (`Pause`: nothing yet); what it did for other streams stays.
+    fn acted_for(&self, stream: &Stream) -> Step {
+        let mut acted = self.host.acted.borrow_mut();
+        let mine = acted.iter().position(|a| match a {
+            Acted::Resumed(id) | Acted::Replied(id, _) => *id == stream.context_id,
+            Acted::ResumedResponse(_) => false,
+        });
+        match mine.map(|i| acted.remove(i)) {
+            Some(Acted::Resumed(_)) => Step::Continue,
+            Some(Acted::Replied(_, reply)) => Step::Reply(reply),
+            _ => Step::Pause,
+        }
+    }
+
+    /// The stream ends (its response went out, or the client reset): the
+    /// worker forgets it in the stream's last callback, then the SDK
+    /// deletes the context, dropping the answers still due to it.
+    fn end(&self, stream: &Stream) {
+        self.host.enter(stream.context_id);
+        self.worker.on_stream_end(&self.host, stream);
+        self.host.end(stream.context_id);
     }
 
     fn calls(&self) -> usize {
@@ -295,7 +360,7 @@ fn a_cached_deny_costs_no_call() {
     let mut h = harness(ONE_CALL);
     let (mut s, step) = h.request("a");
     assert_eq!(step, Step::Pause);
-    let step = h.answer_own(&mut s, Some(200), &answer(&[result(false, 0)]));
+    let step = h.answer_check(&mut s, Some(200), &answer(&[result(false, 0)]));
     assert_eq!(reply_status(&step), Some(429));
     assert_eq!(h.calls(), 1);
     let (_, step) = h.request("a");
@@ -319,7 +384,7 @@ fn an_open_breaker_costs_no_call_and_one_probe_closes_it() {
     // Five failed calls (the default) open it.
     for _ in 0..5 {
         let (mut s, _) = h.request("a");
-        let step = h.answer_own(&mut s, Some(503), r#"{"error":"redis down"}"#);
+        let step = h.answer_check(&mut s, Some(503), r#"{"error":"redis down"}"#);
         assert_eq!(step, Step::Continue, "failure_mode local admits");
     }
     assert_eq!(h.stat("breaker_opened"), 1);
@@ -333,8 +398,10 @@ fn an_open_breaker_costs_no_call_and_one_probe_closes_it() {
     let (mut probe, step) = h.request("a");
     assert_eq!(step, Step::Pause);
     assert_eq!(h.request("b").1, Step::Continue, "others keep skipping");
+    // The probe asks for a lease: the root sends it.
+    h.wake();
     assert_eq!(h.calls(), calls + 1);
-    h.answer_own(&mut probe, Some(200), &answer(&[result(true, 10)]));
+    h.answer_check(&mut probe, Some(200), &answer(&[result(true, 10)]));
     assert_eq!(h.stat("breaker_open"), 0, "closed again");
     assert_eq!(h.request("c").1, Step::Pause);
     assert_eq!(h.calls(), calls + 2);
@@ -384,7 +451,7 @@ fn every_failure_mode_on_every_kind_of_failure() {
                         Acted::ResumedResponse(_) => unreachable!("no response yet"),
                     }
                 } else {
-                    h.answer_own(&mut s, status, body)
+                    h.answer_check(&mut s, status, body)
                 };
                 let what = format!("{mode} / {kind} / grouped {grouped}");
                 match &expect {
@@ -419,7 +486,8 @@ fn the_local_fallback_enforces_this_envoys_share() {
     h.host.dispatch_fails.set(true);
     let mut allowed = 0;
     for _ in 0..15 {
-        let (_, step) = h.request("a");
+        let (s, step) = h.request("a");
+        let step = h.decided(&s, step);
         if step == Step::Continue {
             allowed += 1;
         } else {
@@ -449,12 +517,12 @@ fn a_4xx_never_trips_the_breaker_but_5xx_do() {
     let mut h = harness(ONE_CALL);
     for _ in 0..10 {
         let (mut s, _) = h.request("a");
-        h.answer_own(&mut s, Some(400), r#"{"error":"bad"}"#);
+        h.answer_check(&mut s, Some(400), r#"{"error":"bad"}"#);
     }
     assert_eq!(h.stat("breaker_opened"), 0);
     for _ in 0..5 {
         let (mut s, _) = h.request("a");
-        h.answer_own(&mut s, Some(500), "oops");
+        h.answer_check(&mut s, Some(500), "oops");
     }
     assert_eq!(h.stat("breaker_opened"), 1);
 }
@@ -516,7 +584,7 @@ fn concurrent_checks_share_one_call_and_each_gets_its_answer() {
     assert_eq!((h.stat("batches"), h.stat("batched_checks")), (2, 4));
     // The admitted streams get their headers with the response.
     let mut s = streams.into_iter().next().unwrap().0;
-    h.host.context.set(s.context_id);
+    h.host.enter(s.context_id);
     h.worker.on_response_headers(&h.host, &mut s);
     assert!(h
         .host
@@ -579,8 +647,7 @@ fn a_stream_that_ends_while_queued_leaves_the_batch() {
     h.wake();
     let (gone, _) = h.request("gone");
     let (stays, _) = h.request("stays");
-    h.worker.on_stream_end(&h.host, &gone);
-    h.host.gone.borrow_mut().push(gone.context_id);
+    h.end(&gone);
     h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
     let body = h.last_call_body();
     let checks = body["checks"].as_array().unwrap();
@@ -596,8 +663,7 @@ fn a_stream_that_ends_while_its_batch_is_in_flight_is_skipped() {
     let mut h = harness("");
     let (gone, _) = h.request("gone");
     h.wake();
-    h.worker.on_stream_end(&h.host, &gone);
-    h.host.gone.borrow_mut().push(gone.context_id);
+    h.end(&gone);
     h.answer_batch(1, Some(200), &answer(&[result(true, 1)]));
     assert!(h.host.take_acted().is_empty(), "nothing to act on");
     assert_eq!(
@@ -612,16 +678,16 @@ fn a_stream_that_ends_while_its_batch_is_in_flight_is_skipped() {
 #[test]
 fn a_stream_that_ends_while_its_own_call_is_out_changes_nothing() {
     let mut h = harness(ONE_CALL);
-    let (mut s, _) = h.request("a");
-    h.worker.on_stream_end(&h.host, &s);
-    // Envoy does not call back for a gone stream; if it did, the in-flight
-    // check would be answered as usual.
-    assert_eq!(
-        h.answer_own(&mut s, Some(200), &answer(&[result(true, 3)])),
-        Step::Continue
-    );
-    // A second answer for the same stream finds nothing in flight.
-    assert_eq!(h.answer_own(&mut s, Some(200), "{}"), Step::Pause);
+    let (s, step) = h.request("a");
+    assert_eq!(step, Step::Pause);
+    let token = h.last_token();
+    h.end(&s);
+    // Its own call was filed under the stream: the SDK drops the answer
+    // with the context, so nothing acts and nothing is kept for it.
+    assert_eq!(h.host.answer_goes_to(token), None);
+    assert!(h.host.take_acted().is_empty());
+    assert!(h.worker.outbox.is_idle());
+    assert!(h.worker.awaiting.borrow().is_empty());
 }
 
 #[test]
@@ -663,7 +729,7 @@ fn a_root_that_cannot_be_woken_calls_for_the_stream_itself() {
     );
     assert!(own.in_flight.is_some(), "the stream waits for its own call");
     assert_eq!(
-        h.answer_own(&mut own, Some(200), &answer(&[result(true, 2)])),
+        h.answer_check(&mut own, Some(200), &answer(&[result(true, 2)])),
         Step::Continue
     );
     drop(s);
@@ -678,7 +744,7 @@ fn without_a_wake_queue_every_request_calls_for_itself() {
         .with_header(":path", b"/api/x")
         .with_header("x-api-key", b"a");
     let mut s = worker.stream(9);
-    host.context.set(9);
+    host.enter(9);
     assert_eq!(worker.on_request_headers(&host, &mut s, true), Step::Pause);
     assert_eq!(host.sent.borrow()[0].from, ROOT, "calls belong to the root");
 }
@@ -703,7 +769,7 @@ fn headers_on_allow_and_deny() {
     let mut h = harness(ONE_CALL);
     let (mut s, _) = h.request("a");
     assert_eq!(
-        h.answer_own(&mut s, Some(200), &answer(&[result(true, 7)])),
+        h.answer_check(&mut s, Some(200), &answer(&[result(true, 7)])),
         Step::Continue
     );
     h.worker.on_response_headers(&h.host, &mut s);
@@ -728,7 +794,7 @@ fn headers_on_allow_and_deny() {
         ]
     );
     let (mut s, _) = h.request("b");
-    let Step::Reply(deny) = h.answer_own(&mut s, Some(200), &answer(&[result(false, 0)])) else {
+    let Step::Reply(deny) = h.answer_check(&mut s, Some(200), &answer(&[result(false, 0)])) else {
         panic!("expected a deny")
     };
     assert_eq!(deny.status, 429);
@@ -751,7 +817,7 @@ fn shadow_denials_are_counted_not_enforced() {
     );
     let (mut s, _) = h.request("a");
     let body = r#"{"results":[{"allowed":true,"limits":[{"allowed":false,"limit":1,"remaining":0,"reset_after_ms":5,"retry_after_ms":5,"shadow":true}]}]}"#;
-    assert_eq!(h.answer_own(&mut s, Some(200), body), Step::Continue);
+    assert_eq!(h.answer_check(&mut s, Some(200), body), Step::Continue);
     assert_eq!(h.stat("shadow_denied"), 1);
     assert_eq!(h.last_call_body()["checks"][0]["limits"][0]["shadow"], true);
 }
@@ -807,7 +873,7 @@ fn hostcalls_per_request_with_group_commit() {
             "increment_metric", // requests_allowed, once per batch
         ]
     );
-    h.host.context.set(s.context_id);
+    h.host.enter(s.context_id);
     h.worker.on_response_headers(&h.host, &mut s);
     assert_eq!(h.host.take_hostcalls(), ["add_header", "add_header"]);
 }
@@ -818,7 +884,7 @@ fn hostcalls_per_request_with_group_commit() {
 fn hostcalls_per_request_with_one_call_each() {
     let mut h = harness(ONE_CALL);
     let (mut warm, _) = h.request("warm");
-    h.answer_own(&mut warm, Some(200), &answer(&[result(true, 1)]));
+    h.answer_check(&mut warm, Some(200), &answer(&[result(true, 1)]));
     h.advance(1);
     h.host.take_hostcalls();
     let (mut s, _) = h.request("a");
@@ -835,7 +901,7 @@ fn hostcalls_per_request_with_one_call_each() {
             "set_effective_context", // back to the stream
         ]
     );
-    let step = h.answer_own(&mut s, Some(200), &answer(&[result(true, 1)]));
+    let step = h.answer_check(&mut s, Some(200), &answer(&[result(true, 1)]));
     assert!(perform(&h.host, step, true));
     assert_eq!(
         h.host.take_hostcalls(),
@@ -869,7 +935,12 @@ fn every_stat_is_defined_at_configure() {
 #[test]
 fn an_answer_for_a_call_never_sent_is_ignored() {
     let h = harness("");
-    h.answer_batch(42, Some(200), &answer(&[result(true, 1)]));
+    // Not through `answer_batch`: the SDK traps on a token it never filed,
+    // so only a token the worker forgot (not Envoy's mistake) gets here.
+    let body = answer(&[result(true, 1)]);
+    h.host.respond(Some(200), &body);
+    h.host.enter(ROOT);
+    h.worker.on_batch_answer(&h.host, 42, 1, body.len());
     assert!(h.host.take_acted().is_empty());
     assert_eq!(h.stat("requests_allowed"), 0);
 }
@@ -880,7 +951,7 @@ fn without_a_deny_cache_every_request_calls() {
     for _ in 0..2 {
         let (mut s, step) = h.request("a");
         assert_eq!(step, Step::Pause);
-        let step = h.answer_own(&mut s, Some(200), &answer(&[result(false, 0)]));
+        let step = h.answer_check(&mut s, Some(200), &answer(&[result(false, 0)]));
         assert_eq!(reply_status(&step), Some(429));
     }
     assert_eq!(h.calls(), 2);
@@ -972,7 +1043,7 @@ fn an_open_breaker_with_failure_mode_deny_denies_without_a_call() {
         r#""failure_mode": "deny", "breaker": {{"failures": 1}}, {ONE_CALL}"#
     ));
     let (mut s, _) = h.request("a");
-    h.answer_own(&mut s, None, "");
+    h.answer_check(&mut s, None, "");
     assert_eq!(h.stat("breaker_opened"), 1);
     let (_, step) = h.request("a");
     let Step::Reply(r) = step else {
@@ -993,7 +1064,7 @@ fn without_group_commit_waking_and_ending_do_nothing() {
     let mut h = harness(ONE_CALL);
     let (s, _) = h.request("a");
     h.wake();
-    h.worker.on_stream_end(&h.host, &s);
+    h.end(&s);
     assert_eq!(h.calls(), 1);
     assert!(logged(&["group commit off"]));
     harness("");
@@ -1021,7 +1092,7 @@ fn local_and_global_results_are_reported_together() {
     let body = h.last_call_body();
     assert_eq!(body["checks"][0]["limits"].as_array().unwrap().len(), 1);
     assert_eq!(
-        h.answer_own(&mut s, Some(200), &answer(&[result(true, 1)])),
+        h.answer_check(&mut s, Some(200), &answer(&[result(true, 1)])),
         Step::Continue
     );
     h.worker.on_response_headers(&h.host, &mut s);
@@ -1033,7 +1104,7 @@ fn local_and_global_results_are_reported_together() {
         .any(|(_, k, v)| k == "ratelimit" && v == "\"api/per-minute\";r=1;t=30"));
     let mut h = harness_with(both(r#""failure_mode": "allow","#));
     let (mut s, _) = h.request("a");
-    assert_eq!(h.answer_own(&mut s, None, ""), Step::Continue);
+    assert_eq!(h.answer_check(&mut s, None, ""), Step::Continue);
     h.worker.on_response_headers(&h.host, &mut s);
     let added = h.host.response_headers.borrow().clone();
     assert!(added
@@ -1058,7 +1129,7 @@ fn a_cached_deny_does_not_outlive_a_changed_limit() {
     let mut h = harness_with(one_per_hour(1));
     let (mut s, _) = h.request_to("/", "a");
     let denied = r#"{"results":[{"allowed":false,"limits":[{"allowed":false,"limit":1,"remaining":0,"reset_after_ms":3000000,"retry_after_ms":3000000}]}]}"#;
-    h.answer_own(&mut s, Some(200), denied);
+    h.answer_check(&mut s, Some(200), denied);
     assert!(matches!(h.request_to("/", "a").1, Step::Reply(_)), "cached");
     // The operator raises the limit; the new worker shares the old data.
     let raised = Worker::new(&h.host, one_per_hour(100), ROOT);
@@ -1206,7 +1277,7 @@ fn a_missing_attribute_is_counted_in_a_stat_and_never_called_for() {
             &["connection", "uri_san_peer_certificate"],
             b"spiffe://td/sa/a",
         );
-    h.host.context.set(stream.context_id);
+    h.host.enter(stream.context_id);
     assert_eq!(
         h.worker.on_request_headers(&h.host, &mut stream, true),
         Step::Pause

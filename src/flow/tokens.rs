@@ -13,8 +13,7 @@
 use log::{info, warn};
 use meshlimit_protocol::{CheckResult, LimitStatus, SettleOutcome};
 
-use super::{Job, Queued, Step, Stream, Worker};
-use crate::batch::Enqueued;
+use super::{Job, Queue, Queued, Step, Stream, Worker};
 use crate::check::{Applied, Check};
 use crate::config::{FailureMode, TokenCost, TokenMode};
 use crate::decision::{self, ServiceError, Verdict};
@@ -686,53 +685,27 @@ impl Worker {
         self.settle(host, id, &mut b, actual);
     }
 
-    /// Sends a top-up or a settlement: in the worker's next batch (group
-    /// commit), or in a call of its own, as the root.
+    /// Sends a top-up, a settlement or a return: queued for the root,
+    /// which sends it (in the worker's next batch with group commit on).
+    /// `id` is the context whose callback runs now.
     pub(super) fn send_job(&self, host: &impl Host, id: u32, job: Job) -> Result<(), ServiceError> {
         let now = host.now_ms();
-        let mut queued = Queued {
+        let queued = Queued {
             context_id: id,
             job,
         };
-        if let Some(group) = &self.group {
-            let outcome = group.batcher.borrow_mut().enqueue(queued, now);
-            match outcome {
-                Enqueued::Wait => return Ok(()),
-                Enqueued::Wake => {
-                    if host.enqueue(group.wake_queue) {
-                        return Ok(());
-                    }
-                    // The root cannot be woken: a response may be waiting
-                    // on this job, so it goes in a call of its own.
-                    let mut batcher = group.batcher.borrow_mut();
-                    batcher.wake_failed();
-                    let mine = batcher
-                        .withdraw(|q| q.context_id == id && !matches!(q.job, Job::Admit { .. }));
-                    drop(batcher);
-                    match mine {
-                        Some(q) => queued = q,
-                        None => return Ok(()),
-                    }
-                }
-                Enqueued::Refused(_) => {
-                    self.metrics.bump(host, Stat::BatchOverflow);
-                    return Err(ServiceError::Connection);
-                }
+        match self.outbox.queue(host, queued, now) {
+            Queue::Queued => Ok(()),
+            Queue::Refused(_) => {
+                self.metrics.bump(host, Stat::BatchOverflow);
+                Err(ServiceError::Connection)
             }
-        }
-        host.set_effective_context(self.root_context_id);
-        let sent = self.dispatch_jobs(host, std::slice::from_ref(&queued), now);
-        host.set_effective_context(id);
-        match sent {
-            Ok(token) => {
-                self.batch_started.borrow_mut().insert(token, now);
-                self.solo_calls.borrow_mut().insert(token, vec![queued]);
-                Ok(())
-            }
-            Err(e) => {
-                self.record_call(host, false, now);
-                Err(e)
-            }
+            // The root cannot be woken: a response may be waiting on this
+            // job, so it goes now, from this callback.
+            Queue::NoWake(queued) => self
+                .outbox
+                .send_from(host, &self.config.service, id, vec![queued], now)
+                .inspect_err(|_| self.record_call(host, false, now)),
         }
     }
 }

@@ -92,8 +92,14 @@ impl SharedStore for FakeStore {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SentCall {
     pub token: u32,
-    /// The context it was sent from (the root for batches).
+    /// The effective context it was sent from: the context Envoy makes
+    /// own the call (the root's calls are never cancelled with a stream).
     pub from: u32,
+    /// The context whose callback was running when it was sent: the SDK
+    /// registers the call under it and hands the answer to that context
+    /// alone, whatever `set_effective_context` said; once that context
+    /// has ended, the answer is dropped (see [`FakeHost::answer_goes_to`]).
+    pub answer_to: u32,
     pub cluster: String,
     pub path: String,
     pub body: Vec<u8>,
@@ -119,13 +125,25 @@ pub enum Acted {
 
 /// The host, in memory. The current request is `request`; the response of
 /// the call being answered is `response`; `context` is the effective
-/// context. Every trait method is one hostcall, recorded by name in
-/// `hostcalls`.
+/// context and `callback` the context whose callback runs (set both with
+/// [`FakeHost::enter`]). Every trait method is one hostcall, recorded by
+/// name in `hostcalls`.
+///
+/// Calls are routed as proxy-wasm's Rust SDK (0.2.5) routes them: its
+/// dispatcher files each call under the context whose callback made it
+/// (`register_callout` with its `active_id`) and gives the answer to that
+/// context only (`on_http_call_response`), dropping it when that context
+/// was deleted. `set_effective_context` changes which context Envoy makes
+/// own the call, not where the SDK sends the answer.
 pub struct FakeHost {
     pub request: RefCell<FakeRequest>,
     pub store: FakeStore,
     pub now: Cell<u64>,
+    /// The effective context (what `set_effective_context` last made
+    /// current, or the context whose callback began).
     pub context: Cell<u32>,
+    /// The context whose callback is running: the SDK's `active_id`.
+    pub callback: Cell<u32>,
     /// Streams that have ended: acting for them fails, as in Envoy.
     pub gone: RefCell<Vec<u32>>,
     pub sent: RefCell<Vec<SentCall>>,
@@ -164,6 +182,7 @@ impl Default for FakeHost {
             store: FakeStore::default(),
             now: Cell::new(1_000_000),
             context: Cell::new(0),
+            callback: Cell::new(0),
             gone: RefCell::default(),
             sent: RefCell::default(),
             dispatch_fails: Cell::new(false),
@@ -186,6 +205,33 @@ impl Default for FakeHost {
 }
 
 impl FakeHost {
+    /// A callback of context `context_id` begins: the SDK makes it the
+    /// active context, and Envoy the effective one.
+    pub fn enter(&self, context_id: u32) {
+        self.callback.set(context_id);
+        self.context.set(context_id);
+    }
+
+    /// Context `context_id` is deleted (a stream that ended): acting for
+    /// it fails, and the answers of calls filed under it are dropped.
+    pub fn end(&self, context_id: u32) {
+        self.gone.borrow_mut().push(context_id);
+    }
+
+    /// The context the SDK hands call `token`'s answer to, or `None` when
+    /// it drops it (that context was deleted). Panics on a token never
+    /// dispatched, as the SDK does (`expect("invalid token_id")`).
+    pub fn answer_goes_to(&self, token: u32) -> Option<u32> {
+        let to = self
+            .sent
+            .borrow()
+            .iter()
+            .find(|c| c.token == token)
+            .map(|c| c.answer_to)
+            .unwrap_or_else(|| panic!("call {token} was never dispatched"));
+        (!self.gone.borrow().contains(&to)).then_some(to)
+    }
+
     fn hostcall(&self, name: &'static str) {
         self.hostcalls.borrow_mut().push(name);
     }
@@ -316,6 +362,7 @@ impl Host for FakeHost {
         self.sent.borrow_mut().push(SentCall {
             token,
             from: self.context.get(),
+            answer_to: self.callback.get(),
             cluster: call.cluster.to_string(),
             path: call.path.to_string(),
             body: call.body.to_vec(),

@@ -93,6 +93,35 @@ fn two_replicas_sharing_a_hot_clients_quota_admit_the_full_limit_and_no_more() {
     assert_eq!(t.stat_total("meshlimit.fallback_allowed"), 0);
 }
 
+/// With group commit off, renewals, returns and settlements still leave
+/// from the root. Sent from a request's callback, their answers went to
+/// that stream, which the fast upstream had ended by then: the SDK dropped
+/// them, and the renewed units were charged and never used (1,430 of
+/// 2,000 admitted when this test was written).
+#[test]
+fn with_group_commit_off_a_busy_client_through_two_replicas_gets_its_whole_limit() {
+    let limit = 2000;
+    let t = topology(
+        PluginConfig::new()
+            .limits(json!([{"name": "per-minute", "requests": limit, "window": "60s"}]))
+            .set_in("local", "expected_replicas", json!(2))
+            .set("group_commit", json!({"enabled": false}))
+            .build(),
+    );
+    wait_for_fresh_window(Duration::from_secs(20));
+    let (ok, denied) = hammer(&t, "solo-hot", 64, 3000 / 64);
+    eprintln!(
+        "solo-hot: {ok} admitted, {denied} denied; {} renewals, {} grants, {} counted in Redis, {} calls",
+        t.stat_total("meshlimit.lease_renewals"),
+        t.stat_total("meshlimit.lease_grants"),
+        t.key_count("api/per-minute", "solo-hot"),
+        calls(&t)
+    );
+    assert!(ok <= limit, "never more than the limit: {ok}");
+    assert!(ok * 100 >= limit * 99, "{ok} of {limit}: units stranded");
+    assert_eq!(t.stat_total("meshlimit.fallback_allowed"), 0);
+}
+
 #[test]
 fn every_leasable_algorithm_holds_exactly_across_two_replicas_with_64_connections() {
     for algorithm in ["fixed_window", "sliding_window_counter", "token_bucket"] {

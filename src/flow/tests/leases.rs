@@ -35,7 +35,7 @@ fn granted_until(remaining: u64, leased: u64, reset_after_ms: u64) -> String {
 impl Harness {
     /// The root's tick.
     fn tick(&self) {
-        self.host.context.set(ROOT);
+        self.host.enter(ROOT);
         self.worker.on_tick(&self.host);
     }
 
@@ -419,8 +419,8 @@ fn a_lease_granted_to_a_stream_that_left_still_serves_the_next_requests() {
     h.answer_batch(1, Some(200), &answer(&[result(true, 19)]));
     let (s, _) = h.request("a");
     h.wake();
-    h.host.context.set(s.context_id);
-    h.worker.on_stream_end(&h.host, &s);
+    h.host.enter(s.context_id);
+    h.end(&s);
     h.answer_batch(2, Some(200), &answer(&[granted(10, 8)]));
     assert_eq!(h.stat("lease_grants"), 1);
     let (_, step) = h.request("a");
@@ -582,7 +582,7 @@ fn hit_path_timing() {
             } else {
                 h.wake();
                 h.answer_batch(h.last_token(), Some(200), &grant);
-                h.host.context.set(s.context_id);
+                h.host.enter(s.context_id);
                 h.worker.on_response_headers(&h.host, &mut s);
                 h.worker.on_stream_end(&h.host, &s);
             }

@@ -41,7 +41,7 @@ impl Harness {
             .with_header(":path", b"/v1/chat")
             .with_header(":method", b"POST")
             .with_header("x-api-key", id.as_bytes());
-        self.host.context.set(stream.context_id);
+        self.host.enter(stream.context_id);
         let step = self
             .worker
             .on_request_headers(&self.host, &mut stream, false);
@@ -50,7 +50,7 @@ impl Harness {
 
     fn request_body(&self, stream: &mut Stream, body: &[u8], end: bool) -> Step {
         *self.host.request_body.borrow_mut() = body.to_vec();
-        self.host.context.set(stream.context_id);
+        self.host.enter(stream.context_id);
         self.worker
             .on_request_body(&self.host, stream, body.len(), end)
     }
@@ -60,14 +60,14 @@ impl Harness {
             (":status".into(), status.as_bytes().to_vec()),
             ("content-type".into(), content_type.as_bytes().to_vec()),
         ];
-        self.host.context.set(stream.context_id);
+        self.host.enter(stream.context_id);
         self.worker.on_response_headers(&self.host, stream)
     }
 
     /// A response chunk; what the client gets of it, and whether it went on.
     fn response_body(&self, stream: &Stream, chunk: &[u8], end: bool) -> (Vec<u8>, bool) {
         *self.host.response_body.borrow_mut() = chunk.to_vec();
-        self.host.context.set(stream.context_id);
+        self.host.enter(stream.context_id);
         let go_on = self
             .worker
             .on_response_body(&self.host, stream, chunk.len(), end);
@@ -185,7 +185,7 @@ fn a_client_that_leaves_before_the_response_is_refunded() {
     let (s, _) = h.post("a");
     h.wake();
     h.answer_batch(1, Some(200), &answer(&[reserved(960)]));
-    h.worker.on_stream_end(&h.host, &s);
+    h.end(&s);
     h.wake();
     assert_eq!(h.last_call_body()["settlements"][0]["actual"], json!([0]));
     assert_eq!(h.stat("tokens_refunded"), 40);
@@ -198,6 +198,7 @@ fn with_meshlimitd_away_a_reservation_is_settled_in_the_local_counters() {
     let mut admitted = Vec::new();
     for id in ["x", "x", "x"] {
         let (mut s, step) = h.post(id);
+        let step = h.decided(&s, step);
         if step == Step::Continue {
             h.response_headers(&mut s, "200", "application/json");
             h.response_body(&s, br#"{"usage":{"total_tokens":100}}"#, true);
@@ -208,8 +209,14 @@ fn with_meshlimitd_away_a_reservation_is_settled_in_the_local_counters() {
     // the second would not fit.
     assert_eq!(admitted, [true, true, true]);
     assert_eq!(h.stat("tokens_settled"), 300);
-    assert_eq!(h.post("x").1, Step::Continue, "300 + 600 fit");
-    assert_eq!(reply_status(&h.post("x").1), Some(429), "900 + 600 do not");
+    let (s, step) = h.post("x");
+    assert_eq!(h.decided(&s, step), Step::Continue, "300 + 600 fit");
+    let (s, step) = h.post("x");
+    assert_eq!(
+        reply_status(&h.decided(&s, step)),
+        Some(429),
+        "900 + 600 do not"
+    );
 }
 
 /// A response held for its settlement must not wait for other traffic:
@@ -244,7 +251,7 @@ fn a_stream_gone_before_its_answer_keeps_nothing_and_gets_its_reservation_back()
     let mut h = harness_with(token_config("40"));
     let (s, _) = h.post("a");
     h.wake();
-    h.worker.on_stream_end(&h.host, &s);
+    h.end(&s);
     h.answer_batch(1, Some(200), &answer(&[reserved(960)]));
     assert!(h.host.take_acted().is_empty(), "nothing to act on");
     assert!(h.worker.budgets.borrow().is_empty());
