@@ -5,8 +5,6 @@
 //! `wasmcustom.meshlimit.requests_denied`) and exports them to Prometheus
 //! as `meshlimit_*`.
 
-use crate::decision::ServiceError;
-
 /// What kind of Envoy metric a stat is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MetricKind {
@@ -103,18 +101,6 @@ impl Stat {
         Stat::LeaseHits,
         Stat::LeaseRenewals,
     ];
-
-    /// The stat counting failed calls of this kind.
-    pub fn service_error(e: &ServiceError) -> Stat {
-        match e {
-            ServiceError::Timeout => Stat::ServiceErrorTimeout,
-            ServiceError::Connection => Stat::ServiceErrorConnection,
-            ServiceError::Unavailable => Stat::ServiceErrorUnavailable,
-            ServiceError::BadStatus(_) => Stat::ServiceErrorBadStatus,
-            ServiceError::BadBody(_) => Stat::ServiceErrorBadBody,
-            ServiceError::Refused(_) => Stat::ServiceErrorInvalidCheck,
-        }
-    }
 
     /// Name, kind and meaning: the one home of each.
     pub fn def(self) -> StatDef {
@@ -319,21 +305,6 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), Stat::ALL.len());
         assert!(names.iter().all(|n| n.starts_with("meshlimit.")));
-    }
-
-    #[test]
-    fn every_service_error_kind_has_its_stat() {
-        for e in [
-            ServiceError::Timeout,
-            ServiceError::Connection,
-            ServiceError::Unavailable,
-            ServiceError::BadStatus(418),
-            ServiceError::BadBody(String::new()),
-            ServiceError::Refused(String::new()),
-        ] {
-            let name = Stat::service_error(&e).def().name;
-            assert_eq!(name, format!("meshlimit.service_errors.{}", e.kind()));
-        }
     }
 
     #[test]

@@ -11,8 +11,6 @@ use std::rc::Rc;
 use meshlimit_protocol::{bounds, Algorithm};
 use serde::Deserialize;
 
-pub use crate::shared::breaker::BreakerConfig;
-
 pub(crate) mod duration;
 mod raw;
 #[cfg(test)]
@@ -441,4 +439,16 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         err(field, problem)
     })?;
     validate::config(raw)
+}
+
+/// The circuit breaker around calls to meshlimitd (see
+/// `crate::shared::breaker`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Consecutive failed calls that open the breaker.
+    pub failures: u32,
+    /// First open interval.
+    pub open_ms: u64,
+    /// Longest open interval.
+    pub max_open_ms: u64,
 }

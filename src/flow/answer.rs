@@ -233,7 +233,7 @@ impl Worker {
         why: Option<&ServiceError>,
     ) -> Result<CheckResult, Verdict> {
         if let Some(e) = why {
-            self.metrics.bump(host, Stat::service_error(e));
+            self.metrics.bump(host, e.stat());
         }
         let config = &self.config;
         let decided = match config.failure_mode {

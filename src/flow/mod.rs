@@ -175,7 +175,11 @@ pub struct Worker {
 
 impl Worker {
     /// A worker for `config`, whose root context is `root_context_id`.
-    pub fn new(host: &impl Host, config: Config, root_context_id: u32) -> Worker {
+    pub fn new(host: &impl Host, mut config: Config, root_context_id: u32) -> Worker {
+        if profile::SKIP_HEADERS {
+            // The profiling build that makes no RateLimit headers.
+            config.response.headers = crate::config::HeaderStyle::None;
+        }
         info!(
             "configured {} rule(s), service cluster \"{}\", failure_mode {:?}, group commit {}",
             config.rules.len(),

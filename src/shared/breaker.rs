@@ -10,16 +10,7 @@
 
 use super::keys;
 use super::store::{le_word, le_words, retry_on_conflict, SharedStore, StoreError};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BreakerConfig {
-    /// Consecutive failed calls that open the breaker.
-    pub failures: u32,
-    /// First open interval.
-    pub open_ms: u64,
-    /// Longest open interval.
-    pub max_open_ms: u64,
-}
+pub use crate::config::BreakerConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct State {
