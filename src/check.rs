@@ -11,7 +11,7 @@ use std::cell::{Cell, OnceCell};
 use std::rc::Rc;
 
 use meshlimit_protocol::{
-    Algorithm, CheckRequest, LeaseAsk, Limit, LimitStatus, Receipt, Settlement,
+    CheckRequest, LeaseAsk, LeaseLife, Limit, LimitStatus, Receipt, Settlement,
 };
 
 use crate::config::{LimitConfig, Reserve, TokenCost, TokenMode};
@@ -246,7 +246,9 @@ impl Check {
         let cost = self.global.first()?.cost;
         let leasable = self.tokens.is_none()
             && self.global.iter().all(|a| {
-                a.cost == cost && !a.tokens && a.limit.algorithm != Algorithm::SlidingWindowLog
+                a.cost == cost
+                    && !a.tokens
+                    && a.limit.algorithm.lease_life() != LeaseLife::NotLeased
             });
         leasable.then_some(cost)
     }

@@ -196,7 +196,57 @@ pub enum Algorithm {
     TokenBucket,
 }
 
+/// How long units leased on a limit of an algorithm may be spent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseLife {
+    /// Until the window they were charged to resets (the answer's
+    /// `reset_after_ms`): a fixed window.
+    UntilReset,
+    /// Until the end of the window the run's clock is in: a sliding
+    /// counter, whose current window holds them.
+    UntilWindowEnd,
+    /// One lease interval from the grant: a token bucket, whose units
+    /// belong to no window.
+    OneInterval,
+    /// Never leased: a sliding log's members carry their times.
+    NotLeased,
+}
+
 impl Algorithm {
+    /// Every algorithm, in declaration order. Adding one is a checklist the
+    /// compiler and the tests walk: [`Algorithm::position`] (and every
+    /// other `match` on it) stops compiling, `every_algorithm_is_listed_once`
+    /// fails until it is in here, and then meshlimitd's test
+    /// `every_algorithm_has_a_branch_in_every_script` and the filter's
+    /// `every_algorithm_has_a_fallback` fail until the Lua scripts and the
+    /// fallback implement it.
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowLog,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::TokenBucket,
+    ];
+
+    /// Its place in [`Algorithm::ALL`].
+    pub fn position(self) -> usize {
+        match self {
+            Algorithm::FixedWindow => 0,
+            Algorithm::SlidingWindowLog => 1,
+            Algorithm::SlidingWindowCounter => 2,
+            Algorithm::TokenBucket => 3,
+        }
+    }
+
+    /// How long units leased on it may be spent.
+    pub fn lease_life(self) -> LeaseLife {
+        match self {
+            Algorithm::FixedWindow => LeaseLife::UntilReset,
+            Algorithm::SlidingWindowCounter => LeaseLife::UntilWindowEnd,
+            Algorithm::TokenBucket => LeaseLife::OneInterval,
+            Algorithm::SlidingWindowLog => LeaseLife::NotLeased,
+        }
+    }
+
     /// Short name used in keys and logs.
     pub fn short_name(self) -> &'static str {
         match self {
@@ -367,6 +417,15 @@ impl CheckResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_algorithm_is_listed_once() {
+        for (i, a) in Algorithm::ALL.iter().enumerate() {
+            assert_eq!(a.position(), i, "{a:?} out of place in Algorithm::ALL");
+            let json = serde_json::to_string(a).unwrap();
+            assert_eq!(json, format!("\"{}\"", a.as_str()));
+        }
+    }
 
     fn status(allowed: bool, remaining: u64, reset: u64, retry: u64) -> LimitStatus {
         LimitStatus {

@@ -152,4 +152,32 @@ mod tests {
         let settle = include_str!("lua/settle.lua");
         assert!(settle.contains(&format!("local SETTLE_ARGS = {SETTLE_ARGS}\n")));
     }
+
+    /// Adding an algorithm to the protocol fails here until every script
+    /// decides, charges and settles it (and sizes its leases, when its
+    /// units can be leased).
+    #[test]
+    fn every_algorithm_has_a_branch_in_every_script() {
+        use meshlimit_protocol::{Algorithm, LeaseLife};
+        let decide = include_str!("lua/decide.lua");
+        let settle = include_str!("lua/settle.lua");
+        for algorithm in Algorithm::ALL {
+            let name = algorithm.short_name();
+            let branch = format!("s.alg == '{name}' then");
+            assert!(
+                decide.matches(&branch).count() >= 2,
+                "decide.lua decides and charges {algorithm:?} ({branch})"
+            );
+            assert!(
+                settle.contains(&format!("alg == '{name}' then")),
+                "settle.lua settles {algorithm:?}"
+            );
+            let leased = decide.contains(&format!("s.fits and s.alg == '{name}' then"));
+            assert_eq!(
+                leased,
+                algorithm.lease_life() != LeaseLife::NotLeased,
+                "decide.lua leases {algorithm:?} exactly when the protocol says it may"
+            );
+        }
+    }
 }

@@ -14,7 +14,7 @@
 use std::rc::Rc;
 
 use log::warn;
-use meshlimit_protocol::{Algorithm, CheckResult, Receipt, SettleOutcome, Settlement};
+use meshlimit_protocol::{CheckResult, LeaseLife, Receipt, SettleOutcome, Settlement};
 
 use super::clock::NEAR_EXPIRY_MS;
 use super::{Job, Queued, Step, Stream, Worker};
@@ -383,7 +383,7 @@ impl Worker {
                 fixed_only: check
                     .global
                     .iter()
-                    .all(|a| a.limit.algorithm == Algorithm::FixedWindow),
+                    .all(|a| a.limit.algorithm.lease_life() == LeaseLife::UntilReset),
                 look_at_ms: 0,
             });
             return;
@@ -515,22 +515,20 @@ pub(super) fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> Check
 }
 
 /// Whether a lease of `check` ends with the window it was charged to (see
-/// [`lease_lifetime`]): every limit a fixed window or a sliding counter. A
-/// token bucket's lease lasts an interval from its grant.
+/// [`lease_lifetime`]): every limit's units belong to a window. A token
+/// bucket's lease lasts an interval from its grant.
 fn lease_ends_with_window(check: &Check) -> bool {
     check.global.iter().all(|a| {
         matches!(
-            a.limit.algorithm,
-            Algorithm::FixedWindow | Algorithm::SlidingWindowCounter
+            a.limit.algorithm.lease_life(),
+            LeaseLife::UntilReset | LeaseLife::UntilWindowEnd
         )
     })
 }
 
-/// How long a lease may be used, from when it was asked: until the end of
-/// the window its units were charged to (fixed window: the reset the
-/// answer gives; sliding counter: the end of the window the run's clock
-/// is in), or one interval for a token bucket; the shortest of the
-/// check's limits.
+/// How long a lease may be used, from when it was asked: as long as each
+/// limit's algorithm lets its units be spent ([`LeaseLife`]), the shortest
+/// of the check's limits.
 fn lease_lifetime(
     check: &Check,
     result: &CheckResult,
@@ -542,14 +540,14 @@ fn lease_lifetime(
         .global
         .iter()
         .zip(&result.limits)
-        .map(|(a, status)| match a.limit.algorithm {
-            Algorithm::FixedWindow => Some(status.reset_after_ms),
-            Algorithm::SlidingWindowCounter => {
+        .map(|(a, status)| match a.limit.algorithm.lease_life() {
+            LeaseLife::UntilReset => Some(status.reset_after_ms),
+            LeaseLife::UntilWindowEnd => {
                 let window = a.limit.window_ms.max(1);
                 Some(window - clock_ms % window)
             }
-            Algorithm::TokenBucket => Some(interval_ms),
-            Algorithm::SlidingWindowLog => None,
+            LeaseLife::OneInterval => Some(interval_ms),
+            LeaseLife::NotLeased => None,
         })
         .try_fold(u64::MAX, |least, l| Some(least.min(l?)))
         .filter(|&l| l > 0 && l < u64::MAX)

@@ -359,13 +359,8 @@ mod tests {
     }
 
     #[test]
-    fn every_algorithm_is_enforced_locally() {
-        for algorithm in [
-            Algorithm::FixedWindow,
-            Algorithm::SlidingWindowLog,
-            Algorithm::SlidingWindowCounter,
-            Algorithm::TokenBucket,
-        ] {
+    fn every_algorithm_has_a_fallback() {
+        for algorithm in Algorithm::ALL {
             let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
             let mut m = limit("m", 5, 60_000);
             m.algorithm = algorithm;
