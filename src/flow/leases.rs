@@ -17,11 +17,12 @@ use log::warn;
 use meshlimit_protocol::{CheckResult, LeaseLife, Receipt, SettleOutcome, Settlement};
 
 use super::clock::NEAR_EXPIRY_MS;
+use super::observer::Observer;
 use super::{Job, Queued, Step, Stream, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
 use crate::decision::ServiceError;
 use crate::host::Host;
-use crate::shared::lease::{self, AskFor, Draw, Grant, Leases, Observer, Place, Reclaim, Take};
+use crate::shared::lease::{self, AskFor, Draw, Grant, Leases, Place, Reclaim, Take};
 use crate::stats::Stat;
 
 /// Lease hits are added to their stat this many at a time (and on every

@@ -30,6 +30,7 @@ mod answer;
 mod clock;
 mod leases;
 mod metrics;
+pub(crate) mod observer;
 mod outbox;
 pub(crate) mod profile;
 #[cfg(test)]
@@ -155,7 +156,7 @@ pub struct Worker {
     /// Lease hits not yet added to their stat.
     lease_hits: Cell<u64>,
     /// How busy each check is, as this worker sees it (sizes leases).
-    lease_observer: RefCell<crate::shared::lease::Observer>,
+    lease_observer: RefCell<observer::Observer>,
     /// The millisecond in which this worker last found the breaker closed.
     /// Within that millisecond the shared state is not read again: a
     /// hostcall per request saved, and another worker's opening is seen at
@@ -211,7 +212,7 @@ impl Worker {
             lease_records: RefCell::new(Vec::new()),
             lease_ids: Cell::new(host.random_seed().1),
             lease_hits: Cell::new(0),
-            lease_observer: RefCell::new(crate::shared::lease::Observer::new(observed)),
+            lease_observer: RefCell::new(observer::Observer::new(observed)),
             breaker_closed_at: Cell::new(None),
             plan_memo: RefCell::default(),
             ticking: false,

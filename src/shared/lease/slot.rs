@@ -1,0 +1,385 @@
+//! One slot of shared data: the check it is for, its ask, and up to three
+//! leases, with the rules for drawing, installing and reclaiming units.
+
+use super::store::{le_word, le_words};
+use super::*;
+
+/// One lease in a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Lease {
+    /// Chosen by the worker that installed it (0: none).
+    pub(super) lease_id: u64,
+    /// Units left in the slot.
+    pub(super) units: u64,
+    /// Units granted (a renewal is asked once half of them is left: time
+    /// for it to wait for the tick, and for its call).
+    pub(super) granted: u64,
+    /// Units workers drew and have not accounted for yet (spent, or put
+    /// back): the lease is not given back while any are out.
+    pub(super) lent: u64,
+    /// After this the lease admits nothing (the end of its window, or of
+    /// a token bucket's interval).
+    pub(super) expires_ms: u64,
+    /// When the most constraining limit's window is whole again (headers).
+    pub(super) reset_at_ms: u64,
+    /// The last draw from the lease (idle leases go back).
+    pub(super) last_hit_ms: u64,
+    /// meshlimitd had plenty left beyond this lease when it granted it
+    /// ([`plenty_beyond`]): workers draw half of it to its last units, as
+    /// a worker refused for what another holds would still be admitted.
+    pub(super) plenty: bool,
+}
+
+/// One slot's state: the check it is for, and up to two leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Slot {
+    /// Whose slot it is (0: free).
+    pub(super) fingerprint: u64,
+    /// A lease ask is out until then: other workers call without asking.
+    pub(super) asking_until_ms: u64,
+    /// The lease workers draw from.
+    pub(super) current: Lease,
+    /// The lease a grant replaced while workers still held draws of it:
+    /// nobody draws from it; it waits for those draws to be accounted for,
+    /// then its owner gives back whatever they left.
+    pub(super) previous: Lease,
+    /// A renewal's lease, granted while the current one still had units:
+    /// it becomes current once they are spent.
+    pub(super) next: Lease,
+}
+
+impl Lease {
+    /// Whether it holds units someone may still use or give back. A lease
+    /// expired for [`ABANDONED_AFTER_MS`] whose units nobody took back has
+    /// lost its owner (the worker was replaced by a configuration push).
+    pub(super) fn holds_units(&self, now: u64) -> bool {
+        self.lease_id != 0
+            && (self.units > 0 || self.lent > 0)
+            && now < self.expires_ms.saturating_add(ABANDONED_AFTER_MS)
+    }
+
+    /// Whether it may admit at `now`: not expired, and the clock has not
+    /// stepped back past its last use.
+    pub(super) fn usable(&self, now: u64) -> bool {
+        self.lease_id != 0 && live(now, self.expires_ms, self.last_hit_ms)
+    }
+
+    /// Accounts for a worker's draw of this lease: its unused units are
+    /// the lease's again. False when the draw is of another lease.
+    pub(super) fn settle(&mut self, draw: &Draw) -> bool {
+        if draw.lease_id == 0 || draw.lease_id != self.lease_id {
+            return false;
+        }
+        self.units = self.units.saturating_add(draw.left);
+        self.lent = self.lent.saturating_sub(draw.drawn);
+        // Its hits were uses of the lease: it was not idle meanwhile.
+        self.last_hit_ms = self.last_hit_ms.max(draw.last_hit_ms);
+        true
+    }
+
+    /// Whether its owner gives it back at `now`: expired, idle for
+    /// `idle_ms` (or replaced: `draining`) with no draw out, or expired
+    /// for [`DRAWS_BACK_WITHIN_MS`] with draws still out.
+    pub(super) fn due(&self, now: u64, idle_ms: u64, draining: bool) -> bool {
+        let expired = !self.usable(now);
+        if self.lent > 0 {
+            expired && now >= self.expires_ms.saturating_add(DRAWS_BACK_WITHIN_MS)
+        } else {
+            expired || draining || now.saturating_sub(self.last_hit_ms) >= idle_ms
+        }
+    }
+
+    /// The earliest time after `now` that [`Lease::due`] can hold: its
+    /// expiry, or an interval after its last hit, whichever comes first (a
+    /// draw put back may move the last hit later, never earlier). With
+    /// draws out, the slot's last hit is often long past (workers hit from
+    /// their draws), but a draw still out was hit within about two ticks
+    /// (its worker puts it back on the first tick a tick after its last
+    /// hit): idle no sooner than half an interval from now either. A lease waiting aside for its draws is due once they
+    /// are back, whenever that is: now.
+    pub(super) fn due_from(&self, now: u64, idle_ms: u64, draining: bool) -> u64 {
+        if draining {
+            return now;
+        }
+        let mut idle_at = self.last_hit_ms.saturating_add(idle_ms);
+        if self.lent > 0 {
+            idle_at = idle_at.max(now.saturating_add(idle_ms / 2));
+        }
+        self.expires_ms.min(idle_at)
+    }
+}
+
+impl Slot {
+    pub(super) fn holds_units(&self, now: u64) -> bool {
+        self.current.holds_units(now)
+            || self.previous.holds_units(now)
+            || self.next.holds_units(now)
+    }
+
+    /// Makes the next lease current, once the current one can serve no
+    /// more (spent, expired, or too little for `cost`). False when there is
+    /// no next lease, or the current one must wait aside for its draws
+    /// while an older one still does.
+    pub(super) fn promote(&mut self, cost: u64, now: u64) -> bool {
+        let current_serves = self.current.usable(now) && self.current.units >= cost;
+        if current_serves || self.next.lease_id == 0 || !self.next.usable(now) {
+            return false;
+        }
+        if !self.set_current_aside(now) {
+            return false;
+        }
+        self.current = self.next;
+        self.next = Lease::default();
+        true
+    }
+
+    /// Frees `current` for a new lease: one that still holds units (draws
+    /// out, or units its owner has not taken back) waits aside in
+    /// `previous` for them. False when that place is taken by a lease
+    /// that is still live.
+    ///
+    /// A lease in `previous` that has ended gives way. Leases of a fixed
+    /// window all end with it, a busy client's two often together (the
+    /// one in use and the spent one whose draws are out), and their owners
+    /// take them out only on their next tick: if they kept the place, every
+    /// grant until then would go back (charged and refunded for nothing)
+    /// and the client would call per request. What the ended lease held is
+    /// lost to its window, which is over for a fixed window's lease; for a
+    /// token bucket's (one interval, renewed before it ends while the
+    /// client is busy) it is at most one lease not refunded: fewer
+    /// admitted, never more.
+    pub(super) fn set_current_aside(&mut self, now: u64) -> bool {
+        if !self.current.holds_units(now) {
+            return true;
+        }
+        if self.previous.holds_units(now) && self.previous.usable(now) {
+            return false;
+        }
+        self.previous = self.current;
+        true
+    }
+
+    /// Accounts for `draw` in whichever lease it came from. A draw of a
+    /// lease no longer here has nowhere to go (its units are lost to this
+    /// window: fewer admitted, never more). True when the slot changed.
+    pub(super) fn settle(&mut self, draw: &Draw) -> bool {
+        self.current.settle(draw) || self.previous.settle(draw)
+    }
+
+    /// The slot after a worker puts back `draw`; `None`: nothing to write.
+    pub(crate) fn put_back(mut self, draw: &Draw) -> Option<Slot> {
+        self.settle(draw).then_some(self)
+    }
+
+    /// The slot after a busy check's request of `cost` from the worker
+    /// that holds `previous` (its draw of this check, spent or too small:
+    /// accounted for first), and what the request gets: a draw of half
+    /// the current lease's units (at least `cost`; `cost` alone from a small
+    /// lease), or a miss that asks for `want` units (0: none). `None` for
+    /// the slot: nothing to write.
+    pub(crate) fn take(
+        mut self,
+        place: Place,
+        cost: u64,
+        now: u64,
+        want: u64,
+        ask_for: AskFor,
+        previous: Option<&Draw>,
+    ) -> (Option<Slot>, Take) {
+        if self.fingerprint != place.fingerprint {
+            if self.holds_units(now) {
+                // Another check's units: its owner gives them back first.
+                return (None, Take::Occupied);
+            }
+            self = Slot {
+                fingerprint: place.fingerprint,
+                ..Slot::default()
+            };
+        }
+        let settled = previous.is_some_and(|d| self.settle(d));
+        let promoted = self.promote(cost, now);
+        let lease = &mut self.current;
+        if lease.usable(now) && lease.units >= cost {
+            let low = lease.units.saturating_mul(2) <= lease.granted;
+            // At least the request's cost: `left` is what is drawn beyond it.
+            let drawn = if lease.plenty {
+                lease.units.div_ceil(2).max(cost)
+            } else if lease.units >= cost.saturating_mul(DRAW_HALF_FROM) {
+                // No more than this worker spends in a while at its own
+                // pace: a worker that sees few of the client's requests
+                // must not sit on half the lease while the others, out of
+                // units, refuse the client.
+                lease
+                    .units
+                    .div_ceil(2)
+                    .min(want.div_ceil(DRAWS_PER_ASK))
+                    .max(cost)
+            } else {
+                cost
+            };
+            lease.units -= drawn;
+            lease.lent = lease.lent.saturating_add(drawn);
+            lease.last_hit_ms = now;
+            let draw = Draw {
+                slot: place.slot,
+                lease_id: lease.lease_id,
+                drawn,
+                left: drawn - cost,
+                in_slot: lease.units,
+                expires_ms: lease.expires_ms,
+                reset_at_ms: lease.reset_at_ms,
+                last_hit_ms: now,
+            };
+            let next_due = self.next.lease_id == 0 || !self.next.holds_units(now);
+            if low && next_due && want > 0 && now >= self.asking_until_ms {
+                let held = draw.left.saturating_add(draw.in_slot);
+                let units = ask_for.renewal_units(want, draw.expires_ms, held, now);
+                // None needed: no ask goes out, and none is counted as out
+                // (a miss after the window turns asks at once).
+                if units > 0 {
+                    self.asking_until_ms = now + ask_for.renewal_ms;
+                    return (Some(self), Take::Renew(draw, units));
+                }
+            }
+            return (Some(self), Take::Hit(draw));
+        }
+        let written = (settled || promoted).then_some(self);
+        if want == 0 || now < self.asking_until_ms {
+            // One ask at a time.
+            return (written, Take::Miss { want: 0 });
+        }
+        self.asking_until_ms = now + ask_for.miss_ms;
+        (Some(self), Take::Miss { want })
+    }
+
+    /// The slot with `grant` installed, or `None` when the current lease
+    /// is live with units in the slot (a renewal then waits as the next
+    /// one, unless one already does), or must wait aside while a live
+    /// older lease still does (see [`Slot::set_current_aside`]); the grant
+    /// must then go back at once.
+    /// Units are never merged across leases, so each goes back in the
+    /// counter and window it was charged to.
+    pub(crate) fn install(mut self, fingerprint: u64, grant: Grant, now: u64) -> Option<Slot> {
+        if self.fingerprint != fingerprint {
+            if self.holds_units(now) {
+                return None;
+            }
+            self = Slot {
+                fingerprint,
+                ..Slot::default()
+            };
+        }
+        let lease = Lease {
+            lease_id: grant.lease_id,
+            units: grant.units,
+            granted: grant.units,
+            plenty: grant.plenty,
+            lent: 0,
+            expires_ms: grant.expires_ms,
+            reset_at_ms: grant.reset_at_ms,
+            last_hit_ms: now,
+        };
+        if self.current.usable(now) && self.current.units > 0 {
+            // A renewal waits its turn (one at a time); anything else
+            // finds units and goes back.
+            if !grant.renewal || self.next.holds_units(now) {
+                return None;
+            }
+            self.next = lease;
+            self.asking_until_ms = 0;
+            return Some(self);
+        }
+        // Spent but for draws still out, or ended with units its owner
+        // has yet to take out: it waits aside.
+        if !self.set_current_aside(now) {
+            return None;
+        }
+        self.current = lease;
+        self.asking_until_ms = 0;
+        Some(self)
+    }
+
+    /// What becomes of lease `lease_id` at `now` (see [`Lease::due`]): when
+    /// due, its units are taken out (the slot to write is returned).
+    pub(crate) fn reclaim(
+        mut self,
+        lease_id: u64,
+        now: u64,
+        idle_ms: u64,
+    ) -> (Option<Slot>, Reclaim) {
+        let (lease, draining) = if lease_id != 0 && self.current.lease_id == lease_id {
+            (&mut self.current, false)
+        } else if lease_id != 0 && self.previous.lease_id == lease_id {
+            (&mut self.previous, true)
+        } else if lease_id != 0 && self.next.lease_id == lease_id {
+            // Not drawn from yet: idle since it was granted.
+            (&mut self.next, false)
+        } else {
+            return (None, Reclaim::Gone);
+        };
+        if lease.units == 0 && lease.lent == 0 {
+            return (None, Reclaim::Gone);
+        }
+        if !lease.due(now, idle_ms, draining) {
+            let until_ms = lease.due_from(now, idle_ms, draining);
+            return (None, Reclaim::Keep { until_ms });
+        }
+        let expired = !lease.usable(now);
+        let units = lease.units;
+        *lease = Lease::default();
+        if units == 0 {
+            return (Some(self), Reclaim::Gone);
+        }
+        (Some(self), Reclaim::Back { units, expired })
+    }
+
+    pub(super) fn decode(bytes: Option<&[u8]>) -> Slot {
+        // Another layout's slot (a build before an upgrade) is not read.
+        let Some(bytes) = bytes.filter(|b| b.len() == WORDS * 8) else {
+            return Slot::default();
+        };
+        let w = |i| le_word(bytes, i).unwrap_or(0);
+        let lease = |at: usize| Lease {
+            lease_id: w(at),
+            units: w(at + 1),
+            lent: w(at + 2),
+            expires_ms: w(at + 3),
+            reset_at_ms: w(at + 4),
+            last_hit_ms: w(at + 5),
+            granted: w(at + 6),
+            plenty: w(at + 7) != 0,
+        };
+        Slot {
+            fingerprint: w(0),
+            asking_until_ms: w(1),
+            current: lease(2),
+            previous: lease(2 + LEASE_WORDS),
+            next: lease(2 + 2 * LEASE_WORDS),
+        }
+    }
+
+    pub(super) fn encode(&self) -> Vec<u8> {
+        let lease = |l: &Lease| {
+            [
+                l.lease_id,
+                l.units,
+                l.lent,
+                l.expires_ms,
+                l.reset_at_ms,
+                l.last_hit_ms,
+                l.granted,
+                u64::from(l.plenty),
+            ]
+        };
+        let mut words = [0u64; WORDS];
+        let all = [self.fingerprint, self.asking_until_ms]
+            .into_iter()
+            .chain(lease(&self.current))
+            .chain(lease(&self.previous))
+            .chain(lease(&self.next));
+        for (word, value) in words.iter_mut().zip(all) {
+            *word = value;
+        }
+        le_words(&words)
+    }
+}
