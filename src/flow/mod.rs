@@ -28,6 +28,7 @@
 
 mod answer;
 mod clock;
+mod decide;
 mod leases;
 mod metrics;
 pub(crate) mod observer;
@@ -51,7 +52,7 @@ use crate::headers::Headers;
 use crate::host::{Host, Request};
 use crate::shared::breaker::{Breaker, Gate, Transition};
 use crate::shared::deny_cache::DenyCache;
-use crate::shared::fallback::{self, LocalLimiter};
+use crate::shared::fallback;
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
 use metrics::Metrics;
@@ -303,109 +304,6 @@ impl Worker {
             return Step::Continue;
         }
         self.decide(host, stream, check)
-    }
-
-    /// Decides a planned check: local rules, deny cache, breaker, call.
-    /// `check` may be shared with the plan memo: it is copied only when a
-    /// call needs one of its own (a busy client's hits copy nothing).
-    fn decide(&self, host: &impl Host, stream: &mut Stream, check: Rc<Check>) -> Step {
-        // A hit from the worker's draw may decide on the last clock read
-        // (see `clock`); anything else reads the clock.
-        let reused = if check.local.is_empty() {
-            self.hit_clock.reuse()
-        } else {
-            None
-        };
-        let now = match reused {
-            Some(then) => then,
-            None => self.hit_clock.read(host),
-        };
-        let config = &self.config;
-        // Local rules first: a local deny needs no call at all. (A request
-        // they admit and the global rules deny still used its local quota.)
-        let local = if check.local.is_empty() {
-            None
-        } else {
-            let decided = LocalLimiter::new(config.local.slots, self.seed(host, now)).check(
-                host,
-                &check.local,
-                now,
-            );
-            self.count_shadow(host, now, &check.local, &decided.result);
-            self.metrics.bump(
-                host,
-                if decided.result.allowed {
-                    Stat::LocalAllowed
-                } else {
-                    Stat::LocalDenied
-                },
-            );
-            if !decided.result.allowed || check.global.is_empty() {
-                let verdict = decision::verdict(config, &check.local, &decided.result);
-                return stream.apply(verdict);
-            }
-            Some(decided.result)
-        };
-        // A lease's units were charged in Redis already: a hit needs no
-        // call, and comes before the deny cache (a deny cached on another
-        // request does not make those units any less this client's).
-        let mut lookup = self.lease_hit(host, now, reused.is_some(), stream.context_id, &check);
-        let now = match (&lookup, reused) {
-            (leases::Lookup::NeedsClock, _) => {
-                let now = self.hit_clock.read(host);
-                lookup = self.lease_hit(host, now, false, stream.context_id, &check);
-                now
-            }
-            // A miss goes on to calls and caches: on a fresh read.
-            (leases::Lookup::Miss(_), Some(_)) => self.hit_clock.read(host),
-            _ => now,
-        };
-        let ask = match lookup {
-            leases::Lookup::Hit {
-                remaining,
-                reset_after_ms,
-            } => {
-                return self.lease_admit(stream, check, local.as_ref(), remaining, reset_after_ms);
-            }
-            leases::Lookup::Miss(ask) => ask,
-            leases::Lookup::NeedsClock => None,
-        };
-        if let Some(cache) = self.deny_cache(host, now) {
-            if let Some(verdict) = decision::cached_deny(config, &check, &cache, now) {
-                self.metrics.bump(host, Stat::DenyCacheHits);
-                return stream.apply(verdict);
-            }
-        }
-        match self.gate(host, now) {
-            Gate::Skip => {
-                let verdict = match self.fallback(host, now, &check, None) {
-                    Ok(result) => {
-                        let verdict = with_local(config, &check, local.as_ref(), &result);
-                        let place = self.fallback_place(now);
-                        self.on_admitted(host, stream.context_id, &check, &result, &verdict, place);
-                        verdict
-                    }
-                    Err(verdict) => verdict,
-                };
-                stream.apply(verdict)
-            }
-            Gate::Call | Gate::Probe if profile::SKIP_CALL => {
-                let result = leases::hit_result(&check, 0, 0);
-                stream.apply(with_local(config, &check, local.as_ref(), &result))
-            }
-            Gate::Call | Gate::Probe => {
-                let mut check = Rc::unwrap_or_clone(check);
-                check.lease = ask;
-                // A check whose answer matters after its request (a lease
-                // granted, a reservation to give back) leaves from the
-                // root, group commit or not (see `outbox`).
-                if self.outbox.batching() || check.answer_outlives_request() {
-                    self.enqueue(host, stream, now, check, local)
-                } else {
-                    self.ask_service(host, stream, now, check, local)
-                }
-            }
-        }
     }
 
     /// The upstream's response headers are in: add the RateLimit headers.
