@@ -173,8 +173,8 @@ impl Worker {
     /// Tells the breaker how a call went (once per call, not per check).
     fn report_call(&self, host: &impl Host, error: Option<&ServiceError>, now: u64) {
         match error {
-            None => self.record_call(host, true, now),
-            Some(e) if trips_breaker(e) => self.record_call(host, false, now),
+            None => self.guard.record_call(host, &self.metrics, true, now),
+            Some(e) if trips_breaker(e) => self.guard.record_call(host, &self.metrics, false, now),
             Some(_) => {}
         }
     }
@@ -199,12 +199,13 @@ impl Worker {
             Ok(mut result) => {
                 tally.decided(result.allowed);
                 self.install_lease(host, now, context_id, check, &mut result);
-                self.count_shadow(host, now, &check.global, &result);
-                if let Some(cache) = self.deny_cache(host, now) {
+                self.guard
+                    .count_shadow(host, &self.metrics, now, &check.global, &result);
+                if let Some(cache) = self.guard.deny_cache(host, now) {
                     let evicted = decision::remember_denials(check, &result, &cache, now);
                     self.metrics.add(host, Stat::DenyCacheEvictions, evicted);
                 }
-                let place = super::tokens::global_place(check, &result);
+                let place = super::budget::global_place(check, &result);
                 (result, place)
             }
             Err(e) => match self.fallback(host, now, check, Some(&e)) {
@@ -247,12 +248,13 @@ impl Worker {
             FailureMode::Local => {
                 // Each Envoy enforces its share of the global limit.
                 let scaled: Vec<Applied> = check.global.iter().map(Applied::for_fallback).collect();
-                let decided = LocalLimiter::new(config.local.slots, self.seed(host, now))
+                let decided = LocalLimiter::new(config.local.slots, self.guard.seed(host, now))
                     .check(host, &scaled, now);
                 if decided.degraded {
                     self.metrics.bump(host, Stat::FallbackUncounted);
                 }
-                self.count_shadow(host, now, &scaled, &decided.result);
+                self.guard
+                    .count_shadow(host, &self.metrics, now, &scaled, &decided.result);
                 Ok(decided.result)
             }
         };

@@ -77,7 +77,7 @@ impl Worker {
             local.as_ref()
         ));
         next!(self.cached_deny(host, stream, now, &check));
-        match self.gate(host, now) {
+        match self.guard.gate(host, now) {
             Gate::Skip => self.without_meshlimitd(host, stream, now, &check, local.as_ref()),
             Gate::Call | Gate::Probe => self.call(host, stream, now, check, local, ask),
         }
@@ -97,12 +97,13 @@ impl Worker {
         if check.local.is_empty() {
             return Outcome::Next(None);
         }
-        let decided = LocalLimiter::new(self.config.local.slots, self.seed(host, now)).check(
+        let decided = LocalLimiter::new(self.config.local.slots, self.guard.seed(host, now)).check(
             host,
             &check.local,
             now,
         );
-        self.count_shadow(host, now, &check.local, &decided.result);
+        self.guard
+            .count_shadow(host, &self.metrics, now, &check.local, &decided.result);
         self.metrics.bump(
             host,
             if decided.result.allowed {
@@ -163,7 +164,7 @@ impl Worker {
         now: u64,
         check: &Check,
     ) -> Outcome<()> {
-        let Some(cache) = self.deny_cache(host, now) else {
+        let Some(cache) = self.guard.deny_cache(host, now) else {
             return Outcome::Next(());
         };
         match decision::cached_deny(&self.config, check, &cache, now) {

@@ -82,7 +82,7 @@ impl Worker {
     fn leases<'h, H: Host>(&self, host: &'h H, now: u64) -> Option<Leases<'h, H>> {
         Some(Leases {
             config: self.config.leases?,
-            seed: self.seed(host, now),
+            seed: self.guard.seed(host, now),
             store: host,
         })
     }

@@ -27,13 +27,16 @@
 //! from the root with group commit off too: see `outbox`.
 
 mod answer;
+mod budget;
 mod clock;
 mod decide;
+mod guard;
 mod leases;
 mod metrics;
 pub(crate) mod observer;
 mod outbox;
 pub(crate) mod profile;
+mod settle;
 #[cfg(test)]
 mod tests;
 mod tokens;
@@ -44,24 +47,20 @@ use std::rc::Rc;
 use log::{info, warn};
 use meshlimit_protocol::CheckResult;
 
-use crate::check::{Applied, Check};
+use crate::check::Check;
 use crate::config::Config;
 use crate::context_map::{ContextMap, ContextSet};
 use crate::decision::{self, DenyResponse, Plan, RejectReason, ServiceError, Verdict};
 use crate::headers::Headers;
 use crate::host::{Host, Request};
-use crate::shared::breaker::{Breaker, Gate, Transition};
-use crate::shared::deny_cache::DenyCache;
-use crate::shared::fallback;
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
+use guard::Guard;
 use metrics::Metrics;
 use outbox::{Job, Outbox, Queue, Queued};
 
 /// Interval between two log lines about the same kind of trouble.
 const LOG_EVERY_MS: u64 = 10_000;
-/// How often a worker re-reads the shared seed.
-const SEED_REFRESH_MS: u64 = 10_000;
 
 /// What the glue does next with the current stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,15 +130,12 @@ pub struct Worker {
     root_context_id: u32,
     fallback_log: LogThrottle,
     error_log: LogThrottle,
-    shadow_log: LogThrottle,
     /// Streams ended at their token budget.
     cut_log: LogThrottle,
-    /// The fingerprint seed shared through shared data, re-read now and
-    /// then so that workers that raced to create it converge.
-    seed: Cell<Option<(u64, u64)>>,
-    seed_read_ms: Cell<u64>,
     /// Every call to meshlimitd, and which context sends it.
     outbox: Outbox,
+    /// The breaker's gate, the deny cache, the shared seed, shadow counts.
+    guard: Guard,
     /// RateLimit headers for streams the root admitted, by context id.
     decided_headers: RefCell<ContextMap<Headers>>,
     /// Streams whose check went to the batcher and that have not ended:
@@ -148,7 +144,7 @@ pub struct Worker {
     awaiting: RefCell<ContextSet>,
     /// Token-priced streams' reservations and response state, by context
     /// id (the root's answers update them too).
-    budgets: RefCell<ContextMap<tokens::Budget>>,
+    budgets: RefCell<ContextMap<budget::Budget>>,
     /// Leases this worker installed, until their units are spent or back.
     lease_records: RefCell<Vec<leases::LeaseRecord>>,
     /// The last lease id this worker gave out (ids start at a random
@@ -158,11 +154,6 @@ pub struct Worker {
     lease_hits: Cell<u64>,
     /// How busy each check is, as this worker sees it (sizes leases).
     lease_observer: RefCell<observer::Observer>,
-    /// The millisecond in which this worker last found the breaker closed.
-    /// Within that millisecond the shared state is not read again: a
-    /// hostcall per request saved, and another worker's opening is seen at
-    /// most a millisecond later. This worker's own failures clear it.
-    breaker_closed_at: Cell<Option<u64>>,
     /// The last check planned, for the next request planned from the same
     /// inputs (a busy client's).
     plan_memo: RefCell<crate::plan_memo::PlanMemo>,
@@ -196,17 +187,16 @@ impl Worker {
         // The busy-check table: as many entries as lease slots.
         let observed = config.leases.map_or(1, |l| l.slots);
         let outbox = Outbox::new(host, &config, root_context_id);
+        let guard = Guard::new(&config);
         let mut worker = Worker {
             metrics: Metrics::define(host),
             config,
             root_context_id,
             fallback_log: LogThrottle::new(LOG_EVERY_MS),
             error_log: LogThrottle::new(LOG_EVERY_MS),
-            shadow_log: LogThrottle::new(LOG_EVERY_MS),
             cut_log: LogThrottle::new(LOG_EVERY_MS),
-            seed: Cell::new(None),
-            seed_read_ms: Cell::new(0),
             outbox,
+            guard,
             decided_headers: RefCell::default(),
             awaiting: RefCell::default(),
             budgets: RefCell::default(),
@@ -214,7 +204,6 @@ impl Worker {
             lease_ids: Cell::new(host.random_seed().1),
             lease_hits: Cell::new(0),
             lease_observer: RefCell::new(observer::Observer::new(observed)),
-            breaker_closed_at: Cell::new(None),
             plan_memo: RefCell::default(),
             ticking: false,
             hit_clock: clock::HitClock::default(),
@@ -373,7 +362,7 @@ impl Worker {
                 Step::Pause
             }
             Err(e) => {
-                self.record_call(host, false, now);
+                self.guard.record_call(host, &self.metrics, false, now);
                 self.conclude(host, stream, now, &check, local.as_ref(), Err(e))
             }
         }
@@ -456,7 +445,7 @@ impl Worker {
                 }
                 Ok(_) => {}
                 Err((batch, e)) => {
-                    self.record_call(host, false, now);
+                    self.guard.record_call(host, &self.metrics, false, now);
                     self.settle_batch(host, now, &batch, Err(e));
                 }
             }
@@ -481,90 +470,6 @@ impl Worker {
             }
         }
         true
-    }
-
-    fn seed(&self, host: &impl Host, now: u64) -> (u64, u64) {
-        match self.seed.get() {
-            Some(seed) if now < self.seed_read_ms.get() + SEED_REFRESH_MS => seed,
-            _ => {
-                let seed = fallback::shared_seed(host, host.random_seed()).unwrap_or((0, 0));
-                self.seed.set(Some(seed));
-                self.seed_read_ms.set(now);
-                seed
-            }
-        }
-    }
-
-    fn breaker<'h, H: Host>(&self, host: &'h H) -> Breaker<'h, H> {
-        Breaker {
-            config: self.config.breaker,
-            store: host,
-        }
-    }
-
-    fn deny_cache<'h, H: Host>(&self, host: &'h H, now: u64) -> Option<DenyCache<'h, H>> {
-        (self.config.deny_cache_slots > 0).then(|| DenyCache {
-            slots: self.config.deny_cache_slots,
-            seed: self.seed(host, now),
-            store: host,
-        })
-    }
-
-    /// Whether a check may call meshlimitd now (see `breaker_closed_at`).
-    fn gate(&self, host: &impl Host, now: u64) -> Gate {
-        if self.breaker_closed_at.get() == Some(now) {
-            return Gate::Call;
-        }
-        let gate = self.breaker(host).gate(now, self.config.service.timeout_ms);
-        self.breaker_closed_at
-            .set((gate == Gate::Call).then_some(now));
-        gate
-    }
-
-    /// Reports a call's outcome to the breaker, and says what changed.
-    fn record_call(&self, host: &impl Host, success: bool, now: u64) {
-        if !success {
-            self.breaker_closed_at.set(None);
-        }
-        match self.breaker(host).record(success, now) {
-            Transition::None => {}
-            Transition::Opened { for_ms } => {
-                self.metrics.bump(host, Stat::BreakerOpened);
-                self.metrics.set(host, Stat::BreakerOpen, 1);
-                warn!(
-                    "breaker open: meshlimitd failing; deciding by failure_mode {:?} without calling for {for_ms}ms",
-                    self.config.failure_mode
-                );
-            }
-            Transition::Closed => {
-                self.metrics.set(host, Stat::BreakerOpen, 0);
-                info!("breaker closed: meshlimitd answers again; limits are global again");
-            }
-        }
-    }
-
-    /// Shadow rules: what they would have denied is counted and logged,
-    /// never enforced.
-    /// Counts (and logs, at a bounded rate) a result's shadow denials;
-    /// `limits` are the result's limits, in order.
-    fn count_shadow(&self, host: &impl Host, now: u64, limits: &[Applied], result: &CheckResult) {
-        if decision::shadow_denials(result) == 0 {
-            return;
-        }
-        self.metrics.bump(host, Stat::ShadowDenied);
-        if let Some(skipped) = self.shadow_log.allow(now) {
-            let denied = limits
-                .iter()
-                .zip(&result.limits)
-                .find(|(_, s)| s.shadow && !s.allowed);
-            if let Some((applied, _)) = denied {
-                let shown: String = applied.subject.chars().take(64).collect();
-                info!(
-                    "shadow rule would deny {shown:?} on {} ({skipped} more shadow denials since the last line)",
-                    applied.limit.qualified_name
-                );
-            }
-        }
     }
 }
 

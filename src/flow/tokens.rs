@@ -10,98 +10,20 @@
 //! a top-up; the response's end (or, with usage in a header, its headers)
 //! waits for the settlement, so the next request sees the units freed.
 
-use log::{info, warn};
-use meshlimit_protocol::{CheckResult, LimitStatus, SettleOutcome};
+use log::info;
+use meshlimit_protocol::CheckResult;
 
+use super::budget::{global_place, Budget, Held, Response};
 use super::{Job, Queue, Queued, Step, Stream, Worker};
-use crate::check::{Applied, Check};
-use crate::config::{FailureMode, TokenCost, TokenMode};
+use crate::check::Check;
+use crate::config::FailureMode;
 use crate::decision::{self, ServiceError, Verdict};
-use crate::headers::{self, Headers};
+use crate::headers::Headers;
 use crate::host::Host;
-use crate::shared::fallback::LocalLimiter;
 use crate::stats::Stat;
 use crate::tokens::budget::{Ledger, Place, Reservation};
 use crate::tokens::json;
 use crate::tokens::sse::{SseGate, CUT_EVENTS};
-
-/// One admitted token-priced request.
-pub(super) struct Budget {
-    check: Check,
-    ledger: Ledger,
-    /// What a top-up asks for: the first reservation's size.
-    step: u64,
-    /// The token-priced limits' statuses after the first reservation.
-    statuses: Vec<LimitStatus>,
-    response: Response,
-    topping_up: bool,
-    /// The budget had no room for a top-up: the next held event cuts.
-    exhausted: bool,
-    /// A top-up was admitted without a reservation (`failure_mode:
-    /// allow`): the stream is no longer bounded.
-    unbounded: bool,
-    held: Held,
-    /// RateLimit headers held with the response headers.
-    held_headers: Headers,
-}
-
-/// Where the response is.
-enum Response {
-    NotYet,
-    /// A JSON body, read up to `max_body_bytes` (`None` above it).
-    Json(Option<Vec<u8>>),
-    Sse(SseGate),
-    /// Ended at the budget: what the upstream sends now is dropped.
-    Cut,
-    /// Settled.
-    Done,
-}
-
-/// What of the response waits for this stream's pending call.
-#[derive(PartialEq, Eq)]
-enum Held {
-    No,
-    Headers,
-    /// Its last chunk (and whatever it still holds back).
-    End,
-}
-
-impl Budget {
-    fn cost(&self) -> Option<&TokenCost> {
-        self.check.tokens.as_deref()
-    }
-
-    /// Deltas an event stream may still pass; `None` when unbounded.
-    fn room(&self, passed: u64) -> Option<u64> {
-        let reserve = self.cost().is_some_and(|c| c.mode == TokenMode::Reserve);
-        (reserve && !self.unbounded).then(|| self.ledger.reserved().saturating_sub(passed))
-    }
-
-    /// What a response that reports no usage settles at: the reservation
-    /// (mode `after`: what was seen of it, at least the unit it holds).
-    fn unreported(&self, seen: u64) -> u64 {
-        match self.cost().map(|c| c.mode) {
-            Some(TokenMode::After) => seen.max(1),
-            _ => self.ledger.reserved(),
-        }
-    }
-}
-
-/// Where an admitted check's token-priced limits were charged, by
-/// meshlimitd's receipts.
-pub(super) fn global_place(check: &Check, result: &CheckResult) -> Option<Place> {
-    check.tokens.as_ref()?;
-    let receipts = result.receipts.as_deref().unwrap_or_default();
-    Some(Place::Global(
-        check
-            .global
-            .iter()
-            .zip(receipts)
-            .filter(|(a, _)| a.tokens)
-            .map(|(_, r)| r.clone())
-            .collect(),
-    ))
-}
 
 impl Worker {
     /// Where a fallback decision charged (nowhere with `failure_mode:
@@ -391,7 +313,7 @@ impl Worker {
     }
 
     /// Ends an event stream at its budget: what it delivered is settled.
-    fn cut(&self, host: &impl Host, id: u32, b: &mut Budget, gate: &mut SseGate) {
+    pub(super) fn cut(&self, host: &impl Host, id: u32, b: &mut Budget, gate: &mut SseGate) {
         gate.discard();
         self.metrics.bump(host, Stat::StreamsCut);
         let delivered = gate.deltas;
@@ -406,7 +328,7 @@ impl Worker {
     }
 
     /// Asks for `units` more for a stream (answered in [`Self::on_top_up`]).
-    fn top_up(&self, host: &impl Host, id: u32, b: &mut Budget, units: u64) {
+    pub(super) fn top_up(&self, host: &impl Host, id: u32, b: &mut Budget, units: u64) {
         let check = b.check.top_up(units);
         b.topping_up = true;
         let job = Job::TopUp {
@@ -489,202 +411,6 @@ impl Worker {
         self.budgets.borrow_mut().insert(id, b);
     }
 
-    /// Gives back what an admitted token-priced check reserved for a
-    /// stream that is gone.
-    pub(super) fn give_back(&self, host: &impl Host, id: u32, check: &Check, result: &CheckResult) {
-        let Some(Place::Global(receipts)) = global_place(check, result) else {
-            return;
-        };
-        if !result.allowed {
-            return;
-        }
-        self.metrics
-            .add(host, Stat::TokensRefunded, check.reserved() as usize);
-        let settlement = check.settlement(check.reserved(), 0, &receipts);
-        let job = Job::Settle {
-            settlements: vec![settlement],
-        };
-        if let Err(e) = self.send_job(host, id, job) {
-            self.settlement_failed(host, &e.to_string());
-        }
-    }
-
-    /// The stream ended while events waited for a top-up: pass what now
-    /// fits, cut what does not, settle, and let the response end.
-    fn finish_held(&self, host: &impl Host, id: u32, b: &mut Budget) {
-        let Response::Sse(mut gate) = std::mem::replace(&mut b.response, Response::Done) else {
-            return;
-        };
-        let passed = gate.finish(b.room(gate.deltas));
-        let mut out = passed.bytes;
-        if passed.blocked && !b.exhausted {
-            let step = b.step;
-            self.top_up(host, id, b, step);
-        }
-        if passed.blocked && b.exhausted {
-            out.extend_from_slice(CUT_EVENTS);
-            host.append_response_body(&out);
-            self.cut(host, id, b, &mut gate);
-            b.held = Held::No;
-            host.resume_response();
-            return;
-        }
-        host.append_response_body(&out);
-        if passed.blocked {
-            // Another top-up is out.
-            b.response = Response::Sse(gate);
-            return;
-        }
-        let actual = gate.usage.unwrap_or_else(|| b.unreported(gate.deltas));
-        if !self.settle(host, id, b, actual) {
-            b.held = Held::No;
-            host.resume_response();
-        }
-    }
-
-    /// Settles every reservation of `b` for `actual` units used: those
-    /// meshlimitd charged in one job, those the fallback charged at once.
-    /// True when a settlement is out (its answer resumes what is held).
-    fn settle(&self, host: &impl Host, id: u32, b: &mut Budget, actual: u64) -> bool {
-        b.response = Response::Done;
-        let reserved = b.ledger.reserved();
-        self.metrics.add(host, Stat::TokensSettled, actual as usize);
-        self.metrics.add(
-            host,
-            Stat::TokensRefunded,
-            reserved.saturating_sub(actual) as usize,
-        );
-        let now = host.now_ms();
-        let shares = b.ledger.split(actual);
-        let mut settlements = Vec::new();
-        for (r, share) in std::mem::take(&mut b.ledger.reservations)
-            .iter()
-            .zip(shares)
-        {
-            match &r.place {
-                Place::Global(receipts) => {
-                    settlements.push(b.check.settlement(r.units, share, receipts));
-                }
-                Place::Local { at_ms } => {
-                    let limits: Vec<Applied> = b
-                        .check
-                        .token_limits()
-                        .map(|a| Applied {
-                            cost: r.units,
-                            ..a.for_fallback()
-                        })
-                        .collect();
-                    LocalLimiter::new(self.config.local.slots, self.seed(host, now))
-                        .settle(host, &limits, share, *at_ms, now);
-                }
-                Place::Unrecorded => {}
-            }
-        }
-        if settlements.is_empty() {
-            return false;
-        }
-        match self.send_job(host, id, Job::Settle { settlements }) {
-            Ok(()) => true,
-            Err(e) => {
-                self.settlement_failed(host, &e.to_string());
-                false
-            }
-        }
-    }
-
-    fn settlement_failed(&self, host: &impl Host, why: &str) {
-        self.metrics.bump(host, Stat::SettlementsFailed);
-        if let Some(skipped) = self.error_log.allow(host.now_ms()) {
-            warn!(
-                "cannot settle a token reservation ({why}); it stands, so the budget is not exceeded ({skipped} similar lines suppressed)"
-            );
-        }
-    }
-
-    /// meshlimitd answered a stream's settlements (or their call failed):
-    /// what the stream held goes on.
-    pub(super) fn on_settled(
-        &self,
-        host: &impl Host,
-        id: u32,
-        outcomes: Result<Vec<SettleOutcome>, ServiceError>,
-    ) {
-        let remaining = match &outcomes {
-            Err(e) => {
-                self.settlement_failed(host, &e.to_string());
-                None
-            }
-            Ok(list) => {
-                for outcome in list {
-                    if let SettleOutcome::Failed(f) = outcome {
-                        self.settlement_failed(host, &f.error);
-                    }
-                }
-                list.iter().rev().find_map(|o| match o {
-                    SettleOutcome::Settled { remaining } => Some(remaining.clone()),
-                    SettleOutcome::Failed(_) => None,
-                })
-            }
-        };
-        let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
-            return;
-        };
-        let held = std::mem::replace(&mut b.held, Held::No);
-        if held != Held::No && host.set_effective_context(id) {
-            if held == Held::Headers {
-                let headers = match remaining {
-                    Some(left) => self.settled_headers(&b, &left),
-                    None => std::mem::take(&mut b.held_headers),
-                };
-                for (name, value) in headers {
-                    host.add_response_header(name, &value);
-                }
-            }
-            host.resume_response();
-        }
-        self.budgets.borrow_mut().insert(id, b);
-    }
-
-    /// The RateLimit headers for the token-priced limits after settlement.
-    fn settled_headers(&self, b: &Budget, remaining: &[u64]) -> Headers {
-        let limits: Vec<Applied> = b.check.token_limits().cloned().collect();
-        let result = CheckResult {
-            allowed: true,
-            limits: b
-                .statuses
-                .iter()
-                .zip(remaining)
-                .map(|(s, left)| LimitStatus {
-                    remaining: *left,
-                    ..s.clone()
-                })
-                .collect(),
-            receipts: None,
-            leased: 0,
-        };
-        if result.limits.len() != limits.len() {
-            return b.held_headers.clone();
-        }
-        headers::rate_limit_headers(self.config.response.headers, &limits, &result)
-    }
-
-    /// The stream is gone: a reservation not settled yet is settled as the
-    /// request got (no response: refunded, if so configured; an event
-    /// stream: its usage if seen, else the reservation).
-    pub(super) fn on_stream_gone(&self, host: &impl Host, id: u32) {
-        let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
-            return;
-        };
-        let refund = b.cost().is_some_and(|c| c.refund_on_error);
-        let actual = match std::mem::replace(&mut b.response, Response::Done) {
-            Response::Done | Response::Cut => return,
-            Response::NotYet if refund => 0,
-            Response::NotYet | Response::Json(_) => b.unreported(0),
-            Response::Sse(gate) => gate.usage.unwrap_or_else(|| b.unreported(gate.deltas)),
-        };
-        self.settle(host, id, &mut b, actual);
-    }
-
     /// Sends a top-up, a settlement or a return: queued for the root,
     /// which sends it (in the worker's next batch with group commit on).
     /// `id` is the context whose callback runs now.
@@ -705,13 +431,7 @@ impl Worker {
             Queue::NoWake(queued) => self
                 .outbox
                 .send_from(host, &self.config.service, id, vec![queued], now)
-                .inspect_err(|_| self.record_call(host, false, now)),
+                .inspect_err(|_| self.guard.record_call(host, &self.metrics, false, now)),
         }
-    }
-}
-
-impl From<SseGate> for Response {
-    fn from(gate: SseGate) -> Self {
-        Response::Sse(gate)
     }
 }

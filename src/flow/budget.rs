@@ -1,0 +1,95 @@
+//! A token-priced request's state once admitted: its reservations, how
+//! far its response got, and what of the response waits for a call. The
+//! worker keeps one per stream (see `tokens`, which moves it along).
+
+use meshlimit_protocol::{CheckResult, LimitStatus};
+
+use crate::check::Check;
+use crate::config::{TokenCost, TokenMode};
+use crate::headers::Headers;
+use crate::tokens::budget::{Ledger, Place};
+use crate::tokens::sse::SseGate;
+
+/// One admitted token-priced request.
+pub(super) struct Budget {
+    pub(super) check: Check,
+    pub(super) ledger: Ledger,
+    /// What a top-up asks for: the first reservation's size.
+    pub(super) step: u64,
+    /// The token-priced limits' statuses after the first reservation.
+    pub(super) statuses: Vec<LimitStatus>,
+    pub(super) response: Response,
+    pub(super) topping_up: bool,
+    /// The budget had no room for a top-up: the next held event cuts.
+    pub(super) exhausted: bool,
+    /// A top-up was admitted without a reservation (`failure_mode:
+    /// allow`): the stream is no longer bounded.
+    pub(super) unbounded: bool,
+    pub(super) held: Held,
+    /// RateLimit headers held with the response headers.
+    pub(super) held_headers: Headers,
+}
+
+/// Where the response is.
+pub(super) enum Response {
+    NotYet,
+    /// A JSON body, read up to `max_body_bytes` (`None` above it).
+    Json(Option<Vec<u8>>),
+    Sse(SseGate),
+    /// Ended at the budget: what the upstream sends now is dropped.
+    Cut,
+    /// Settled.
+    Done,
+}
+
+/// What of the response waits for this stream's pending call.
+#[derive(PartialEq, Eq)]
+pub(super) enum Held {
+    No,
+    Headers,
+    /// Its last chunk (and whatever it still holds back).
+    End,
+}
+
+impl Budget {
+    pub(super) fn cost(&self) -> Option<&TokenCost> {
+        self.check.tokens.as_deref()
+    }
+
+    /// Deltas an event stream may still pass; `None` when unbounded.
+    pub(super) fn room(&self, passed: u64) -> Option<u64> {
+        let reserve = self.cost().is_some_and(|c| c.mode == TokenMode::Reserve);
+        (reserve && !self.unbounded).then(|| self.ledger.reserved().saturating_sub(passed))
+    }
+
+    /// What a response that reports no usage settles at: the reservation
+    /// (mode `after`: what was seen of it, at least the unit it holds).
+    pub(super) fn unreported(&self, seen: u64) -> u64 {
+        match self.cost().map(|c| c.mode) {
+            Some(TokenMode::After) => seen.max(1),
+            _ => self.ledger.reserved(),
+        }
+    }
+}
+
+/// Where an admitted check's token-priced limits were charged, by
+/// meshlimitd's receipts.
+pub(super) fn global_place(check: &Check, result: &CheckResult) -> Option<Place> {
+    check.tokens.as_ref()?;
+    let receipts = result.receipts.as_deref().unwrap_or_default();
+    Some(Place::Global(
+        check
+            .global
+            .iter()
+            .zip(receipts)
+            .filter(|(a, _)| a.tokens)
+            .map(|(_, r)| r.clone())
+            .collect(),
+    ))
+}
+
+impl From<SseGate> for Response {
+    fn from(gate: SseGate) -> Self {
+        Response::Sse(gate)
+    }
+}
