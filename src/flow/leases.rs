@@ -25,10 +25,6 @@ use crate::host::Host;
 use crate::shared::lease::{self, AskFor, Draw, Grant, Leases, Place, Reclaim, Take};
 use crate::stats::Stat;
 
-/// Lease hits are added to their stat this many at a time (and on every
-/// tick, so the stat is at most a tick behind).
-const HITS_PER_STAT_UPDATE: u64 = 64;
-
 /// Returns per job: a batch of 64 jobs stays within meshlimitd's 1024
 /// settlements per call.
 const RETURNS_PER_JOB: usize = 16;
@@ -87,11 +83,9 @@ impl Worker {
         })
     }
 
-    /// The tick period that reclaims leases: a quarter of the interval
-    /// (25 ms to 250 ms), so an idle lease goes back soon after it idles.
+    /// The tick period that reclaims leases (see `lease_book::tick_ms`).
     pub(super) fn lease_tick_ms(&self) -> Option<u32> {
-        let interval = self.config.leases?.interval_ms;
-        Some((interval / 4).clamp(25, 250) as u32)
+        super::lease_book::tick_ms(self.config.leases)
     }
 
     /// A request's check, before any call: admitted from its lease (the
@@ -119,7 +113,7 @@ impl Worker {
         let place = check.lease_place(leases.seed, || {
             leases.place(&LeaseIdentity(&check.global), &check.subject)
         });
-        let mut observer = self.lease_observer.borrow_mut();
+        let mut observer = self.lease_book.observer.borrow_mut();
         let until = now.saturating_add(NEAR_EXPIRY_MS);
         if reused && !observer.can_spend(place.fingerprint, cost, now, until) {
             return Lookup::NeedsClock;
@@ -152,12 +146,8 @@ impl Worker {
         };
         // Counted in bulk: a hostcall per request is a tenth of what a hit
         // costs.
-        let hits = self.lease_hits.get() + 1;
-        if hits >= HITS_PER_STAT_UPDATE {
+        if let Some(hits) = self.lease_book.count_hit() {
             self.metrics.add(host, Stat::LeaseHits, hits as usize);
-            self.lease_hits.set(0);
-        } else {
-            self.lease_hits.set(hits);
         }
         Lookup::Hit {
             remaining,
@@ -195,7 +185,7 @@ impl Worker {
 
     /// Adds a lease hit's RateLimit headers to its response.
     pub(super) fn add_lease_headers(&self, host: &impl Host, hit: &LeaseHeaders) {
-        let mut scratch = self.header_scratch.borrow_mut();
+        let mut scratch = self.lease_book.header_scratch.borrow_mut();
         crate::headers::add_admitted(
             self.config.response.headers,
             &hit.check.global,
@@ -275,7 +265,7 @@ impl Worker {
     /// How long a renewal may wait for the root's tick: a tick period when
     /// the tick runs and group commit is on, else 0.
     fn deferral_ms(&self) -> u64 {
-        match (self.ticking, self.lease_tick_ms()) {
+        match (self.lease_book.ticking, self.lease_tick_ms()) {
             (true, Some(tick)) => u64::from(tick),
             _ => 0,
         }
@@ -357,7 +347,7 @@ impl Worker {
         };
         let lifetime = lease_lifetime(check, result, &receipts, leases.config.interval_ms);
         let reset = result.limits.iter().map(|s| s.reset_after_ms).max();
-        let lease_id = self.next_lease_id();
+        let lease_id = self.lease_book.next_lease_id();
         let grant = Grant {
             renewal: ticket.renewal,
             lease_id,
@@ -366,11 +356,11 @@ impl Worker {
             reset_at_ms: ticket.asked_ms.saturating_add(reset.unwrap_or(0)),
             plenty: lease::plenty_beyond(units, left_beyond.unwrap_or(0)),
         };
-        let room = self.lease_records.borrow().len() < leases.config.slots as usize;
+        let room = self.lease_book.records.borrow().len() < leases.config.slots as usize;
         if room && lifetime.is_some() && leases.install(ticket.place, grant, now) {
             self.metrics.bump(host, Stat::LeaseGrants);
             self.metrics.add(host, Stat::LeaseUnits, units as usize);
-            let mut records = self.lease_records.borrow_mut();
+            let mut records = self.lease_book.records.borrow_mut();
             // A grant may replace a lease this worker installed there:
             // look at that one on the next tick, not when it was due.
             for record in records.iter_mut().filter(|r| r.slot == ticket.place.slot) {
@@ -395,18 +385,11 @@ impl Worker {
         self.send_returns(host, context_id, vec![settlement]);
     }
 
-    /// A fresh lease id: unique among this Envoy's leases.
-    fn next_lease_id(&self) -> u64 {
-        let next = self.lease_ids.get().wrapping_add(1).max(1);
-        self.lease_ids.set(next);
-        next
-    }
-
     /// The root's tick: this worker's draws that idled (no hit since the
     /// last tick) or expired go back to their slots, then leases this
     /// worker installed that expired or went idle give their units back.
     pub fn on_tick(&self, host: &impl Host) {
-        let hits = self.lease_hits.replace(0);
+        let hits = self.lease_book.take_hits();
         if hits > 0 {
             self.metrics.add(host, Stat::LeaseHits, hits as usize);
         }
@@ -416,20 +399,22 @@ impl Worker {
             return;
         };
         let due = self
-            .lease_observer
+            .lease_book
+            .observer
             .borrow_mut()
             .due_draws(now, u64::from(tick_ms));
         for (fingerprint, draw) in due {
             if leases.put_back(&draw).is_err() {
                 // Asked again next tick.
-                self.lease_observer
+                self.lease_book
+                    .observer
                     .borrow_mut()
                     .keep_draw(fingerprint, draw);
             }
         }
         let mut returns = Vec::new();
         let interval_ms = leases.config.interval_ms;
-        self.lease_records.borrow_mut().retain_mut(|record| {
+        self.lease_book.records.borrow_mut().retain_mut(|record| {
             // Not due yet (unless the clock stepped back past an interval).
             if now < record.look_at_ms && record.look_at_ms - now <= interval_ms {
                 return true;

@@ -31,6 +31,7 @@ mod budget;
 mod clock;
 mod decide;
 mod guard;
+mod lease_book;
 mod leases;
 mod metrics;
 pub(crate) mod observer;
@@ -41,7 +42,7 @@ mod settle;
 mod tests;
 mod tokens;
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use log::{info, warn};
@@ -56,6 +57,7 @@ use crate::host::{Host, Request};
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
 use guard::Guard;
+use lease_book::LeaseBook;
 use metrics::Metrics;
 use outbox::{Job, Outbox, Queue, Queued};
 
@@ -145,25 +147,13 @@ pub struct Worker {
     /// Token-priced streams' reservations and response state, by context
     /// id (the root's answers update them too).
     budgets: RefCell<ContextMap<budget::Budget>>,
-    /// Leases this worker installed, until their units are spent or back.
-    lease_records: RefCell<Vec<leases::LeaseRecord>>,
-    /// The last lease id this worker gave out (ids start at a random
-    /// point, so two workers' ids do not meet).
-    lease_ids: Cell<u64>,
-    /// Lease hits not yet added to their stat.
-    lease_hits: Cell<u64>,
-    /// How busy each check is, as this worker sees it (sizes leases).
-    lease_observer: RefCell<observer::Observer>,
+    /// Leases this worker installed, its observer, hits, ids, tick.
+    lease_book: LeaseBook,
     /// The last check planned, for the next request planned from the same
     /// inputs (a busy client's).
     plan_memo: RefCell<crate::plan_memo::PlanMemo>,
-    /// The root's tick runs (leases on, and the host took the period):
-    /// renewals with time to spare may wait for it.
-    ticking: bool,
     /// The last clock read, which a lease hit may reuse (see `clock`).
     hit_clock: clock::HitClock,
-    /// Where a lease hit's header values are written (keeps its capacity).
-    header_scratch: RefCell<String>,
 }
 
 impl Worker {
@@ -184,12 +174,12 @@ impl Worker {
                 "off"
             }
         );
-        // The busy-check table: as many entries as lease slots.
-        let observed = config.leases.map_or(1, |l| l.slots);
         let outbox = Outbox::new(host, &config, root_context_id);
         let guard = Guard::new(&config);
-        let mut worker = Worker {
-            metrics: Metrics::define(host),
+        let metrics = Metrics::define(host);
+        let lease_book = LeaseBook::new(host, config.leases);
+        Worker {
+            metrics,
             config,
             root_context_id,
             fallback_log: LogThrottle::new(LOG_EVERY_MS),
@@ -200,23 +190,10 @@ impl Worker {
             decided_headers: RefCell::default(),
             awaiting: RefCell::default(),
             budgets: RefCell::default(),
-            lease_records: RefCell::new(Vec::new()),
-            lease_ids: Cell::new(host.random_seed().1),
-            lease_hits: Cell::new(0),
-            lease_observer: RefCell::new(observer::Observer::new(observed)),
+            lease_book,
             plan_memo: RefCell::default(),
-            ticking: false,
             hit_clock: clock::HitClock::default(),
-            header_scratch: RefCell::default(),
-        };
-        if let Some(ms) = worker.lease_tick_ms() {
-            if host.set_tick_period(ms) {
-                worker.ticking = true;
-            } else {
-                warn!("cannot set a tick period; leased units are not given back before their window ends");
-            }
         }
-        worker
     }
 
     /// The state of a new stream.

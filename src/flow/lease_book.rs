@@ -1,0 +1,93 @@
+//! The lease book: what one worker keeps of quota leases in its own
+//! memory: the leases it installed (until their units are spent or given
+//! back), the ids it gives out, its observer of how busy each check is,
+//! the hits not yet added to their stat, and whether the root's tick runs.
+//! What lives in shared data is `crate::shared::lease`; what the worker
+//! does with both is `leases`.
+
+use std::cell::{Cell, RefCell};
+
+use log::warn;
+
+use super::leases::LeaseRecord;
+use super::observer::Observer;
+use crate::config::LeaseConfig;
+use crate::host::Host;
+
+/// Lease hits are added to their stat this many at a time (and on every
+/// tick, so the stat is at most a tick behind).
+const HITS_PER_STAT_UPDATE: u64 = 64;
+
+pub(super) struct LeaseBook {
+    /// Leases this worker installed, until their units are spent or back.
+    pub(super) records: RefCell<Vec<LeaseRecord>>,
+    /// The last lease id this worker gave out (ids start at a random
+    /// point, so two workers' ids do not meet).
+    ids: Cell<u64>,
+    /// Lease hits not yet added to their stat.
+    hits: Cell<u64>,
+    /// How busy each check is, as this worker sees it (sizes leases).
+    pub(super) observer: RefCell<Observer>,
+    /// The root's tick runs (leases on, and the host took the period):
+    /// renewals with time to spare may wait for it.
+    pub(super) ticking: bool,
+    /// Where a lease hit's header values are written (keeps its capacity).
+    pub(super) header_scratch: RefCell<String>,
+}
+
+impl LeaseBook {
+    /// The book of a worker with `leases` (off: `None`); asks the host for
+    /// the tick that gives idle units back.
+    pub(super) fn new(host: &impl Host, leases: Option<LeaseConfig>) -> LeaseBook {
+        // The busy-check table: as many entries as lease slots.
+        let observed = leases.map_or(1, |l| l.slots);
+        let ticking = match tick_ms(leases) {
+            Some(ms) if host.set_tick_period(ms) => true,
+            Some(_) => {
+                warn!("cannot set a tick period; leased units are not given back before their window ends");
+                false
+            }
+            None => false,
+        };
+        LeaseBook {
+            records: RefCell::new(Vec::new()),
+            ids: Cell::new(host.random_seed().1),
+            hits: Cell::new(0),
+            observer: RefCell::new(Observer::new(observed)),
+            ticking,
+            header_scratch: RefCell::default(),
+        }
+    }
+
+    /// A new lease id (never 0).
+    pub(super) fn next_lease_id(&self) -> u64 {
+        let next = self.ids.get().wrapping_add(1).max(1);
+        self.ids.set(next);
+        next
+    }
+
+    /// Counts a hit; the hits to add to their stat now, if any (in bulk: a
+    /// hostcall per request is a tenth of what a hit costs).
+    pub(super) fn count_hit(&self) -> Option<u64> {
+        let hits = self.hits.get() + 1;
+        if hits >= HITS_PER_STAT_UPDATE {
+            self.hits.set(0);
+            Some(hits)
+        } else {
+            self.hits.set(hits);
+            None
+        }
+    }
+
+    /// The hits not yet added to their stat (the tick adds them).
+    pub(super) fn take_hits(&self) -> u64 {
+        self.hits.replace(0)
+    }
+}
+
+/// The tick period that reclaims leases: a quarter of the interval (25 ms
+/// to 250 ms), so an idle lease goes back soon after it idles.
+pub(super) fn tick_ms(leases: Option<LeaseConfig>) -> Option<u32> {
+    let interval = leases?.interval_ms;
+    Some((interval / 4).clamp(25, 250) as u32)
+}
