@@ -1,0 +1,171 @@
+//! What a request costs: a fixed number, a header, or tokens (reserved,
+//! then settled from the response).
+
+use super::*;
+
+/// The most a token cost may reserve per request (a bound on what one
+/// request can hold of a budget).
+pub(super) const MAX_RESERVE: u64 = MAX_COST;
+
+pub(super) fn validate_cost(i: usize, raw: Option<serde_json::Value>) -> Result<Cost, ConfigError> {
+    let at = |f: &str| {
+        if f.is_empty() {
+            format!("rules[{i}].cost")
+        } else {
+            format!("rules[{i}].cost.{f}")
+        }
+    };
+    /// Reads one shape of the cost, naming the field a problem is in.
+    fn read<T: serde::de::DeserializeOwned>(
+        value: serde_json::Value,
+        at: &dyn Fn(&str) -> String,
+    ) -> Result<T, ConfigError> {
+        serde_path_to_error::deserialize(value).map_err(|e| {
+            let field = e.path().to_string();
+            let field = if field == "." { String::new() } else { field };
+            err(at(&field), e.into_inner().to_string())
+        })
+    }
+    let Some(value) = raw else {
+        return Ok(Cost::Fixed(1));
+    };
+    if !value.is_object() {
+        let n = value.as_u64().ok_or_else(|| {
+            err(
+                at(""),
+                "a whole number, {\"header\": ...} or {\"response\": ...}",
+            )
+        })?;
+        return match n {
+            0 => Err(err(at(""), "must be at least 1")),
+            n if n > MAX_COST => Err(err(at(""), format!("must be at most {MAX_COST}"))),
+            n => Ok(Cost::Fixed(n)),
+        };
+    }
+    if value.get("response").is_some() {
+        return validate_token_cost(read::<RawTokenCost>(value, &at)?, &at);
+    }
+    let h: RawCostHeader = read(value, &at)?;
+    let name = h.header.trim().to_ascii_lowercase();
+    if name.is_empty() || !name.bytes().all(is_header_name_byte) {
+        return Err(err(
+            at("header"),
+            format!("\"{}\" is not a valid header name", h.header),
+        ));
+    }
+    if h.max == 0 || h.max > MAX_COST {
+        return Err(err(at("max"), format!("must be between 1 and {MAX_COST}")));
+    }
+    if h.default == 0 || h.default > h.max {
+        return Err(err(at("default"), "must be between 1 and max"));
+    }
+    Ok(Cost::Header {
+        name,
+        default: h.default,
+        max: h.max,
+    })
+}
+
+pub(super) fn validate_token_cost(
+    raw: RawTokenCost,
+    at: &dyn Fn(&str) -> String,
+) -> Result<Cost, ConfigError> {
+    let path = |field: &str, p: &str| -> Result<Vec<String>, ConfigError> {
+        let parts: Vec<String> = p.split('.').map(str::to_string).collect();
+        if p.len() > 256 || parts.iter().any(String::is_empty) || parts.len() > 8 {
+            return Err(err(
+                at(field),
+                format!("\"{p}\" is not a dotted JSON path (like usage.total_tokens)"),
+            ));
+        }
+        Ok(parts)
+    };
+    let usage = UsageSource {
+        json: raw
+            .response
+            .json
+            .as_deref()
+            .map(|p| path("response.json", p))
+            .transpose()?,
+        sse_json: raw
+            .response
+            .sse_json
+            .as_deref()
+            .map(|p| path("response.sse_json", p))
+            .transpose()?,
+        header: match raw.response.header {
+            None => None,
+            Some(h) => {
+                let name = h.trim().to_ascii_lowercase();
+                if name.is_empty() || !name.bytes().all(is_header_name_byte) {
+                    return Err(err(
+                        at("response.header"),
+                        format!("\"{h}\" is not a valid header name"),
+                    ));
+                }
+                Some(name)
+            }
+        },
+    };
+    if usage.json.is_none() && usage.sse_json.is_none() && usage.header.is_none() {
+        return Err(err(
+            at("response"),
+            "name where the usage is: json, sse_json or header",
+        ));
+    }
+    match (raw.mode, raw.reserve.is_some()) {
+        // Reserving one unit and settling after is mode "after".
+        (TokenMode::Reserve, false) => {
+            return Err(err(
+                at("reserve"),
+                "mode \"reserve\" needs a reservation: a number, or {\"request_json\": ..., \"default\": ..., \"max\": ...}",
+            ))
+        }
+        (TokenMode::After, true) => {
+            return Err(err(
+                at("reserve"),
+                "mode \"after\" holds one unit per request and reserves nothing: remove reserve",
+            ))
+        }
+        _ => {}
+    }
+    let reserve = match raw.reserve {
+        None => Reserve::Fixed(1),
+        Some(RawReserve::Fixed(n)) if (1..=MAX_RESERVE).contains(&n) => Reserve::Fixed(n),
+        Some(RawReserve::Fixed(_)) => {
+            return Err(err(
+                at("reserve"),
+                format!("must be between 1 and {MAX_RESERVE}"),
+            ))
+        }
+        Some(RawReserve::Request(r)) => {
+            if r.max == 0 || r.max > MAX_RESERVE {
+                return Err(err(
+                    at("reserve.max"),
+                    format!("must be between 1 and {MAX_RESERVE}"),
+                ));
+            }
+            if r.default == 0 || r.default > r.max {
+                return Err(err(at("reserve.default"), "must be between 1 and max"));
+            }
+            Reserve::RequestJson {
+                path: path("reserve.request_json", &r.request_json)?,
+                default: r.default,
+                max: r.max,
+            }
+        }
+    };
+    if !(1024..=16 << 20).contains(&raw.max_body_bytes) {
+        return Err(err(
+            at("max_body_bytes"),
+            "must be between 1024 and 16777216",
+        ));
+    }
+    Ok(Cost::Tokens(Rc::new(TokenCost {
+        reserve,
+        usage,
+        mode: raw.mode,
+        max_body_bytes: raw.max_body_bytes as usize,
+        refund_on_error: raw.refund_on_error,
+    })))
+}
