@@ -1,6 +1,14 @@
 //! meshlimitd and Redis' own ways to be safe and available: AUTH, TLS, and
 //! Sentinel failover, against real redis-server processes.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};

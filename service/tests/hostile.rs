@@ -2,6 +2,14 @@
 //! check's input changes only its own answer, and no check can stall Redis
 //! for the others.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;

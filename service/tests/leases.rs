@@ -5,6 +5,14 @@
 //! unused units come back as a settlement at 0 in the counter they were
 //! charged to.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::path::Path;
 
 use meshlimit_testbed::services::Standalone;

@@ -5,6 +5,14 @@
 //! whose counters live in several slots (decided slot by slot, refunded on
 //! a deny).
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

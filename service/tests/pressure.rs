@@ -1,6 +1,14 @@
 //! meshlimitd under pressure, against a real redis-server made slow or
 //! unresponsive with SIGSTOP: bounded work, fast 503s, graceful shutdown.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -1,6 +1,14 @@
 //! meshlimitd against a real redis-server: exact counts under concurrency,
 //! atomicity across limits, expiry, errors and recovery.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 

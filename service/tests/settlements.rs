@@ -4,6 +4,14 @@
 //! used units, in the counter and window that were charged, for every
 //! algorithm.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::path::Path;
 
 use meshlimit_testbed::services::Standalone;

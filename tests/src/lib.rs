@@ -6,6 +6,14 @@
 //! port numbers never collide between tests running in parallel, and
 //! every process is killed by PID when its handle drops.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 pub mod fake;
 pub mod http;
 pub mod llm;

@@ -1,6 +1,14 @@
 //! End to end through two Envoy replicas: the other algorithms, several
 //! limits per rule, request cost, and shadow mode.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::time::Duration;

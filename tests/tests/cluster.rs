@@ -2,6 +2,14 @@
 //! through two Envoy replicas: exact counts on every master, hash-tag
 //! safety, a master killed under traffic, and slots moved under traffic.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

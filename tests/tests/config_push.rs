@@ -2,6 +2,14 @@
 //! WasmPlugin): the listener is replaced, the VM (one `vm_id`) and its
 //! shared data stay.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -1,6 +1,14 @@
 //! Every Envoy configuration the project ships is valid for Envoy 1.40, and
 //! the docker-compose files are the templates rendered, not hand copies.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::collections::BTreeMap;
 use std::process::Command;
 

@@ -2,6 +2,14 @@
 //! real meshlimitd, real redis-server, all on a loopback address of the
 //! test's own.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::sync::{Arc, Mutex};

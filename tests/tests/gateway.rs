@@ -5,6 +5,14 @@
 //! `x-forwarded-for` and the hops cannot be told apart. Needs root (as CI
 //! runs): it fails with a message saying so otherwise.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::process::Command;

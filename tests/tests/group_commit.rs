@@ -1,6 +1,14 @@
 //! Group commit end to end: concurrent checks coalesced into batches by
 //! each worker's root context, still exact, still decided one by one.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::io::Write;

@@ -1,6 +1,14 @@
 //! Hostile clients, end to end (docs/security.md): what one request carries
 //! changes only its own decision.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::io::Write;

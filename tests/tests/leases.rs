@@ -3,6 +3,14 @@
 //! the limit still holds exactly across replicas; units a replica does not
 //! use go back; headers never promise more than there is.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::sync::atomic::AtomicBool;

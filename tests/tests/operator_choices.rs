@@ -1,6 +1,14 @@
 //! Operator choices, end to end: local-only rules, fleet-aware fallback,
 //! and alert rules that name metrics the project really exports.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::collections::BTreeSet;

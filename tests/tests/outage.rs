@@ -2,6 +2,14 @@
 //! in three ways, bad answers, an abusive client, a flood of distinct ids,
 //! and meshlimitd stopped under load.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::process::Command;

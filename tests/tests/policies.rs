@@ -2,6 +2,14 @@
 //! path, limits that count by request attributes, live overrides,
 //! calendar windows, and identities from mTLS and verified JWTs.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::time::Duration;

@@ -2,6 +2,14 @@
 //! `ratelimit` filter (envoy/native-ratelimit.yaml) asking meshlimitd over
 //! gRPC, with envoyproxy/ratelimit's configuration format, on real Redis.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 #[allow(unused_imports)]
 mod common;
 

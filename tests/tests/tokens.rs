@@ -3,6 +3,14 @@
 //! meshlimitd and Redis. The budget is reserved before each request,
 //! settled from its response, never exceeded in mode `reserve`.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use std::io::{Read, Write};

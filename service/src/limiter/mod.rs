@@ -498,6 +498,17 @@ fn impossible(limit: &Limit, effective: u64) -> Option<String> {
     })
 }
 
+/// One limit's reply values (`REPLY_PER_LIMIT` of them, in decide.lua's
+/// order): fits, remaining, reset, retry, effective limit. The chunks
+/// are that long; a shorter one would read as zeros, never out of bounds.
+fn per_limit(v: &[i64]) -> [i64; script::REPLY_PER_LIMIT] {
+    let mut out = [0; script::REPLY_PER_LIMIT];
+    for (o, value) in out.iter_mut().zip(v) {
+        *o = *value;
+    }
+    out
+}
+
 fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterError> {
     let per = script::REPLY_PER_LIMIT;
     let expected = script::REPLY_HEAD + per * check.limits.len();
@@ -521,19 +532,20 @@ fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterErro
                 .chunks_exact(per),
         )
         .map(|(limit, v)| {
-            let effective = v[4].max(1) as u64;
+            let [fits, remaining, reset, retry, effective] = per_limit(v);
+            let effective = effective.max(1) as u64;
             let reason = impossible(limit, effective);
-            let ok = v[0] == 1 && reason.is_none();
+            let ok = fits == 1 && reason.is_none();
             LimitStatus {
                 allowed: ok,
                 limit: effective,
-                remaining: v[1].max(0) as u64,
-                reset_after_ms: v[2].max(0) as u64,
+                remaining: remaining.max(0) as u64,
+                reset_after_ms: reset.max(0) as u64,
                 // Waiting never helps a request that can never fit.
                 retry_after_ms: if ok || reason.is_some() {
                     0
                 } else {
-                    v[3].max(0) as u64
+                    retry.max(0) as u64
                 },
                 shadow: limit.shadow,
                 reason,

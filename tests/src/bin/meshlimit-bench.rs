@@ -44,6 +44,14 @@
 //! (e.g. main before a change against the change), and writes the report to
 //! target/bench-compare.md instead of docs/.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::process::Command;

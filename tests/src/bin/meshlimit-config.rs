@@ -4,6 +4,14 @@
 //!
 //!   cargo run -q -p meshlimit-testbed --bin meshlimit-config -- config.json
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 fn main() {
     let files: Vec<String> = std::env::args().skip(1).collect();
     if files.is_empty() {

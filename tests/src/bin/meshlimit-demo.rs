@@ -5,6 +5,14 @@
 //! route (reserved, settled, refunded, a stream cut at the budget). Stops
 //! everything it started.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

@@ -10,6 +10,14 @@
 //! one Envoy with Redis down (local fallback), then through meshlimitd with
 //! Redis up; reports resident memory along the way; writes docs/memory.md.
 
+// Test code: a failed expectation is a panic, by design.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
