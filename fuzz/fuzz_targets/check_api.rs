@@ -6,7 +6,7 @@
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     if let Ok(request) = serde_json::from_slice::<meshlimit_protocol::CheckRequest>(data) {
-        if meshlimitd::api::validate(&request).is_ok() {
+        if meshlimitd::app::validate(&request).is_ok() {
             for check in &request.checks {
                 let tag = meshlimitd::keys::subject_tag(&check.subject);
                 assert!(!tag.contains(['{', '}']));

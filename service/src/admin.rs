@@ -28,7 +28,9 @@ use meshlimit_protocol::bounds;
 use serde::{Deserialize, Serialize};
 use tracing::info;
 
-use crate::api::{error, same_secret, AppState, MAX_SUBJECT_BYTES};
+use crate::api::error;
+use crate::app::{AppState, Caller, Denied, MAX_SUBJECT_BYTES};
+use crate::limiter::LimiterError;
 use crate::limiter::Override;
 
 /// Where the override routes live.
@@ -92,25 +94,26 @@ fn refuse(status: StatusCode, why: impl Into<String>) -> Refusal {
     Refusal(status, why.into())
 }
 
+impl From<Denied> for Refusal {
+    fn from(denied: Denied) -> Self {
+        let status = match denied {
+            Denied::AdminOff => StatusCode::NOT_FOUND,
+            Denied::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+        };
+        refuse(status, denied.to_string())
+    }
+}
+
+impl From<LimiterError> for Refusal {
+    fn from(e: LimiterError) -> Self {
+        refuse(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {e}"))
+    }
+}
+
 /// Refuses a call without the admin token (or when the API is off).
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), Refusal> {
-    let Some(expected) = &state.admin_authorization else {
-        return Err(refuse(
-            StatusCode::NOT_FOUND,
-            "the admin API is off (start meshlimitd with --admin-token-file)",
-        ));
-    };
-    let presented = headers
-        .get(header::AUTHORIZATION)
-        .map_or(&b""[..], |v| v.as_bytes());
-    if same_secret(presented, expected) {
-        return Ok(());
-    }
-    state.metrics.unauthorized();
-    Err(refuse(
-        StatusCode::UNAUTHORIZED,
-        "missing or wrong authorization: admin calls must carry the admin token",
-    ))
+    let presented = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    Ok(state.authorize(Caller::Admin, presented)?)
 }
 
 /// `rule/limit`, if both are valid names.
@@ -148,24 +151,19 @@ fn addressed(
     Ok((limit_name(rule, limit)?, subject_of(query.get("subject"))?))
 }
 
-fn unavailable(e: impl std::fmt::Display) -> Response {
-    error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {e}"))
-}
-
 async fn get_override(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((rule, limit)): Path<(String, String)>,
     Query(query): Query<HashMap<String, String>>,
-) -> Response {
-    let (name, subject) = match addressed(&state, &headers, &rule, &limit, &query) {
-        Ok(target) => target,
-        Err(r) => return r.into_response(),
-    };
-    match state.limiter.get_override(&name, &subject).await {
-        Ok(Some(o)) => Json(OverrideView::new(name, subject, o)).into_response(),
-        Ok(None) => error(StatusCode::NOT_FOUND, "no override for this subject"),
-        Err(e) => unavailable(e),
+) -> Result<Response, Refusal> {
+    let (name, subject) = addressed(&state, &headers, &rule, &limit, &query)?;
+    match state.limiter.get_override(&name, &subject).await? {
+        Some(o) => Ok(Json(OverrideView::new(name, subject, o)).into_response()),
+        None => Err(refuse(
+            StatusCode::NOT_FOUND,
+            "no override for this subject",
+        )),
     }
 }
 
@@ -174,27 +172,17 @@ async fn put_override(
     headers: HeaderMap,
     Path((rule, limit)): Path<(String, String)>,
     body: Bytes,
-) -> Response {
-    if let Err(r) = authorize(&state, &headers) {
-        return r.into_response();
-    }
-    let name = match limit_name(&rule, &limit) {
-        Ok(n) => n,
-        Err(r) => return r.into_response(),
-    };
-    let put: PutOverride = match serde_json::from_slice(&body) {
-        Ok(p) => p,
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed override: {e}")),
-    };
-    let subject = match subject_of(Some(&put.subject)) {
-        Ok(s) => s,
-        Err(r) => return r.into_response(),
-    };
+) -> Result<Response, Refusal> {
+    authorize(&state, &headers)?;
+    let name = limit_name(&rule, &limit)?;
+    let put: PutOverride = serde_json::from_slice(&body)
+        .map_err(|e| refuse(StatusCode::BAD_REQUEST, format!("malformed override: {e}")))?;
+    let subject = subject_of(Some(&put.subject))?;
     if put.requests == 0 || put.requests > MAX_OVERRIDE_REQUESTS {
-        return error(
+        return Err(refuse(
             StatusCode::BAD_REQUEST,
             format!("requests: from 1 to {MAX_OVERRIDE_REQUESTS}"),
-        );
+        ));
     }
     let expires_at_ms = match put.ttl_seconds {
         None => None,
@@ -205,24 +193,24 @@ async fn put_override(
             Some(now + ttl * 1000)
         }
         Some(_) => {
-            return error(
+            return Err(refuse(
                 StatusCode::BAD_REQUEST,
                 format!("ttl_seconds: from 1 to {MAX_TTL_SECONDS}"),
-            )
+            ))
         }
     };
-    match state
+    let stored = state
         .limiter
         .set_override(&name, &subject, put.requests, expires_at_ms)
-        .await
-    {
-        Ok(Some(o)) => {
-            info!(limit = %name, subject = %subject, requests = o.requests, expires_at_ms = ?o.expires_at_ms, "override set");
-            Json(OverrideView::new(name, subject, o)).into_response()
-        }
-        Ok(None) => unavailable("the override was not stored"),
-        Err(e) => unavailable(e),
-    }
+        .await?;
+    let Some(o) = stored else {
+        return Err(refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "redis: the override was not stored",
+        ));
+    };
+    info!(limit = %name, subject = %subject, requests = o.requests, expires_at_ms = ?o.expires_at_ms, "override set");
+    Ok(Json(OverrideView::new(name, subject, o)).into_response())
 }
 
 async fn delete_override(
@@ -230,17 +218,14 @@ async fn delete_override(
     headers: HeaderMap,
     Path((rule, limit)): Path<(String, String)>,
     Query(query): Query<HashMap<String, String>>,
-) -> Response {
-    let (name, subject) = match addressed(&state, &headers, &rule, &limit, &query) {
-        Ok(target) => target,
-        Err(r) => return r.into_response(),
-    };
-    match state.limiter.delete_override(&name, &subject).await {
-        Ok(true) => {
-            info!(limit = %name, subject = %subject, "override deleted");
-            (StatusCode::NO_CONTENT, "").into_response()
-        }
-        Ok(false) => error(StatusCode::NOT_FOUND, "no override for this subject"),
-        Err(e) => unavailable(e),
+) -> Result<Response, Refusal> {
+    let (name, subject) = addressed(&state, &headers, &rule, &limit, &query)?;
+    if !state.limiter.delete_override(&name, &subject).await? {
+        return Err(refuse(
+            StatusCode::NOT_FOUND,
+            "no override for this subject",
+        ));
     }
+    info!(limit = %name, subject = %subject, "override deleted");
+    Ok((StatusCode::NO_CONTENT, "").into_response())
 }

@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod app;
 pub mod backend;
 pub mod cluster;
 pub mod keys;

@@ -2,7 +2,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use meshlimitd::api::{self, AppState};
+use meshlimitd::api;
+use meshlimitd::app::{self, AppState};
 use meshlimitd::backend;
 use meshlimitd::limiter::Limiter;
 use meshlimitd::metrics::Metrics;
@@ -177,7 +178,7 @@ async fn run(args: Args) -> Result<(), String> {
             args.redis_mode
         ),
     }
-    let limits = api::Limits {
+    let limits = app::Limits {
         max_in_flight: args.max_in_flight.max(1),
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
@@ -185,13 +186,13 @@ async fn run(args: Args) -> Result<(), String> {
     let auth_token = match read("--auth-token-file", &args.auth_token_file)? {
         None => None,
         Some(bytes) => {
-            Some(api::auth_token(&bytes).map_err(|e| format!("--auth-token-file: {e}"))?)
+            Some(app::auth_token(&bytes).map_err(|e| format!("--auth-token-file: {e}"))?)
         }
     };
     let admin_token = match read("--admin-token-file", &args.admin_token_file)? {
         None => None,
         Some(bytes) => {
-            Some(api::auth_token(&bytes).map_err(|e| format!("--admin-token-file: {e}"))?)
+            Some(app::auth_token(&bytes).map_err(|e| format!("--admin-token-file: {e}"))?)
         }
     };
     if admin_token.is_some() && admin_token == auth_token {

@@ -19,7 +19,7 @@ use tracing::warn;
 
 use super::config::{Domains, RateLimit, Unit};
 use super::reload::Current;
-use crate::api::AppState;
+use crate::app::{AppState, Caller};
 
 /// The gRPC service: the HTTP API's state (limiter, bounds, metrics) and
 /// the configuration in use.
@@ -71,11 +71,11 @@ fn subject(entries: &[(&str, &str)]) -> String {
 
 fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
     // The HTTP API's bounds: one request's script stays short.
-    if request.descriptors.len() > crate::api::MAX_LIMITS_PER_CHECK {
+    if request.descriptors.len() > crate::app::MAX_LIMITS_PER_CHECK {
         return Err(format!(
             "{} descriptors: at most {} in one request",
             request.descriptors.len(),
-            crate::api::MAX_LIMITS_PER_CHECK
+            crate::app::MAX_LIMITS_PER_CHECK
         ));
     }
     let request_hits = match request.hits_addend {
@@ -139,11 +139,11 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
                     ));
                 }
                 let subject = subject(entries.get(i).map_or(&[][..], Vec::as_slice));
-                if subject.len() > crate::api::MAX_SUBJECT_BYTES {
+                if subject.len() > crate::app::MAX_SUBJECT_BYTES {
                     return Err(format!(
                         "descriptors[{i}]: entries of {} bytes, at most {}",
                         subject.len(),
-                        crate::api::MAX_SUBJECT_BYTES
+                        crate::app::MAX_SUBJECT_BYTES
                     ));
                 }
                 slots.push(Slot::Counted {
@@ -254,20 +254,15 @@ impl RateLimitService for RlsService {
         &self,
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
-        if let Some(expected) = &self.state.authorization {
-            // The HTTP API's shared token, as gRPC metadata (Envoy's
-            // `grpc_service.initial_metadata`).
-            let presented = request
-                .metadata()
-                .get("authorization")
-                .map_or(&b""[..], |v| v.as_bytes());
-            if !crate::api::same_secret(presented, expected) {
-                self.state.metrics.unauthorized();
-                self.state.metrics.rls_response("unauthenticated");
-                return Err(tonic::Status::unauthenticated(
-                    "missing or wrong authorization: calls must carry the shared token",
-                ));
-            }
+        // The HTTP API's shared token, as gRPC metadata (Envoy's
+        // `grpc_service.initial_metadata`).
+        let presented = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
+        if let Err(denied) = self.state.authorize(Caller::Proxy, presented) {
+            self.state.metrics.rls_response("unauthenticated");
+            return Err(tonic::Status::unauthenticated(denied.to_string()));
         }
         let request = request.into_inner();
         let domains = self.config.get();
@@ -292,8 +287,8 @@ impl RateLimitService for RlsService {
             metrics.rls_response("unavailable");
             tonic::Status::unavailable(why)
         };
-        let Some(_permit) = crate::api::permit(state).await else {
-            return Err(unavailable(crate::api::OVERLOADED.into()));
+        let Some(_permit) = crate::app::permit(state).await else {
+            return Err(unavailable(crate::app::OVERLOADED.into()));
         };
         let decided =
             tokio::time::timeout(state.limits.request_timeout, state.limiter.check(check))
