@@ -133,39 +133,14 @@ async fn run(args: Args) -> Result<(), String> {
         );
     }
     let metrics = Metrics::new();
-    let read = |flag: &str, path: &Option<std::path::PathBuf>| -> Result<_, String> {
-        path.as_ref()
-            .map(|p| {
-                std::fs::read(p).map_err(|e| format!("cannot read {flag} {}: {e}", p.display()))
-            })
-            .transpose()
-    };
-    let ca_pem = read("--redis-ca-file", &args.redis_ca_file)?;
-    let client_pem = match (
-        read("--redis-client-cert", &args.redis_client_cert)?,
-        read("--redis-client-key", &args.redis_client_key)?,
-    ) {
-        (Some(cert), Some(key)) => Some((cert, key)),
-        _ => None,
-    };
-    let options = backend::Options {
-        mode: args.redis_mode.clone(),
-        urls: args
-            .redis_url
-            .split(',')
-            .map(str::trim)
-            .filter(|u| !u.is_empty())
-            .map(String::from)
-            .collect(),
-        sentinel_master: args.sentinel_master.clone(),
-        ca_pem,
-        client_pem,
-        timeout: Duration::from_millis(args.redis_timeout_ms.max(1)),
-    };
-    let limiter = Limiter::new(&options, args.key_prefix.clone(), metrics.clone())
-        .map_err(|e| format!("invalid Redis settings: {e}"))?
-        .with_test_clock(args.test_clock_offset_key.clone())
-        .map_err(|e| format!("--test-clock-offset-key: {e}"))?;
+    let limiter = Limiter::new(
+        &backend_options(&args)?,
+        args.key_prefix.clone(),
+        metrics.clone(),
+    )
+    .map_err(|e| format!("invalid Redis settings: {e}"))?
+    .with_test_clock(args.test_clock_offset_key.clone())
+    .map_err(|e| format!("--test-clock-offset-key: {e}"))?;
     if let Some(key) = &args.test_clock_offset_key {
         warn!("test clock hook on: the scripts' clock is shifted by Redis key {key}");
     }
@@ -183,27 +158,68 @@ async fn run(args: Args) -> Result<(), String> {
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
     };
-    let auth_token = match read("--auth-token-file", &args.auth_token_file)? {
-        None => None,
-        Some(bytes) => {
-            Some(app::auth_token(&bytes).map_err(|e| format!("--auth-token-file: {e}"))?)
-        }
-    };
-    let admin_token = match read("--admin-token-file", &args.admin_token_file)? {
-        None => None,
-        Some(bytes) => {
-            Some(app::auth_token(&bytes).map_err(|e| format!("--admin-token-file: {e}"))?)
-        }
-    };
-    if admin_token.is_some() && admin_token == auth_token {
-        return Err("--admin-token-file must hold another secret than --auth-token-file".into());
-    }
+    let (auth_token, admin_token) = tokens(&args)?;
     if admin_token.is_some() {
         info!("admin API on: live overrides are read by every decision");
     }
     let state = AppState::new(limiter, metrics, limits)
         .with_auth_token(auth_token)
         .with_admin_token(admin_token);
+    serve(&args, state).await
+}
+
+/// A flag's file, read whole (`None`: the flag is not set).
+fn read_file(flag: &str, path: &Option<std::path::PathBuf>) -> Result<Option<Vec<u8>>, String> {
+    path.as_ref()
+        .map(|p| std::fs::read(p).map_err(|e| format!("cannot read {flag} {}: {e}", p.display())))
+        .transpose()
+}
+
+/// How to reach Redis, from the flags (TLS files read).
+fn backend_options(args: &Args) -> Result<backend::Options, String> {
+    let ca_pem = read_file("--redis-ca-file", &args.redis_ca_file)?;
+    let client_pem = match (
+        read_file("--redis-client-cert", &args.redis_client_cert)?,
+        read_file("--redis-client-key", &args.redis_client_key)?,
+    ) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        _ => None,
+    };
+    Ok(backend::Options {
+        mode: args.redis_mode.clone(),
+        urls: args
+            .redis_url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(String::from)
+            .collect(),
+        sentinel_master: args.sentinel_master.clone(),
+        ca_pem,
+        client_pem,
+        timeout: Duration::from_millis(args.redis_timeout_ms.max(1)),
+    })
+}
+
+/// The proxies' shared token and the admin token, when their files are
+/// given; two different secrets.
+fn tokens(args: &Args) -> Result<(Option<String>, Option<String>), String> {
+    let token = |flag: &str, path: &Option<std::path::PathBuf>| -> Result<_, String> {
+        read_file(flag, path)?
+            .map(|bytes| app::auth_token(&bytes).map_err(|e| format!("{flag}: {e}")))
+            .transpose()
+    };
+    let auth_token = token("--auth-token-file", &args.auth_token_file)?;
+    let admin_token = token("--admin-token-file", &args.admin_token_file)?;
+    if admin_token.is_some() && admin_token == auth_token {
+        return Err("--admin-token-file must hold another secret than --auth-token-file".into());
+    }
+    Ok((auth_token, admin_token))
+}
+
+/// Serves the HTTP API (and the gRPC service, when configured) until a
+/// signal stops both.
+async fn serve(args: &Args, state: AppState) -> Result<(), String> {
     // Both servers stop on the same signal.
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let grpc = match (&args.grpc_listen, &args.rls_config_dir) {

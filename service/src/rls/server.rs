@@ -17,7 +17,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use meshlimit_protocol::{bounds, Check, CheckResult, Limit};
 use tracing::warn;
 
-use super::config::{Domains, RateLimit, Unit};
+use super::config::{Domains, Limited, RateLimit, Unit};
 use super::reload::Current;
 use crate::app::{AppState, Caller};
 
@@ -128,43 +128,20 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
                 shadow: m.shadow,
             }),
             RateLimit::Limited(l) => {
-                let descriptor = request.descriptors.get(i);
-                let hits = descriptor
+                let entries = entries.get(i).map_or(&[][..], Vec::as_slice);
+                let hits = request
+                    .descriptors
+                    .get(i)
                     .and_then(|d| d.hits_addend.as_ref())
                     .map_or(request_hits, |h| h.value);
-                if hits > bounds::MAX_COST {
-                    return Err(format!(
-                        "descriptors[{i}]: hits_addend {hits} is above {}",
-                        bounds::MAX_COST
-                    ));
-                }
-                let subject = subject(entries.get(i).map_or(&[][..], Vec::as_slice));
-                if subject.len() > crate::app::MAX_SUBJECT_BYTES {
-                    return Err(format!(
-                        "descriptors[{i}]: entries of {} bytes, at most {}",
-                        subject.len(),
-                        crate::app::MAX_SUBJECT_BYTES
-                    ));
-                }
+                let limit = counted(i, entries, hits, l, m.shadow, blocked)?;
                 slots.push(Slot::Counted {
                     index: limits.len(),
                     requests: l.requests,
                     unit: l.unit,
                     shadow: m.shadow,
                 });
-                limits.push(Limit {
-                    name: l.id.clone(),
-                    requests: l.requests,
-                    window_ms: l.window_ms(),
-                    algorithm: l.algorithm,
-                    // A request another descriptor blocks is only looked
-                    // at: all or nothing, nothing is charged.
-                    cost: if blocked { 0 } else { hits },
-                    burst: None,
-                    shadow: m.shadow,
-                    subject: Some(subject),
-                    calendar: None,
-                });
+                limits.push(limit);
             }
         }
     }
@@ -175,6 +152,44 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
         lease: None,
     });
     Ok(Plan { check, slots })
+}
+
+/// The limit descriptor `i` (its `entries`) is counted against, charged
+/// `hits`, or its bound the request breaks. A request another descriptor
+/// blocks is only looked at: all or nothing, nothing is charged.
+fn counted(
+    i: usize,
+    entries: &[(&str, &str)],
+    hits: u64,
+    l: &Limited,
+    shadow: bool,
+    blocked: bool,
+) -> Result<Limit, String> {
+    if hits > bounds::MAX_COST {
+        return Err(format!(
+            "descriptors[{i}]: hits_addend {hits} is above {}",
+            bounds::MAX_COST
+        ));
+    }
+    let subject = subject(entries);
+    if subject.len() > crate::app::MAX_SUBJECT_BYTES {
+        return Err(format!(
+            "descriptors[{i}]: entries of {} bytes, at most {}",
+            subject.len(),
+            crate::app::MAX_SUBJECT_BYTES
+        ));
+    }
+    Ok(Limit {
+        name: l.id.clone(),
+        requests: l.requests,
+        window_ms: l.window_ms(),
+        algorithm: l.algorithm,
+        cost: if blocked { 0 } else { hits },
+        burst: None,
+        shadow,
+        subject: Some(subject),
+        calendar: None,
+    })
 }
 
 fn proto_limit(requests: u64, unit: Unit) -> ProtoLimit {

@@ -70,30 +70,69 @@ pub(super) fn validate_token_cost(
     raw: RawTokenCost,
     at: &dyn Fn(&str) -> String,
 ) -> Result<Cost, ConfigError> {
-    let path = |field: &str, p: &str| -> Result<Vec<String>, ConfigError> {
-        let parts: Vec<String> = p.split('.').map(str::to_string).collect();
-        if p.len() > 256 || parts.iter().any(String::is_empty) || parts.len() > 8 {
+    let usage = validate_usage(&raw.response, at)?;
+    match (raw.mode, raw.reserve.is_some()) {
+        // Reserving one unit and settling after is mode "after".
+        (TokenMode::Reserve, false) => {
             return Err(err(
-                at(field),
-                format!("\"{p}\" is not a dotted JSON path (like usage.total_tokens)"),
-            ));
+                at("reserve"),
+                "mode \"reserve\" needs a reservation: a number, or {\"request_json\": ..., \"default\": ..., \"max\": ...}",
+            ))
         }
-        Ok(parts)
-    };
+        (TokenMode::After, true) => {
+            return Err(err(
+                at("reserve"),
+                "mode \"after\" holds one unit per request and reserves nothing: remove reserve",
+            ))
+        }
+        _ => {}
+    }
+    let reserve = validate_reserve(raw.reserve, at)?;
+    if !(1024..=16 << 20).contains(&raw.max_body_bytes) {
+        return Err(err(
+            at("max_body_bytes"),
+            "must be between 1024 and 16777216",
+        ));
+    }
+    Ok(Cost::Tokens(Rc::new(TokenCost {
+        reserve,
+        usage,
+        mode: raw.mode,
+        max_body_bytes: raw.max_body_bytes as usize,
+        refund_on_error: raw.refund_on_error,
+    })))
+}
+
+/// A dotted JSON path (`usage.total_tokens`), named `field` for errors.
+fn json_path(
+    at: &dyn Fn(&str) -> String,
+    field: &str,
+    p: &str,
+) -> Result<Vec<String>, ConfigError> {
+    let parts: Vec<String> = p.split('.').map(str::to_string).collect();
+    if p.len() > 256 || parts.iter().any(String::is_empty) || parts.len() > 8 {
+        return Err(err(
+            at(field),
+            format!("\"{p}\" is not a dotted JSON path (like usage.total_tokens)"),
+        ));
+    }
+    Ok(parts)
+}
+
+/// Where a response reports its usage: at least one place.
+fn validate_usage(raw: &RawUsage, at: &dyn Fn(&str) -> String) -> Result<UsageSource, ConfigError> {
     let usage = UsageSource {
         json: raw
-            .response
             .json
             .as_deref()
-            .map(|p| path("response.json", p))
+            .map(|p| json_path(at, "response.json", p))
             .transpose()?,
         sse_json: raw
-            .response
             .sse_json
             .as_deref()
-            .map(|p| path("response.sse_json", p))
+            .map(|p| json_path(at, "response.sse_json", p))
             .transpose()?,
-        header: match raw.response.header {
+        header: match &raw.header {
             None => None,
             Some(h) => {
                 let name = h.trim().to_ascii_lowercase();
@@ -113,23 +152,16 @@ pub(super) fn validate_token_cost(
             "name where the usage is: json, sse_json or header",
         ));
     }
-    match (raw.mode, raw.reserve.is_some()) {
-        // Reserving one unit and settling after is mode "after".
-        (TokenMode::Reserve, false) => {
-            return Err(err(
-                at("reserve"),
-                "mode \"reserve\" needs a reservation: a number, or {\"request_json\": ..., \"default\": ..., \"max\": ...}",
-            ))
-        }
-        (TokenMode::After, true) => {
-            return Err(err(
-                at("reserve"),
-                "mode \"after\" holds one unit per request and reserves nothing: remove reserve",
-            ))
-        }
-        _ => {}
-    }
-    let reserve = match raw.reserve {
+    Ok(usage)
+}
+
+/// What a request reserves: a fixed number (1 when absent, mode `after`),
+/// or a number read from its body within bounds.
+fn validate_reserve(
+    raw: Option<RawReserve>,
+    at: &dyn Fn(&str) -> String,
+) -> Result<Reserve, ConfigError> {
+    Ok(match raw {
         None => Reserve::Fixed(1),
         Some(RawReserve::Fixed(n)) if (1..=MAX_RESERVE).contains(&n) => Reserve::Fixed(n),
         Some(RawReserve::Fixed(_)) => {
@@ -149,23 +181,10 @@ pub(super) fn validate_token_cost(
                 return Err(err(at("reserve.default"), "must be between 1 and max"));
             }
             Reserve::RequestJson {
-                path: path("reserve.request_json", &r.request_json)?,
+                path: json_path(at, "reserve.request_json", &r.request_json)?,
                 default: r.default,
                 max: r.max,
             }
         }
-    };
-    if !(1024..=16 << 20).contains(&raw.max_body_bytes) {
-        return Err(err(
-            at("max_body_bytes"),
-            "must be between 1024 and 16777216",
-        ));
-    }
-    Ok(Cost::Tokens(Rc::new(TokenCost {
-        reserve,
-        usage,
-        mode: raw.mode,
-        max_body_bytes: raw.max_body_bytes as usize,
-        refund_on_error: raw.refund_on_error,
-    })))
+    })
 }

@@ -107,22 +107,7 @@ pub(super) fn validate_rule(
     default_share_ppm: u64,
 ) -> Result<Rule, ConfigError> {
     check_name(format!("rules[{i}].name"), &raw.name)?;
-    let share_ppm = match raw.fallback_share {
-        None => default_share_ppm,
-        Some(_) if raw.scope == Scope::Local => {
-            return Err(err(
-                format!("rules[{i}].fallback_share"),
-                "a local rule never falls back; fallback_share only applies to global rules",
-            ));
-        }
-        Some(share) if share > 0.0 && share <= 1.0 => (share * PPM).round() as u64,
-        Some(_) => {
-            return Err(err(
-                format!("rules[{i}].fallback_share"),
-                "must be greater than 0 and at most 1",
-            ));
-        }
-    };
+    let share_ppm = fallback_share(i, &raw, default_share_ppm)?;
     let matcher = validate_match(i, raw.matcher)?;
     if raw.limits.is_empty() {
         return Err(err(
@@ -133,78 +118,16 @@ pub(super) fn validate_rule(
     let mut limit_names = HashSet::new();
     let mut limits = Vec::with_capacity(raw.limits.len());
     for (j, l) in raw.limits.into_iter().enumerate() {
-        let field = |f: &str| format!("rules[{i}].limits[{j}].{f}");
-        check_name(field("name"), &l.name)?;
         if !limit_names.insert(l.name.clone()) {
             return Err(err(
-                field("name"),
+                format!("rules[{i}].limits[{j}].name"),
                 format!(
                     "duplicate limit name \"{}\" in rule \"{}\"",
                     l.name, raw.name
                 ),
             ));
         }
-        let calendar = validate_calendar(&field, &l)?;
-        let window_ms = match (&l.window, calendar) {
-            (Some(_), Some(_)) => {
-                return Err(err(
-                    field("window"),
-                    "a calendar limit's window is its calendar unit; remove `window`",
-                ))
-            }
-            (None, Some(c)) => c.unit.max_len_ms(),
-            (Some(w), None) => {
-                duration::parse_millis(w).map_err(|e| err(field("window"), e.to_string()))?
-            }
-            (None, None) => {
-                return Err(err(
-                    field("window"),
-                    "missing: every limit needs a `window` (or a `calendar`)",
-                ))
-            }
-        };
-        let check_numbers = |requests: u64, at: &str| {
-            bounds::check_limit(requests, window_ms, l.algorithm, l.burst).map_err(|e| {
-                let name = match e.field {
-                    LimitField::Requests => at,
-                    LimitField::Window => "window",
-                    LimitField::Burst => "burst",
-                };
-                err(field(name), e.problem)
-            })
-        };
-        check_numbers(l.requests, "requests")?;
-        let by = match &l.by {
-            None => vec![Attribute::Client],
-            Some(list) => validate_by(&field, list)?,
-        };
-        let mut overrides = Vec::with_capacity(l.overrides.len());
-        for (k, o) in l.overrides.iter().enumerate() {
-            check_numbers(o.requests, &format!("overrides[{k}].requests"))?;
-            if o.subjects.is_empty() || o.subjects.iter().any(String::is_empty) {
-                return Err(err(
-                    field(&format!("overrides[{k}].subjects")),
-                    "list at least one subject, none empty",
-                ));
-            }
-            overrides.push(StaticOverride {
-                subjects: o.subjects.clone(),
-                requests: o.requests,
-            });
-        }
-        limits.push(Rc::new(LimitConfig {
-            qualified_name: format!("{}/{}", raw.name, l.name),
-            name: l.name,
-            requests: l.requests,
-            window_ms,
-            algorithm: l.algorithm,
-            burst: l.burst,
-            by,
-            missing: l.missing,
-            overrides,
-            calendar,
-            share_ppm,
-        }));
+        limits.push(Rc::new(validate_limit(i, j, &raw.name, l, share_ppm)?));
     }
     let cost = validate_cost(i, raw.cost)?;
     if matches!(cost, Cost::Tokens(_)) && raw.scope == Scope::Local {
@@ -220,6 +143,96 @@ pub(super) fn validate_rule(
         cost,
         shadow: raw.shadow,
         scope: raw.scope,
+    })
+}
+
+/// The share of a global rule's limits this Envoy enforces while it falls
+/// back (parts per million).
+fn fallback_share(i: usize, raw: &RawRule, default_share_ppm: u64) -> Result<u64, ConfigError> {
+    match raw.fallback_share {
+        None => Ok(default_share_ppm),
+        Some(_) if raw.scope == Scope::Local => Err(err(
+            format!("rules[{i}].fallback_share"),
+            "a local rule never falls back; fallback_share only applies to global rules",
+        )),
+        Some(share) if share > 0.0 && share <= 1.0 => Ok((share * PPM).round() as u64),
+        Some(_) => Err(err(
+            format!("rules[{i}].fallback_share"),
+            "must be greater than 0 and at most 1",
+        )),
+    }
+}
+
+/// Limit `j` of rule `i` (named `rule`).
+fn validate_limit(
+    i: usize,
+    j: usize,
+    rule: &str,
+    l: RawLimit,
+    share_ppm: u64,
+) -> Result<LimitConfig, ConfigError> {
+    let field = |f: &str| format!("rules[{i}].limits[{j}].{f}");
+    check_name(field("name"), &l.name)?;
+    let calendar = validate_calendar(&field, &l)?;
+    let window_ms = match (&l.window, calendar) {
+        (Some(_), Some(_)) => {
+            return Err(err(
+                field("window"),
+                "a calendar limit's window is its calendar unit; remove `window`",
+            ))
+        }
+        (None, Some(c)) => c.unit.max_len_ms(),
+        (Some(w), None) => {
+            duration::parse_millis(w).map_err(|e| err(field("window"), e.to_string()))?
+        }
+        (None, None) => {
+            return Err(err(
+                field("window"),
+                "missing: every limit needs a `window` (or a `calendar`)",
+            ))
+        }
+    };
+    let check_numbers = |requests: u64, at: &str| {
+        bounds::check_limit(requests, window_ms, l.algorithm, l.burst).map_err(|e| {
+            let name = match e.field {
+                LimitField::Requests => at,
+                LimitField::Window => "window",
+                LimitField::Burst => "burst",
+            };
+            err(field(name), e.problem)
+        })
+    };
+    check_numbers(l.requests, "requests")?;
+    let by = match &l.by {
+        None => vec![Attribute::Client],
+        Some(list) => validate_by(&field, list)?,
+    };
+    let mut overrides = Vec::with_capacity(l.overrides.len());
+    for (k, o) in l.overrides.iter().enumerate() {
+        check_numbers(o.requests, &format!("overrides[{k}].requests"))?;
+        if o.subjects.is_empty() || o.subjects.iter().any(String::is_empty) {
+            return Err(err(
+                field(&format!("overrides[{k}].subjects")),
+                "list at least one subject, none empty",
+            ));
+        }
+        overrides.push(StaticOverride {
+            subjects: o.subjects.clone(),
+            requests: o.requests,
+        });
+    }
+    Ok(LimitConfig {
+        qualified_name: format!("{rule}/{}", l.name),
+        name: l.name,
+        requests: l.requests,
+        window_ms,
+        algorithm: l.algorithm,
+        burst: l.burst,
+        by,
+        missing: l.missing,
+        overrides,
+        calendar,
+        share_ppm,
     })
 }
 
