@@ -80,13 +80,15 @@ fn host_matches(pattern: &HostPattern, host: &str) -> bool {
     }
 }
 
-/// Every header condition of `m`; a header sent twice counts as absent
-/// (see [`crate::config::HeaderCondition`]).
+/// Every header condition of `m`; a header sent twice, or empty, counts
+/// as absent (see [`crate::config::HeaderCondition`]): what a limit's `by`
+/// sees as missing, a rule's `match` sees as absent, so a rule that
+/// requires a header never finds it missing.
 fn headers_match(m: &Match, req: &impl RequestView) -> bool {
     m.headers.iter().all(|c| {
         let value = match req.header(&c.name) {
-            HeaderValue::Once(v) => Some(v),
-            HeaderValue::Absent | HeaderValue::Repeated => None,
+            HeaderValue::Once(v) if !v.is_empty() => Some(v),
+            HeaderValue::Once(_) | HeaderValue::Absent | HeaderValue::Repeated => None,
         };
         holds(c, value)
     })
@@ -394,13 +396,15 @@ mod tests {
         assert!(plan(&[b"gold"]).is_empty());
         // Both plans at once: ambiguous, counted as no plan.
         assert_eq!(plan(&[b"free", b"pro"]), ["none"]);
-        let beta = FakeRequest::default()
-            .with_header("x-beta", b"")
-            .with_header("user-agent", b"curl/8.0")
-            .with_header("x-plan", b"free");
-        assert_eq!(
-            names(&matching(&rules, &jwt(), &beta, "GET", "/")),
-            ["free", "beta"]
-        );
+        let beta = |value: &[u8]| {
+            let req = FakeRequest::default()
+                .with_header("x-beta", value)
+                .with_header("user-agent", b"curl/8.0")
+                .with_header("x-plan", b"free");
+            names(&matching(&rules, &jwt(), &req, "GET", "/"))
+        };
+        assert_eq!(beta(b"1"), ["free", "beta"]);
+        // Empty is absent, as a limit's `by` sees it.
+        assert_eq!(beta(b""), ["free"]);
     }
 }

@@ -161,9 +161,10 @@ pub enum PathMatch {
 }
 
 /// A condition on one request header (lower-case name), or on one claim
-/// of the verified JWT. A header sent more than once counts as absent: an upstream may read either copy, so
-/// no copy may select a rule (a client sending `x-plan: free` and
-/// `x-plan: pro` gets the rules for no plan).
+/// of the verified JWT. A header sent more than once counts as absent: an
+/// upstream may read either copy, so no copy may select a rule (a client
+/// sending `x-plan: free` and `x-plan: pro` gets the rules for no plan).
+/// An empty one counts as absent too, as a limit's `by` sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeaderCondition {
     pub name: String,

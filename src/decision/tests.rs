@@ -488,6 +488,38 @@ fn a_missing_attribute_skips_or_refuses_as_configured() {
     ));
 }
 
+/// `match` and `by` agree on what a missing attribute is: an empty
+/// header is absent to both. A rule that requires the header never sees it
+/// missing, and a rule for requests without it catches the empty one
+/// (before, `x-tenant:` with no value matched the tenants' rule, was
+/// skipped by its `by`, and escaped the anonymous rule: counted nowhere).
+#[test]
+fn an_empty_header_is_absent_to_match_and_by_alike() {
+    let c = config::parse(
+        br#"{"rules":[
+          {"name":"tenants","match":{"headers":[{"name":"x-tenant","present":true}]},
+           "limits":[{"name":"m","requests":10,"window":"60s","by":["header:x-tenant"]}]},
+          {"name":"anonymous","match":{"headers":[{"name":"x-tenant","absent":true}]},
+           "limits":[{"name":"m","requests":5,"window":"60s","by":[]}]}]}"#,
+    )
+    .unwrap();
+    let names = |req: &FakeRequest| match plan(&c, req, "GET", "/") {
+        Plan::Check(p) => {
+            assert_eq!(p.skipped, 0, "never missing to a rule that requires it");
+            p.global
+                .iter()
+                .map(|a| a.limit.qualified_name.clone())
+                .collect::<Vec<_>>()
+        }
+        other => panic!("expected a check, got {other:?}"),
+    };
+    let tenant = FakeRequest::default().with_header("x-tenant", b"acme");
+    assert_eq!(names(&tenant), ["tenants/m"]);
+    let empty = FakeRequest::default().with_header("x-tenant", b"");
+    assert_eq!(names(&empty), ["anonymous/m"]);
+    assert_eq!(names(&FakeRequest::default()), ["anonymous/m"]);
+}
+
 #[test]
 fn every_limit_skipped_means_nothing_to_check() {
     let c = config::parse(
