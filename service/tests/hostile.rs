@@ -161,6 +161,80 @@ fn the_largest_allowed_check_leaves_redis_responsive() {
     assert!(slowest < Duration::from_millis(250), "{slowest:?}");
 }
 
+/// A settlement gives back `reserved - actual` sliding-log members, one
+/// by one: its reserved `cost` was bounded by 10^6 whatever the algorithm,
+/// so one forged settlement (32 sliding-log limits at 10^6, made-up
+/// receipts, no token needed) held Redis for seconds while meshlimitd had
+/// long answered. A sliding-log reservation can hold no more than the log
+/// does (its limit, at most 10,000): one above is refused, and the largest
+/// allowed leaves Redis answering PING.
+#[test]
+fn a_forged_sliding_log_settlement_is_refused_and_redis_stays_responsive() {
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &["--redis-timeout-ms", "5000"],
+    );
+    let addr = f.service.addr.clone();
+    let settlement = |requests: u64, cost: u64| {
+        let limits: Vec<Value> = (0..32)
+            .map(|i| {
+                json!({"name": format!("api/log{i}"), "requests": requests, "window_ms": 60_000,
+                       "algorithm": "sliding_window_log", "cost": cost})
+            })
+            .collect();
+        let receipts: Vec<Value> = (1..=32)
+            .map(|p| json!({"clock_us": 1_700_000_000_000_000u64, "nonce": "forged", "place": p}))
+            .collect();
+        json!({"checks": [], "settlements": [{"subject": "victim", "limits": limits,
+               "actual": vec![0; 32], "receipts": receipts}]})
+    };
+    let forged = post(&addr, &settlement(MAX_SLIDING_LOG_REQUESTS, 1_000_000));
+    assert_eq!(forged.status, 200, "{}", forged.body);
+    let answer: Value = serde_json::from_str(&forged.body).unwrap();
+    assert_eq!(answer["settled"][0]["kind"], "invalid", "{answer}");
+    assert!(
+        answer["settled"][0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("limits[0].cost")),
+        "{answer}"
+    );
+    let mut conn = TcpStream::connect((f.redis.host.as_str(), REDIS_PORT)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    ping(&mut conn);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (slowest, answer) = std::thread::scope(|s| {
+        let pinger = s.spawn(|| {
+            let mut slowest = Duration::ZERO;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                slowest = slowest.max(ping(&mut conn));
+            }
+            slowest
+        });
+        // The largest a real reservation can be, on one limit.
+        let mut largest = settlement(MAX_SLIDING_LOG_REQUESTS, MAX_SLIDING_LOG_REQUESTS);
+        if let Some(s) = largest["settlements"][0].as_object_mut() {
+            s.insert("limits".into(), json!([s["limits"][0].clone()]));
+            s.insert("actual".into(), json!([0]));
+            s.insert("receipts".into(), json!([s["receipts"][0].clone()]));
+        }
+        let r = http::request(
+            &addr,
+            "POST",
+            "/v1/check",
+            &[("content-type", b"application/json")],
+            largest.to_string().as_bytes(),
+        );
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        (pinger.join().unwrap(), r.map(|r| (r.status, r.body)))
+    });
+    let (status, body) = answer.expect("meshlimitd answers the largest settlement");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("remaining"), "applied: {body}");
+    eprintln!("slowest PING during the largest settlement: {slowest:?}");
+    assert!(slowest < Duration::from_millis(250), "{slowest:?}");
+}
+
 /// Fixed windows across many window edges: the first millisecond of a
 /// window belongs to that window. The counter's key used to expire at the
 /// window's end, and Redis keeps a key alive while the clock equals its

@@ -45,11 +45,22 @@ pub fn validate_settlement(i: usize, s: &Settlement) -> Result<(), String> {
         ));
     }
     for (j, (limit, actual)) in s.limits.iter().zip(&s.actual).enumerate() {
-        let most = if limit.algorithm == meshlimit_protocol::Algorithm::SlidingWindowLog {
+        // A sliding log's settlement adds or removes one member per unit of
+        // `actual - cost`: as many as the largest check adds, no more, or
+        // one forged settlement holds Redis for seconds. Its reservation
+        // was admitted, so it fits the log.
+        let log = limit.algorithm == meshlimit_protocol::Algorithm::SlidingWindowLog;
+        let most = if log {
             bounds::MAX_SLIDING_LOG_REQUESTS
         } else {
             bounds::MAX_COST
         };
+        if log && limit.cost > limit.requests.min(most) {
+            return Err(format!(
+                "{at}.limits[{j}].cost: a sliding_window_log reservation holds at most its limit ({})",
+                limit.requests.min(most)
+            ));
+        }
         if *actual > most {
             return Err(format!("{at}.actual[{j}]: at most {most}"));
         }
