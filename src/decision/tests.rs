@@ -332,6 +332,7 @@ fn denials_are_cached_until_retry_and_answered_locally() {
     let c = keyed();
     let store = FakeStore::default();
     let cache = DenyCache {
+        keys: &crate::shared::keys::Keys::new("test"),
         slots: 64,
         seed: (1, 2),
         store: &store,

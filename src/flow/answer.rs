@@ -11,7 +11,6 @@ use crate::check::{Applied, Check};
 use crate::config::FailureMode;
 use crate::decision::{self, BatchAnswer, ServiceError, Verdict};
 use crate::host::Host;
-use crate::shared::fallback::LocalLimiter;
 use crate::stats::Stat;
 
 impl Worker {
@@ -248,7 +247,9 @@ impl Worker {
             FailureMode::Local => {
                 // Each Envoy enforces its share of the global limit.
                 let scaled: Vec<Applied> = check.global.iter().map(Applied::for_fallback).collect();
-                let decided = LocalLimiter::new(config.local.slots, self.guard.seed(host, now))
+                let decided = self
+                    .guard
+                    .local_limiter(host, now)
                     .check(host, &scaled, now);
                 if decided.degraded {
                     self.metrics.bump(host, Stat::FallbackUncounted);

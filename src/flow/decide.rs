@@ -25,7 +25,6 @@ use crate::check::Check;
 use crate::decision;
 use crate::host::Host;
 use crate::shared::breaker::Gate;
-use crate::shared::fallback::LocalLimiter;
 use crate::stats::Stat;
 
 /// What a stage says: the request is decided, or the next stage goes on
@@ -97,11 +96,10 @@ impl Worker {
         if check.local.is_empty() {
             return Outcome::Next(None);
         }
-        let decided = LocalLimiter::new(self.config.local.slots, self.guard.seed(host, now)).check(
-            host,
-            &check.local,
-            now,
-        );
+        let decided = self
+            .guard
+            .local_limiter(host, now)
+            .check(host, &check.local, now);
         self.guard
             .count_shadow(host, &self.metrics, now, &check.local, &decided.result);
         self.metrics.bump(

@@ -17,7 +17,8 @@ use crate::decision;
 use crate::host::Host;
 use crate::shared::breaker::{Breaker, Gate, Transition};
 use crate::shared::deny_cache::DenyCache;
-use crate::shared::fallback;
+use crate::shared::fallback::{self, LocalLimiter};
+use crate::shared::keys::Keys;
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
 
@@ -27,11 +28,15 @@ const LOG_EVERY_MS: u64 = 10_000;
 const SEED_REFRESH_MS: u64 = 10_000;
 
 pub(super) struct Guard {
+    /// This plugin instance's shared-data keys.
+    keys: Keys,
     breaker: BreakerConfig,
     failure_mode: FailureMode,
     /// The call timeout: a probe is out at most this long.
     timeout_ms: u64,
     deny_cache_slots: u32,
+    /// Slots of the fallback counters (`local.slots`).
+    local_slots: u32,
     /// The fingerprint seed shared through shared data, re-read now and
     /// then so that workers that raced to create it converge.
     seed: Cell<Option<(u64, u64)>>,
@@ -45,12 +50,14 @@ pub(super) struct Guard {
 }
 
 impl Guard {
-    pub(super) fn new(config: &Config) -> Guard {
+    pub(super) fn new(config: &Config, keys: Keys) -> Guard {
         Guard {
+            keys,
             breaker: config.breaker,
             failure_mode: config.failure_mode,
             timeout_ms: config.service.timeout_ms,
             deny_cache_slots: config.deny_cache_slots,
+            local_slots: config.local.slots,
             seed: Cell::new(None),
             seed_read_ms: Cell::new(0),
             breaker_closed_at: Cell::new(None),
@@ -63,7 +70,8 @@ impl Guard {
         match self.seed.get() {
             Some(seed) if now < self.seed_read_ms.get() + SEED_REFRESH_MS => seed,
             _ => {
-                let seed = fallback::shared_seed(host, host.random_seed()).unwrap_or((0, 0));
+                let seed =
+                    fallback::shared_seed(host, &self.keys, host.random_seed()).unwrap_or((0, 0));
                 self.seed.set(Some(seed));
                 self.seed_read_ms.set(now);
                 seed
@@ -71,23 +79,36 @@ impl Guard {
         }
     }
 
-    fn breaker<'h, H: Host>(&self, host: &'h H) -> Breaker<'h, H> {
+    fn breaker<'a, H: Host>(&'a self, host: &'a H) -> Breaker<'a, H> {
         Breaker {
             config: self.breaker,
             store: host,
+            keys: &self.keys,
         }
     }
 
+    /// This plugin instance's shared-data keys.
+    pub(super) fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// The counters of `scope: local` rules and of the fallback, in this
+    /// Envoy's shared data.
+    pub(super) fn local_limiter(&self, host: &impl Host, now: u64) -> LocalLimiter<'_> {
+        LocalLimiter::new(self.local_slots, self.seed(host, now), &self.keys)
+    }
+
     /// The deny cache, unless it is off (`deny_cache.slots: 0`).
-    pub(super) fn deny_cache<'h, H: Host>(
-        &self,
-        host: &'h H,
+    pub(super) fn deny_cache<'a, H: Host>(
+        &'a self,
+        host: &'a H,
         now: u64,
-    ) -> Option<DenyCache<'h, H>> {
+    ) -> Option<DenyCache<'a, H>> {
         (self.deny_cache_slots > 0).then(|| DenyCache {
             slots: self.deny_cache_slots,
             seed: self.seed(host, now),
             store: host,
+            keys: &self.keys,
         })
     }
 

@@ -75,11 +75,12 @@ pub(super) struct LeaseRecord {
 
 impl Worker {
     /// The lease slots, when leases are on.
-    fn leases<'h, H: Host>(&self, host: &'h H, now: u64) -> Option<Leases<'h, H>> {
+    fn leases<'a, H: Host>(&'a self, host: &'a H, now: u64) -> Option<Leases<'a, H>> {
         Some(Leases {
             config: self.config.leases?,
             seed: self.guard.seed(host, now),
             store: host,
+            keys: self.guard.keys(),
         })
     }
 

@@ -54,6 +54,7 @@ use crate::context_map::{ContextMap, ContextSet};
 use crate::decision::{self, DenyResponse, Plan, RejectReason, ServiceError, Verdict};
 use crate::headers::Headers;
 use crate::host::{Host, Request};
+use crate::shared::keys;
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
 use guard::Guard;
@@ -175,7 +176,7 @@ impl Worker {
             }
         );
         let outbox = Outbox::new(host, &config, root_context_id);
-        let guard = Guard::new(&config);
+        let guard = Guard::new(&config, instance_keys(host, &config));
         let metrics = Metrics::define(host);
         let lease_book = LeaseBook::new(host, config.leases);
         Worker {
@@ -448,6 +449,21 @@ impl Worker {
         }
         true
     }
+}
+
+/// This plugin instance's shared-data keys: namespaced by what tells it
+/// from another meshlimit plugin in the same proxy (see `shared::keys`).
+fn instance_keys(host: &impl Host, config: &Config) -> keys::Keys {
+    let name = host.property(&["plugin_name"]).unwrap_or_default();
+    let root_id = host.property(&["plugin_root_id"]).unwrap_or_default();
+    let id = keys::instance_id(&name, &root_id, &config.service.cluster);
+    info!(
+        "shared data under meshlimit.{id} (plugin \"{}\", root id \"{}\", cluster \"{}\")",
+        String::from_utf8_lossy(&name),
+        String::from_utf8_lossy(&root_id),
+        config.service.cluster
+    );
+    keys::Keys::new(&id)
 }
 
 impl Stream {

@@ -13,7 +13,6 @@ use crate::check::{Applied, Check};
 use crate::decision::ServiceError;
 use crate::headers::{self, Headers};
 use crate::host::Host;
-use crate::shared::fallback::LocalLimiter;
 use crate::stats::Stat;
 use crate::tokens::budget::Place;
 use crate::tokens::sse::CUT_EVENTS;
@@ -104,7 +103,8 @@ impl Worker {
                             ..a.for_fallback()
                         })
                         .collect();
-                    LocalLimiter::new(self.config.local.slots, self.guard.seed(host, now))
+                    self.guard
+                        .local_limiter(host, now)
                         .settle(host, &limits, share, *at_ms, now);
                 }
                 Place::Unrecorded => {}

@@ -378,6 +378,58 @@ fn a_cached_deny_costs_no_call() {
     assert_eq!(h.calls(), 3);
 }
 
+/// Two meshlimit plugins in one proxy share shared data when they share a
+/// `vm_id` (Istio leaves it empty): one pointing at a missing cluster must
+/// not open the other's breaker, nor touch its counters. Each instance's
+/// keys carry its plugin name, root id and cluster (`shared::keys`).
+#[test]
+fn a_failing_plugin_instance_never_opens_anothers_breaker() {
+    capture_logs();
+    let host = FakeHost::default();
+    host.enter(ROOT);
+    let worker_of = |name: &str, cluster: &str| {
+        *host.request.borrow_mut() =
+            FakeRequest::default().with_property(&["plugin_name"], name.as_bytes());
+        let extra = format!(
+            r#""group_commit": {{"enabled": false}}, "service": {{"cluster": "{cluster}"}},"#
+        );
+        Worker::new(&host, config(&extra), ROOT)
+    };
+    let broken = worker_of("gateway.typo", "meshlimit-typo");
+    let healthy = worker_of("gateway.api", "meshlimit");
+    let request = |worker: &Worker, context: u32| {
+        let mut stream = worker.stream(context);
+        *host.request.borrow_mut() = FakeRequest::default()
+            .with_header(":path", b"/api/items")
+            .with_header("x-api-key", format!("c{context}").as_bytes());
+        host.enter(context);
+        worker.on_request_headers(&host, &mut stream, true)
+    };
+    // The broken instance cannot dispatch: five failures open its breaker.
+    host.dispatch_fails.set(true);
+    for context in 100..105 {
+        assert_eq!(
+            request(&broken, context),
+            Step::Continue,
+            "failure_mode local"
+        );
+    }
+    assert!(logged(&["breaker open"]));
+    host.dispatch_fails.set(false);
+    // The healthy instance still calls meshlimitd for every fresh client.
+    let calls = host.sent.borrow().len();
+    for context in 200..203 {
+        assert_eq!(
+            request(&healthy, context),
+            Step::Pause,
+            "decided by meshlimitd"
+        );
+    }
+    assert_eq!(host.sent.borrow().len(), calls + 3);
+    let keys: Vec<String> = host.store.data.borrow().keys().cloned().collect();
+    assert!(keys.iter().all(|k| k.starts_with("meshlimit.")), "{keys:?}");
+}
+
 #[test]
 fn an_open_breaker_costs_no_call_and_one_probe_closes_it() {
     let mut h = harness(ONE_CALL);

@@ -8,7 +8,7 @@
 //! elects it); success closes the breaker, failure reopens it for twice as
 //! long, up to `max_open`.
 
-use super::keys;
+use super::keys::Keys;
 use super::store::{le_word, le_words, retry_on_conflict, SharedStore, StoreError};
 pub use crate::config::BreakerConfig;
 
@@ -45,6 +45,7 @@ pub enum Transition {
 pub struct Breaker<'a, S: SharedStore> {
     pub config: BreakerConfig,
     pub store: &'a S,
+    pub(crate) keys: &'a Keys,
 }
 
 impl<S: SharedStore> Breaker<'_, S> {
@@ -133,7 +134,7 @@ impl<S: SharedStore> Breaker<'_, S> {
     }
 
     fn load(&self) -> Result<(State, Option<u32>), StoreError> {
-        let (bytes, cas) = self.store.get(keys::BREAKER)?;
+        let (bytes, cas) = self.store.get(self.keys.breaker())?;
         let word = |i: usize| bytes.as_deref().and_then(|b| le_word(b, i)).unwrap_or(0);
         Ok((
             State {
@@ -153,7 +154,7 @@ impl<S: SharedStore> Breaker<'_, S> {
             state.next_open_ms,
             state.probe_until_ms,
         ]);
-        self.store.set(keys::BREAKER, &words, cas)
+        self.store.set(self.keys.breaker(), &words, cas)
     }
 }
 
@@ -168,8 +169,14 @@ mod tests {
         max_open_ms: 1_000,
     };
 
+    static KEYS: std::sync::LazyLock<Keys> = std::sync::LazyLock::new(|| Keys::new("test"));
+
     fn breaker(store: &FakeStore) -> Breaker<'_, FakeStore> {
-        Breaker { config: CFG, store }
+        Breaker {
+            config: CFG,
+            store,
+            keys: &KEYS,
+        }
     }
 
     #[test]
@@ -228,6 +235,7 @@ mod tests {
     fn late_failures_while_open_neither_extend_nor_double_it() {
         let s = FakeStore::default();
         let b = Breaker {
+            keys: &Keys::new("test"),
             config: BreakerConfig {
                 failures: 5,
                 open_ms: 250,

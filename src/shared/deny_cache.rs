@@ -12,7 +12,7 @@
 //! only denies when the full 64-bit keyed fingerprint matches: a collision
 //! can only cost a call (the other entry is missing), never a wrong deny.
 
-use super::keys;
+use super::keys::Keys;
 use super::store::{self, le_word, le_words, Purpose, SharedStore};
 use crate::config::LimitConfig;
 
@@ -25,6 +25,7 @@ pub struct DenyCache<'a, S: SharedStore> {
     pub slots: u32,
     pub seed: (u64, u64),
     pub store: &'a S,
+    pub(crate) keys: &'a Keys,
 }
 
 impl<S: SharedStore> DenyCache<'_, S> {
@@ -32,7 +33,7 @@ impl<S: SharedStore> DenyCache<'_, S> {
     /// no entry can be trusted, and a check with several limits need not
     /// look each up (one read instead of one per limit).
     pub fn quiet(&self, now_ms: u64) -> bool {
-        let last = match self.store.get(keys::DENY_RECENT) {
+        let last = match self.store.get(self.keys.deny_recent()) {
             Ok((Some(bytes), _)) => le_word(&bytes, 0).unwrap_or(0),
             Ok((None, _)) => 0,
             // Unknown: look the entries up.
@@ -75,12 +76,12 @@ impl<S: SharedStore> DenyCache<'_, S> {
             .set(&key, &le_words(&[fp, until_ms, now_ms]), None);
         let _ = self
             .store
-            .set(keys::DENY_RECENT, &le_words(&[now_ms]), None);
+            .set(self.keys.deny_recent(), &le_words(&[now_ms]), None);
         evicted
     }
 
     fn key(&self, fp: u64) -> String {
-        keys::deny_slot(store::slot(fp, self.slots))
+        self.keys.deny_slot(store::slot(fp, self.slots))
     }
 
     /// Covers the limit's definition: a deny cached under one limit never
@@ -108,6 +109,7 @@ mod tests {
     fn remembers_until_the_deadline() {
         let s = FakeStore::default();
         let c = DenyCache {
+            keys: &crate::shared::keys::Keys::new("test"),
             slots: 64,
             seed: (1, 2),
             store: &s,
@@ -128,6 +130,7 @@ mod tests {
     fn a_deny_is_trusted_for_one_second_at_most() {
         let s = FakeStore::default();
         let c = DenyCache {
+            keys: &crate::shared::keys::Keys::new("test"),
             slots: 64,
             seed: (1, 2),
             store: &s,
@@ -141,6 +144,7 @@ mod tests {
     fn it_is_quiet_a_second_after_the_last_deny() {
         let s = FakeStore::default();
         let c = DenyCache {
+            keys: &crate::shared::keys::Keys::new("test"),
             slots: 64,
             seed: (1, 2),
             store: &s,
@@ -158,6 +162,7 @@ mod tests {
         // One slot: every entry collides.
         let s = FakeStore::default();
         let c = DenyCache {
+            keys: &crate::shared::keys::Keys::new("test"),
             slots: 1,
             seed: (1, 2),
             store: &s,
@@ -183,6 +188,7 @@ mod tests {
     fn a_changed_limit_is_not_denied_by_the_old_entry() {
         let s = FakeStore::default();
         let c = DenyCache {
+            keys: &crate::shared::keys::Keys::new("test"),
             slots: 64,
             seed: (1, 2),
             store: &s,
@@ -197,6 +203,7 @@ mod tests {
     fn a_clock_stepping_back_does_not_extend_a_deny() {
         let s = FakeStore::default();
         let c = DenyCache {
+            keys: &crate::shared::keys::Keys::new("test"),
             slots: 64,
             seed: (1, 2),
             store: &s,
@@ -210,6 +217,7 @@ mod tests {
     fn bounded_whatever_the_number_of_subjects() {
         let s = FakeStore::default();
         let c = DenyCache {
+            keys: &crate::shared::keys::Keys::new("test"),
             slots: 32,
             seed: (1, 2),
             store: &s,

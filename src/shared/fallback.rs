@@ -15,7 +15,7 @@
 
 use meshlimit_protocol::{CheckResult, LimitStatus};
 
-use super::keys;
+use super::keys::Keys;
 use super::store::{self, le_word, le_words, retry_on_conflict, Purpose, SharedStore, StoreError};
 use crate::algorithms::{self, Params, State};
 use crate::check::Applied;
@@ -33,9 +33,10 @@ struct Entry {
 }
 
 /// Decisions of the local fallback.
-pub struct LocalLimiter {
+pub struct LocalLimiter<'k> {
     slots: u32,
     seed: (u64, u64),
+    keys: &'k Keys,
 }
 
 /// A local decision, and whether shared data let us count it properly.
@@ -47,11 +48,12 @@ pub struct LocalDecision {
     pub degraded: bool,
 }
 
-impl LocalLimiter {
-    pub fn new(slots: u32, seed: (u64, u64)) -> Self {
+impl<'k> LocalLimiter<'k> {
+    pub fn new(slots: u32, seed: (u64, u64), keys: &'k Keys) -> Self {
         LocalLimiter {
             slots: slots.max(1),
             seed,
+            keys,
         }
     }
 
@@ -109,7 +111,9 @@ impl LocalLimiter {
             let limit = &applied.limit;
             let fingerprint =
                 store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
-            let key = keys::fallback_slot(store::slot(fingerprint, self.slots));
+            let key = self
+                .keys
+                .fallback_slot(store::slot(fingerprint, self.slots));
             let index = match slots.iter().position(|s| s.key == key) {
                 Some(index) => index,
                 None => {
@@ -180,7 +184,7 @@ impl LocalLimiter {
     }
 }
 
-impl LocalLimiter {
+impl LocalLimiter<'_> {
     /// Settles a reservation these counters charged at `charged_ms`:
     /// each limit's entry (if still there) moves by `actual` minus the
     /// reserved cost (see [`algorithms::settle`]). Best effort: a
@@ -197,7 +201,9 @@ impl LocalLimiter {
             let limit = &applied.limit;
             let fingerprint =
                 store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
-            let key = keys::fallback_slot(store::slot(fingerprint, self.slots));
+            let key = self
+                .keys
+                .fallback_slot(store::slot(fingerprint, self.slots));
             let params = params(limit);
             let _ = retry_on_conflict(|| {
                 let (bytes, cas) = store.get(&key)?;
@@ -281,16 +287,16 @@ fn encode(entries: &[Entry; WAYS]) -> Vec<u8> {
 /// Reads the shared fingerprint seed, creating it from `fresh` when no
 /// worker has yet. Every worker must use the same seed, or they would count
 /// one client in different slots.
-pub fn shared_seed(store: &impl SharedStore, fresh: (u64, u64)) -> Option<(u64, u64)> {
+pub fn shared_seed(store: &impl SharedStore, keys: &Keys, fresh: (u64, u64)) -> Option<(u64, u64)> {
     retry_on_conflict(|| {
-        let (bytes, cas) = store.get(keys::SEED)?;
+        let (bytes, cas) = store.get(keys.seed())?;
         if let Some(b) = bytes {
             return Ok(le_word(&b, 0).zip(le_word(&b, 1)));
         }
         // Two workers racing here may both write; the last write wins and,
         // since callers re-read the seed now and then, every worker agrees
         // from then on.
-        store.set(keys::SEED, &le_words(&[fresh.0, fresh.1]), cas)?;
+        store.set(keys.seed(), &le_words(&[fresh.0, fresh.1]), cas)?;
         Ok(Some(fresh))
     })
     .ok()
@@ -300,6 +306,8 @@ pub fn shared_seed(store: &impl SharedStore, fresh: (u64, u64)) -> Option<(u64, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    static TEST_KEYS: std::sync::LazyLock<Keys> = std::sync::LazyLock::new(|| Keys::new("test"));
     use crate::config::LimitConfig;
     use crate::host::fake::FakeStore;
     use crate::testing;
@@ -347,7 +355,10 @@ mod tests {
 
     #[test]
     fn enforces_the_limit_per_window() {
-        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         let m = limit("m", 5, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&m], 9, 1_000), 5);
         let denied = check_as(&l, &s, "a", &applied(&[&m]), 1_000);
@@ -361,7 +372,10 @@ mod tests {
     #[test]
     fn every_algorithm_has_a_fallback() {
         for algorithm in Algorithm::ALL {
-            let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+            let (l, s) = (
+                LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+                FakeStore::default(),
+            );
             let mut m = limit("m", 5, 60_000);
             m.algorithm = algorithm;
             assert_eq!(admitted(&l, &s, "a", &[&m], 9, 120_000), 5, "{algorithm:?}");
@@ -370,7 +384,10 @@ mod tests {
 
     #[test]
     fn clients_and_limits_count_separately() {
-        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         let m = limit("m", 3, 60_000);
         let h = limit("h", 3, 3_600_000);
         assert_eq!(admitted(&l, &s, "a", &[&m], 5, 0), 3);
@@ -380,7 +397,10 @@ mod tests {
 
     #[test]
     fn denied_requests_charge_no_limit() {
-        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         let small = limit("small", 2, 60_000);
         let big = limit("big", 10, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&small, &big], 5, 0), 2);
@@ -391,7 +411,10 @@ mod tests {
 
     #[test]
     fn shadow_limits_never_deny() {
-        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         let m = limit("m", 2, 60_000);
         let mut a = applied(&[&m]);
         a[0].shadow = true;
@@ -404,7 +427,10 @@ mod tests {
 
     #[test]
     fn memory_is_bounded_by_slots_whatever_the_number_of_clients() {
-        let (l, s) = (LocalLimiter::new(16, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(16, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         let m = limit("m", 1, 60_000);
         let a = applied(&[&m]);
         for i in 0..5_000 {
@@ -417,7 +443,10 @@ mod tests {
 
     #[test]
     fn cas_conflicts_are_retried() {
-        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         *s.conflicts_left.borrow_mut() = 3;
         let m = limit("m", 2, 60_000);
         let d = check_as(&l, &s, "a", &applied(&[&m]), 0);
@@ -427,7 +456,10 @@ mod tests {
 
     #[test]
     fn endless_conflicts_or_broken_store_fail_open_and_say_so() {
-        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         *s.conflicts_left.borrow_mut() = 1_000;
         let m = limit("m", 2, 60_000);
         let d = check_as(&l, &s, "a", &applied(&[&m]), 0);
@@ -442,7 +474,10 @@ mod tests {
     #[test]
     fn a_full_bucket_evicts_rather_than_shares() {
         // One slot: every client lands in the same bucket of WAYS entries.
-        let (l, s) = (LocalLimiter::new(1, (7, 7)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(1, (7, 7), &TEST_KEYS),
+            FakeStore::default(),
+        );
         let m = limit("m", 1, 60_000);
         let a = applied(&[&m]);
         for i in 0..10 {
@@ -463,7 +498,10 @@ mod tests {
     /// MAX_CAS_RETRIES times).
     #[test]
     fn limits_sharing_a_slot_are_charged_once() {
-        let (l, s) = (LocalLimiter::new(1, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(1, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         let minute = limit("m", 100, 60_000);
         let big = limit("b", 1000, 60_000);
         assert_eq!(admitted(&l, &s, "a", &[&minute, &big], 300, 0), 100);
@@ -479,7 +517,10 @@ mod tests {
     /// unused part is free again at once.
     #[test]
     fn settling_frees_what_a_reservation_did_not_use() {
-        let (l, s) = (LocalLimiter::new(64, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         let m = limit("m", 100, 60_000);
         let mut reserve = applied(&[&m]);
         reserve[0].cost = 80;
@@ -500,15 +541,18 @@ mod tests {
     #[test]
     fn seed_is_created_once_and_shared() {
         let s = FakeStore::default();
-        let first = shared_seed(&s, (11, 22)).unwrap();
-        let second = shared_seed(&s, (33, 44)).unwrap();
+        let first = shared_seed(&s, &TEST_KEYS, (11, 22)).unwrap();
+        let second = shared_seed(&s, &TEST_KEYS, (33, 44)).unwrap();
         assert_eq!(first, (11, 22));
         assert_eq!(second, (11, 22));
     }
 
     #[test]
     fn garbage_in_shared_data_is_treated_as_empty() {
-        let (l, s) = (LocalLimiter::new(1, (1, 2)), FakeStore::default());
+        let (l, s) = (
+            LocalLimiter::new(1, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
         s.data
             .borrow_mut()
             .insert("meshlimit.fb.0".into(), (vec![1, 2, 3], 1));

@@ -343,3 +343,87 @@ fn sigterm_to_meshlimitd_under_load_loses_no_request() {
     let log = t.logs("meshlimitd");
     assert!(log.contains("shutting down"), "{log}");
 }
+
+/// Replica `i`'s config with a second meshlimit plugin before the usual
+/// one (`first`, named `name`), both in one VM with an empty `vm_id`, as
+/// Istio's WasmPlugins are: they see the same shared data.
+fn two_plugins_in_one_vm(t: &Topology, i: usize, usual: &str, first: &str, name: &str) -> String {
+    let block = |config: &str| {
+        let start = config
+            .find("          - name: envoy.filters.http.wasm\n")
+            .unwrap();
+        let end = config
+            .find("          - name: envoy.filters.http.router\n")
+            .unwrap();
+        (
+            start,
+            end,
+            config[start..end].replace("vm_id: meshlimit", "vm_id: \"\""),
+        )
+    };
+    let usual_config = t.replica_config_with(i, usual);
+    let (start, end, usual_block) = block(&usual_config);
+    let (_, _, first_block) = block(&t.replica_config_with(i, first));
+    let first_block = first_block.replacen("name: meshlimit\n", &format!("name: {name}\n"), 1);
+    format!(
+        "{}{first_block}{usual_block}{}",
+        &usual_config[..start],
+        &usual_config[end..]
+    )
+}
+
+/// Neighbours cannot hurt each other: a meshlimit plugin whose
+/// `service.cluster` is mistyped fails every call and opens its breaker.
+/// The plugin beside it in the same VM shared the breaker's key: it "saw"
+/// the breaker open and let every request through (`failure_mode: allow`),
+/// 40 of 40 on a global limit of 20. Keys are now per plugin instance.
+#[test]
+fn a_plugin_pointing_at_a_missing_cluster_never_changes_anothers_decisions() {
+    let t = Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    let usual = keyed("allow").build();
+    let typo = keyed("allow")
+        .set_in("service", "cluster", json!("meshlimit-typo"))
+        .limits(json!([{"name": "per-minute", "requests": 100000, "window": "60s"}]))
+        .build();
+    let _replicas: Vec<_> = (1..=2)
+        .map(|i| {
+            t.start_replica(
+                i,
+                &two_plugins_in_one_vm(&t, i, &usual, &typo, "meshlimit-typo"),
+            )
+        })
+        .collect();
+    wait_for_fresh_window(Duration::from_secs(15));
+    let mut ok = 0;
+    for n in 0..2 * LIMIT {
+        let r = http::get(
+            &t.replica_addr(1 + n % 2),
+            "/api/items",
+            &[("x-api-key", b"neighbour")],
+        )
+        .unwrap();
+        match r.status {
+            200 => ok += 1,
+            429 => {}
+            other => panic!("unexpected status {other}: {}", r.body),
+        }
+    }
+    // These replicas were started by hand: `stat_total` counts none.
+    let total = |name: &str| t.stat(1, name) + t.stat(2, name);
+    eprintln!(
+        "{ok} admitted; breaker openings {}, fallback allowed {}, requests allowed {}",
+        total("meshlimit.breaker_opened"),
+        total("meshlimit.fallback_allowed"),
+        total("meshlimit.requests_allowed")
+    );
+    assert!(
+        total("meshlimit.breaker_opened") >= 1,
+        "the mistyped plugin's breaker opened"
+    );
+    assert_eq!(ok, LIMIT, "the usual plugin decided globally, exactly");
+    assert_no_vm_panics(&t);
+}

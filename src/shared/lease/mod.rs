@@ -42,7 +42,7 @@ mod slot;
 #[cfg(test)]
 mod tests;
 
-use super::keys;
+use super::keys::Keys;
 use super::store::{self, retry_on_conflict, Purpose, SharedStore, StoreError};
 use crate::config::LeaseConfig;
 pub(crate) use slot::Slot;
@@ -209,6 +209,7 @@ pub(crate) struct Leases<'s, S: SharedStore> {
     pub config: LeaseConfig,
     pub seed: (u64, u64),
     pub store: &'s S,
+    pub keys: &'s Keys,
 }
 
 /// Where a check's lease lives: its fingerprint, its slot, and the slot
@@ -287,7 +288,7 @@ impl<S: SharedStore> Leases<'_, S> {
         ask_for: AskFor,
         previous: Option<&Draw>,
     ) -> Result<Take, StoreError> {
-        let key = keys::lease_slot(at.slot);
+        let key = self.keys.lease_slot(at.slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
             let (slot, take) =
@@ -301,7 +302,7 @@ impl<S: SharedStore> Leases<'_, S> {
 
     /// Accounts for a worker's draw in its slot.
     pub fn put_back(&self, draw: &Draw) -> Result<(), StoreError> {
-        let key = keys::lease_slot(draw.slot);
+        let key = self.keys.lease_slot(draw.slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
             match Slot::decode(bytes.as_deref()).put_back(draw) {
@@ -313,7 +314,7 @@ impl<S: SharedStore> Leases<'_, S> {
 
     /// Installs a grant; false when it must go back at once.
     pub fn install(&self, place: Place, grant: Grant, now: u64) -> bool {
-        let key = keys::lease_slot(place.slot);
+        let key = self.keys.lease_slot(place.slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
             match Slot::decode(bytes.as_deref()).install(place.fingerprint, grant, now) {
@@ -326,7 +327,7 @@ impl<S: SharedStore> Leases<'_, S> {
 
     /// Takes an expired or idle lease's units out of its slot.
     pub fn reclaim(&self, slot: u64, lease_id: u64, now: u64) -> Result<Reclaim, StoreError> {
-        let key = keys::lease_slot(slot);
+        let key = self.keys.lease_slot(slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
             let (slot, reclaim) =

@@ -328,6 +328,7 @@ fn a_check_whose_slot_another_holds_takes_its_alternate() {
     use crate::host::fake::FakeStore;
     let store = FakeStore::default();
     let leases = Leases {
+        keys: &crate::shared::keys::Keys::new("test"),
         config: CONFIG,
         seed: (1, 2),
         store: &store,
