@@ -64,6 +64,11 @@ pub struct Config {
     pub leases: Option<LeaseConfig>,
     /// Where `jwt:CLAIM` attributes are read.
     pub jwt: JwtSource,
+    /// Envoy's Wasm `PluginConfig` sets `allow_on_headers_stop_iteration`
+    /// (Envoy 1.35 and later): a request whose reservation is in its body
+    /// holds its headers until it is decided, so a denied one never
+    /// reaches the upstream.
+    pub allow_on_headers_stop_iteration: bool,
 }
 
 /// The verified JWT payload in the request's dynamic metadata, as Envoy's

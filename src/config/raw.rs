@@ -30,6 +30,8 @@ pub(super) struct RawConfig {
     pub(super) leases: RawLeases,
     #[serde(default)]
     pub(super) jwt: RawJwt,
+    #[serde(default)]
+    pub(super) allow_on_headers_stop_iteration: bool,
 }
 
 #[derive(Deserialize)]

@@ -37,11 +37,15 @@ pub(super) struct LeaseBook {
 
 impl LeaseBook {
     /// The book of a worker with `leases` (off: `None`); asks the host for
-    /// the tick that gives idle units back.
-    pub(super) fn new(host: &impl Host, leases: Option<LeaseConfig>) -> LeaseBook {
+    /// the root's tick, every `tick_ms` (see [`tick_ms`]).
+    pub(super) fn new(
+        host: &impl Host,
+        leases: Option<LeaseConfig>,
+        tick_ms: Option<u32>,
+    ) -> LeaseBook {
         // The busy-check table: as many entries as lease slots.
         let observed = leases.map_or(1, |l| l.slots);
-        let ticking = match tick_ms(leases) {
+        let ticking = match tick_ms {
             Some(ms) if host.set_tick_period(ms) => true,
             Some(_) => {
                 warn!("cannot set a tick period; leased units are not given back before their window ends");

@@ -389,7 +389,7 @@ impl Worker {
     /// The root's tick: this worker's draws that idled (no hit since the
     /// last tick) or expired go back to their slots, then leases this
     /// worker installed that expired or went idle give their units back.
-    pub fn on_tick(&self, host: &impl Host) {
+    pub(super) fn lease_tick(&self, host: &impl Host) {
         let hits = self.lease_book.take_hits();
         if hits > 0 {
             self.metrics.add(host, Stat::LeaseHits, hits as usize);

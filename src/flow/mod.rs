@@ -31,6 +31,7 @@ mod budget;
 mod clock;
 mod decide;
 mod guard;
+mod hold;
 mod lease_book;
 mod leases;
 mod metrics;
@@ -58,9 +59,13 @@ use crate::shared::keys;
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
 use guard::Guard;
+use hold::HeaderHold;
 use lease_book::LeaseBook;
 use metrics::Metrics;
 use outbox::{Job, Outbox, Queue, Queued};
+
+/// The root's tick when only held headers need it (leases off).
+const HOLD_TICK_MS: u32 = 250;
 
 /// Interval between two log lines about the same kind of trouble.
 const LOG_EVERY_MS: u64 = 10_000;
@@ -137,6 +142,8 @@ pub struct Worker {
     cut_log: LogThrottle,
     /// Every call to meshlimitd, and which context sends it.
     outbox: Outbox,
+    /// Requests held at their headers until their body decides them.
+    hold: HeaderHold,
     /// The breaker's gate, the deny cache, the shared seed, shadow counts.
     guard: Guard,
     /// RateLimit headers for streams the root admitted, by context id.
@@ -178,7 +185,13 @@ impl Worker {
         let outbox = Outbox::new(host, &config, root_context_id);
         let guard = Guard::new(&config, instance_keys(host, &config));
         let metrics = Metrics::define(host);
-        let lease_book = LeaseBook::new(host, config.leases);
+        // The root's tick gives leased units back, and checks that held
+        // headers get their bodies (see `hold`).
+        let tick_ms = lease_book::tick_ms(config.leases).or(config
+            .allow_on_headers_stop_iteration
+            .then_some(HOLD_TICK_MS));
+        let lease_book = LeaseBook::new(host, config.leases, tick_ms);
+        let hold = HeaderHold::new(config.allow_on_headers_stop_iteration);
         Worker {
             metrics,
             config,
@@ -187,6 +200,7 @@ impl Worker {
             error_log: LogThrottle::new(LOG_EVERY_MS),
             cut_log: LogThrottle::new(LOG_EVERY_MS),
             outbox,
+            hold,
             guard,
             decided_headers: RefCell::default(),
             awaiting: RefCell::default(),
@@ -265,9 +279,14 @@ impl Worker {
         }
         if check.reserves_from_body().is_some() && !end_of_stream {
             // The reservation is in the body: decide once it is in. The
-            // headers go on (a paused stream would get no body callbacks);
-            // the body waits, so the upstream sees nothing it could act on.
+            // headers wait too where Envoy allows it (see `hold`): a denied
+            // request then never reaches the upstream. Else they go on (a
+            // paused stream would get no body callbacks) and the body
+            // waits, so the upstream sees nothing it could act on.
             stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
+            if self.hold.hold(stream.context_id, host.now_ms()) {
+                return Step::Pause;
+            }
             return Step::Continue;
         }
         self.decide(host, stream, check)
@@ -307,8 +326,23 @@ impl Worker {
         let id = stream.context_id;
         self.decided_headers.borrow_mut().remove(&id);
         self.awaiting.borrow_mut().remove(&id);
+        self.hold.forget(id);
         self.outbox.forget_stream(id);
         self.on_stream_gone(host, id);
+    }
+
+    /// The root's tick: held headers whose bodies never came go on, then
+    /// leased units idle or expired go back (see `leases`).
+    pub fn on_tick(&self, host: &impl Host) {
+        if self.hold.unproven() {
+            for id in self.hold.overdue(host.now_ms()) {
+                if host.set_effective_context(id) {
+                    host.resume_request();
+                }
+            }
+            host.set_effective_context(self.root_context_id);
+        }
+        self.lease_tick(host);
     }
 
     /// A stream woke the root: send every batch that is due.

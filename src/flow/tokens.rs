@@ -87,6 +87,7 @@ impl Worker {
         size: usize,
         end_of_stream: bool,
     ) -> Step {
+        self.hold.body_came(stream.context_id);
         let Some(max) = stream
             .awaiting_body
             .as_ref()

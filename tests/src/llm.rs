@@ -29,17 +29,35 @@ pub struct FakeLlm {
     stop: Arc<AtomicBool>,
     /// Completion tokens written to clients (Envoy) so far.
     pub written: Arc<AtomicU64>,
+    /// Connections Envoy opened to the model, and requests it began (a
+    /// first byte seen, whether or not the request was then finished):
+    /// what a limiter that protects the model must keep at 0 for a client
+    /// it refuses.
+    pub connections: Arc<AtomicU64>,
+    pub requests_begun: Arc<AtomicU64>,
 }
 
 impl FakeLlm {
     pub fn start(addr: &str) -> FakeLlm {
         let stop = Arc::new(AtomicBool::new(false));
         let written = Arc::new(AtomicU64::new(0));
-        let count = Arc::clone(&written);
+        let connections = Arc::new(AtomicU64::new(0));
+        let requests_begun = Arc::new(AtomicU64::new(0));
+        let counts = (
+            Arc::clone(&written),
+            Arc::clone(&connections),
+            Arc::clone(&requests_begun),
+        );
         crate::http::accept_in_background(addr, Arc::clone(&stop), move |stream| {
-            serve(stream, &count)
+            counts.1.fetch_add(1, Ordering::Relaxed);
+            serve(stream, &counts.0, &counts.2)
         });
-        FakeLlm { stop, written }
+        FakeLlm {
+            stop,
+            written,
+            connections,
+            requests_begun,
+        }
     }
 }
 
@@ -58,12 +76,21 @@ fn number(req: &Request, name: &str, default: u64) -> u64 {
 
 /// Answers requests on one connection: kept alive after JSON answers (the
 /// bench's load reuses Envoy's upstream connections), closed after a stream.
-fn serve(mut stream: TcpStream, written: &AtomicU64) {
+fn serve(mut stream: TcpStream, written: &AtomicU64, begun: &AtomicU64) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
     // Each answer and each event is one write: no small segment waits on
     // a delayed ACK.
     let _ = stream.set_nodelay(true);
-    while let Some(req) = read_request(&mut stream) {
+    loop {
+        // A request has begun once its first byte is in.
+        let mut first = [0u8; 1];
+        if !matches!(stream.peek(&mut first), Ok(n) if n > 0) {
+            return;
+        }
+        begun.fetch_add(1, Ordering::Relaxed);
+        let Some(req) = read_request(&mut stream) else {
+            return;
+        };
         if !answer(&mut stream, &req, written) {
             return;
         }

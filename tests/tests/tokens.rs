@@ -15,6 +15,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
@@ -472,4 +473,132 @@ fn a_body_in_many_frames_is_read_whole_over_http1_and_http2() {
         );
         assert_eq!(counter(&t, client), 5, "{flag}: settled at the usage");
     }
+}
+
+/// `chat`'s request over HTTP/2 (curl, prior knowledge): its status.
+fn chat_h2(t: &Topology, client: &str, max_tokens: u64) -> String {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "--http2-prior-knowledge",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .args(["-H", &format!("x-api-key: {client}")])
+        .args(["-H", "content-type: application/json", "--data-binary"])
+        .arg(format!(r#"{{"model":"fake","max_tokens":{max_tokens}}}"#))
+        .arg(format!("http://{}/v1/chat/completions", t.replica_addr(1)))
+        .output()
+        .expect("curl runs (scripts/setup.sh installs it)");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// One replica whose Envoy holds request headers for body-priced rules
+/// when `held` (its Wasm PluginConfig sets allow_on_headers_stop_iteration,
+/// and so does the plugin configuration); a budget of 1,000 a minute.
+fn spent_budget_topology(held: bool) -> (Topology, meshlimit_testbed::procs::Proc) {
+    hold_topology(held, held)
+}
+
+/// As [`spent_budget_topology`], the setting in the plugin configuration
+/// (`plugin`) and in Envoy's Wasm PluginConfig (`envoy`) apart.
+fn hold_topology(plugin: bool, envoy: bool) -> (Topology, meshlimit_testbed::procs::Proc) {
+    let held = envoy;
+    let plugin = PluginConfig::new()
+        .rules(json!([{"name": "llm", "match": {"path_prefix": "/v1/"},
+                       "cost": usual_cost(), "limits": budget(1000)}]))
+        .set("allow_on_headers_stop_iteration", json!(plugin))
+        .build();
+    let t = Topology::start(TopologyOptions {
+        plugin_config: plugin,
+        replicas: 0,
+        front: false,
+        llm: true,
+        ..TopologyOptions::default()
+    });
+    let mut config = t.replica_config(1);
+    if held {
+        config = config.replacen(
+            "failure_policy: FAIL_RELOAD\n",
+            "failure_policy: FAIL_RELOAD\n                allow_on_headers_stop_iteration: true\n",
+            1,
+        );
+    }
+    let replica = t.start_replica(1, &config);
+    (t, replica)
+}
+
+/// A client whose budget is spent sends 200 requests (100 over HTTP/1.1,
+/// 100 over HTTP/2): with the headers held, the model sees none of them,
+/// not a connection and not a request begun. Without it, each refused
+/// request's headers reach the model before its body decides it (the
+/// body never does): what docs/tokens.md says remains.
+#[test]
+fn a_spent_client_never_reaches_the_model_when_headers_are_held() {
+    for held in [true, false] {
+        let (t, _replica) = spent_budget_topology(held);
+        wait_for_fresh_window(Duration::from_secs(15));
+        let llm = t.llm.as_ref().unwrap();
+        // Spend the budget: 1,000 reserved, 1,000 used.
+        let r = chat(&t, 1, "spent", 1000, false, &[("x-llm-tokens", "1000")]);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(counter_reaches(&t, "spent", 1000), 1000);
+        let (connections, begun) = (
+            llm.connections.load(Ordering::Relaxed),
+            llm.requests_begun.load(Ordering::Relaxed),
+        );
+        for _ in 0..100 {
+            let r = chat(&t, 1, "spent", 10, false, &[]);
+            assert_eq!(r.status, 429, "held {held}: {}", r.body);
+            assert_eq!(chat_h2(&t, "spent", 10), "429", "held {held}");
+        }
+        let reached = (
+            llm.connections.load(Ordering::Relaxed) - connections,
+            llm.requests_begun.load(Ordering::Relaxed) - begun,
+        );
+        eprintln!("held {held}: 200 refused requests; the model saw {reached:?} (connections, requests begun)");
+        if held {
+            assert_eq!(
+                reached,
+                (0, 0),
+                "nothing of a refused request reaches the model"
+            );
+        } else {
+            assert!(
+                reached.1 >= 1,
+                "without the hold, headers go on: {reached:?}"
+            );
+        }
+        assert_eq!(counter(&t, "spent"), 1000, "refusals charge nothing");
+    }
+}
+
+/// The plugin configuration says Envoy holds headers, Envoy's does not:
+/// Envoy then sends a held request no body callbacks (the fake host's
+/// assumption, checked here against Envoy). The first such request goes on
+/// after about a second, the worker stops holding, and the next ones go
+/// on at once; none hangs.
+#[test]
+fn a_hold_envoy_does_not_honour_costs_one_second_once_and_never_hangs() {
+    let (t, _replica) = hold_topology(true, false);
+    wait_for_fresh_window(Duration::from_secs(15));
+    let started = std::time::Instant::now();
+    let r = chat(&t, 1, "unheld", 10, false, &[]);
+    let first = started.elapsed();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        first >= Duration::from_millis(900) && first < Duration::from_secs(5),
+        "held until the worker saw no body come: {first:?}"
+    );
+    let started = std::time::Instant::now();
+    for _ in 0..5 {
+        assert_eq!(chat(&t, 1, "unheld", 10, false, &[]).status, 200);
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "no longer held: {:?}",
+        started.elapsed()
+    );
 }

@@ -93,6 +93,7 @@ pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
         group_commit: validate_group_commit(raw.group_commit)?,
         leases: validate_leases(raw.leases, raw.local.expected_replicas)?,
         jwt: validate_jwt(raw.jwt)?,
+        allow_on_headers_stop_iteration: raw.allow_on_headers_stop_iteration,
     })
 }
 

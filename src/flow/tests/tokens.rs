@@ -260,3 +260,97 @@ fn a_stream_gone_before_its_answer_keeps_nothing_and_gets_its_reservation_back()
     assert_eq!(h.last_call_body()["settlements"][0]["actual"], json!([0]));
     assert_eq!(h.stat("tokens_refunded"), 40);
 }
+
+/// With `allow_on_headers_stop_iteration` (Envoy honouring a paused header
+/// callback with body callbacks), a request whose reservation is in its
+/// body holds its headers until it is decided: a denied one never reaches
+/// the upstream, an admitted one goes on whole.
+#[test]
+fn held_headers_go_on_only_when_the_request_is_admitted() {
+    let reserve = r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#;
+    let mut h = harness_with(token_config_with(
+        reserve,
+        r#""allow_on_headers_stop_iteration": true,"#,
+    ));
+    let (mut denied, step) = h.post("a");
+    assert_eq!(step, Step::Pause, "the headers wait");
+    assert_eq!(
+        h.request_body(&mut denied, br#"{"max_tokens""#, false),
+        Step::Pause
+    );
+    assert_eq!(
+        h.request_body(&mut denied, br#"{"max_tokens": 300}"#, true),
+        Step::Pause
+    );
+    h.wake();
+    h.answer_batch(
+        h.last_token(),
+        Some(200),
+        &answer(&[r#"{"allowed":false,"limits":[{"allowed":false,"limit":1000,"remaining":100,"reset_after_ms":30000,"retry_after_ms":30000}]}"#.to_string()]),
+    );
+    assert!(
+        matches!(h.host.take_acted()[..], [Acted::Replied(id, ref r)] if id == denied.context_id && r.status == 429),
+        "answered locally, headers never sent"
+    );
+    let (mut admitted, step) = h.post("b");
+    assert_eq!(step, Step::Pause);
+    h.request_body(&mut admitted, br#"{"max_tokens": 300}"#, true);
+    h.wake();
+    h.answer_batch(h.last_token(), Some(200), &answer(&[reserved(700)]));
+    assert_eq!(h.host.take_acted(), [Acted::Resumed(admitted.context_id)]);
+}
+
+/// Set in the plugin configuration but not in Envoy's, a held request
+/// would get no body callbacks and hang: the first one held a second with
+/// no body makes the worker let every held request go on and stop holding.
+#[test]
+fn held_headers_whose_body_never_comes_go_on_and_holding_stops() {
+    let reserve = r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#;
+    let mut h = harness_with(token_config_with(
+        reserve,
+        r#""allow_on_headers_stop_iteration": true,"#,
+    ));
+    assert!(h.host.tick_ms.get().is_some(), "a tick to watch them");
+    let (first, _) = h.post("a");
+    h.advance(500);
+    let (second, _) = h.post("b");
+    h.host.enter(ROOT);
+    h.worker.on_tick(&h.host);
+    assert!(h.host.take_acted().is_empty(), "not late yet");
+    h.advance(600);
+    h.host.enter(ROOT);
+    h.worker.on_tick(&h.host);
+    let mut acted = h.host.take_acted();
+    acted.sort_by_key(|a| format!("{a:?}"));
+    assert_eq!(
+        acted,
+        [
+            Acted::Resumed(first.context_id),
+            Acted::Resumed(second.context_id)
+        ]
+    );
+    assert!(logged(&[
+        "allow_on_headers_stop_iteration is set",
+        "Envoy's Wasm PluginConfig"
+    ]));
+    assert_eq!(h.post("c").1, Step::Continue, "no longer held");
+}
+
+/// Once a held request got its body, Envoy honours the setting: a slow
+/// body later is no reason to stop holding.
+#[test]
+fn once_a_held_body_came_holding_goes_on_however_slow_the_next() {
+    let reserve = r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#;
+    let mut h = harness_with(token_config_with(
+        reserve,
+        r#""allow_on_headers_stop_iteration": true,"#,
+    ));
+    let (mut s, _) = h.post("a");
+    h.request_body(&mut s, br#"{"max_tokens""#, false);
+    let (_slow, _) = h.post("b");
+    h.advance(5_000);
+    h.host.enter(ROOT);
+    h.worker.on_tick(&h.host);
+    assert!(h.host.take_acted().is_empty());
+    assert_eq!(h.post("c").1, Step::Pause, "still held");
+}
