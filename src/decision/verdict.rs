@@ -46,15 +46,20 @@ pub fn verdict(cfg: &Config, limits: &[Applied], result: &CheckResult) -> Verdic
 }
 
 /// A deny from the deny cache, if one of `global_limits` is known to be
-/// exhausted for `subject`. Only cost-1 limits are cached: a retry time
-/// computed for a heavier request would over-deny a lighter one.
+/// exhausted for `subject`. Only cost-1 limits are cached (a retry time
+/// computed for a heavier request would over-deny a lighter one), and
+/// token budgets found at 0 (no reservation fits), whatever the request
+/// would reserve: a spent budget is refused before its body is read.
 pub fn cached_deny<S: SharedStore>(
     cfg: &Config,
     check: &Check,
     cache: &DenyCache<'_, S>,
     now_ms: u64,
 ) -> Option<Verdict> {
-    let mut candidates = check.global.iter().filter(|a| !a.shadow && a.cost == 1);
+    let mut candidates = check
+        .global
+        .iter()
+        .filter(|a| !a.shadow && (a.cost == 1 || a.tokens));
     // Several limits: one read says whether any deny is recent enough to
     // be trusted, instead of one read per limit on every request.
     if candidates.clone().nth(1).is_some() && cache.quiet(now_ms) {
@@ -94,7 +99,7 @@ pub fn remember_denials<S: SharedStore>(
     let mut evicted = 0;
     for (a, status) in check.global.iter().zip(&result.limits) {
         if !a.shadow
-            && a.cost == 1
+            && (a.cost == 1 || a.tokens)
             && !status.allowed
             && status.remaining == 0
             && status.reason.is_none()

@@ -155,7 +155,7 @@ impl Worker {
     }
 
     /// Stage 3: a deny remembered from an earlier answer.
-    fn cached_deny(
+    pub(super) fn cached_deny(
         &self,
         host: &impl Host,
         stream: &mut Stream,

@@ -283,8 +283,13 @@ impl Worker {
             // request then never reaches the upstream. Else they go on (a
             // paused stream would get no body callbacks) and the body
             // waits, so the upstream sees nothing it could act on.
+            // A spent budget is refused here, before anything goes on.
+            let now = self.hit_clock.read(host);
+            if let decide::Outcome::Decided(step) = self.cached_deny(host, stream, now, &check) {
+                return step;
+            }
             stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
-            if self.hold.hold(stream.context_id, host.now_ms()) {
+            if self.hold.hold(stream.context_id, now) {
                 return Step::Pause;
             }
             return Step::Continue;

@@ -354,3 +354,42 @@ fn once_a_held_body_came_holding_goes_on_however_slow_the_next() {
     assert!(h.host.take_acted().is_empty());
     assert_eq!(h.post("c").1, Step::Pause, "still held");
 }
+
+/// Without held headers, a client whose budget is spent (meshlimitd said
+/// 0 remain) is refused at its next request's headers, for as long as the
+/// deny cache trusts an entry (a second: a refund may free units): its
+/// headers never go upstream. A budget with units left is not cached (a
+/// smaller reservation may fit).
+#[test]
+fn a_spent_budget_is_refused_at_the_headers() {
+    let reserve = r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#;
+    let mut h = harness_with(token_config(reserve));
+    let denied = |remaining: u64| {
+        answer(&[format!(
+            r#"{{"allowed":false,"limits":[{{"allowed":false,"limit":1000,"remaining":{remaining},"reset_after_ms":30000,"retry_after_ms":30000}}]}}"#
+        )])
+    };
+    let refused_after_its_body = |h: &mut Harness, id: &str, remaining: u64| {
+        let (mut s, step) = h.post(id);
+        assert_eq!(step, Step::Continue, "headers go on (no hold)");
+        h.request_body(&mut s, br#"{"max_tokens": 300}"#, true);
+        h.wake();
+        h.answer_batch(h.last_token(), Some(200), &denied(remaining));
+        assert!(matches!(h.host.take_acted()[..], [Acted::Replied(..)]));
+    };
+    refused_after_its_body(&mut h, "spent", 0);
+    let calls = h.calls();
+    let (_, step) = h.post("spent");
+    assert_eq!(reply_status(&step), Some(429), "refused at the headers");
+    assert_eq!(h.calls(), calls, "without a call");
+    assert_eq!(h.stat("deny_cache_hits"), 1);
+    h.advance(1_001);
+    assert_eq!(
+        h.post("spent").1,
+        Step::Continue,
+        "a second later: asked again"
+    );
+    // 100 units left: a request reserving less may fit; nothing cached.
+    refused_after_its_body(&mut h, "low", 100);
+    assert_eq!(h.post("low").1, Step::Continue);
+}
