@@ -338,3 +338,49 @@ fn a_check_across_cluster_slots_charges_nothing_when_denied() {
     let v: Value = serde_json::from_str(&r.body).unwrap();
     assert_eq!(v["settled"][0]["remaining"], json!([90, 90]), "{v}");
 }
+
+/// A token bucket's units are measured in its emission interval, which a
+/// live override changes: a return or settlement counted at the
+/// configured limit's interval gave back up to ten times what was charged
+/// under a tenfold override, refilling the whole bucket (issue 35, item 3).
+/// Settlements now read the override as decisions do.
+#[test]
+fn a_settlement_under_a_live_override_gives_back_what_was_charged() {
+    let dir = TempDir::new("admin-settle");
+    let token_file = dir.path().join("admin-token");
+    let token = "admin-secret-0123456789";
+    std::fs::write(&token_file, token).unwrap();
+    let f = Standalone::start(
+        binary(),
+        &["--admin-token-file", token_file.to_str().unwrap()],
+    );
+    let addr = &f.service.addr;
+    let subject = "hdr:x-api-key:big";
+    let bucket = |cost: u64| {
+        json!({"name": "llm/tokens", "requests": 100, "window_ms": 600_000,
+               "algorithm": "token_bucket", "cost": cost})
+    };
+    let put = format!(r#"{{"subject":"{subject}","requests":1000}}"#);
+    let r = admin(addr, "PUT", "/v1/overrides/llm/tokens", token, &put);
+    assert_eq!(r.status, 200, "{}", r.body);
+    // 500 of the raised 1000 spent, then 100 reserved.
+    let spent = decide(addr, subject, &[bucket(500)]);
+    assert!(allowed(&spent), "{spent}");
+    let body = serde_json::to_vec(&json!({"checks": [{"subject": subject,
+        "limits": [bucket(100)], "receipt": true}]}))
+    .unwrap();
+    let r = http::request(addr, "POST", "/v1/check", &[], &body).unwrap();
+    let reserved: Value = serde_json::from_str(&r.body).unwrap();
+    let reserved = &reserved["results"][0];
+    assert!(allowed(reserved), "{reserved}");
+    assert_eq!(reserved["limits"][0]["remaining"], json!(400), "{reserved}");
+    // All 100 given back: 500 left, not a full bucket.
+    let body = serde_json::to_vec(&json!({"checks": [], "settlements": [{
+        "subject": subject, "limits": [bucket(100)], "actual": [0],
+        "receipts": reserved["receipts"]}]}))
+    .unwrap();
+    let r = http::request(addr, "POST", "/v1/check", &[], &body).unwrap();
+    let settled: Value = serde_json::from_str(&r.body).unwrap();
+    let left = settled["settled"][0]["remaining"][0].as_i64().unwrap();
+    assert!((499..=500).contains(&left), "{left} left: {settled}");
+}

@@ -33,7 +33,9 @@ impl Limiter {
         }
         let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
             let mut invocation = self.scripts.settle.prepare_invoke();
-            invocation.arg(&self.clock_key);
+            invocation
+                .arg(&self.clock_key)
+                .arg(if self.overrides { "1" } else { "0" });
             for &i in members {
                 let (Some(limit), Some(actual), Some(receipt)) = (
                     settlement.limits.get(i),
@@ -58,6 +60,18 @@ impl Limiter {
                     .arg(receipt.clock_us)
                     .arg(&receipt.nonce)
                     .arg(receipt.place);
+            }
+            if self.overrides {
+                // Their override keys, in the same order (see settle.lua).
+                for &i in members {
+                    if let Some(limit) = settlement.limits.get(i) {
+                        invocation.key(keys::override_key(
+                            &self.prefix,
+                            &keys::subject_tag(limit.subject_or(&settlement.subject)),
+                            &limit.name,
+                        ));
+                    }
+                }
             }
             async move { self.run(*slot, &invocation).await }
         }))

@@ -4,11 +4,18 @@
 -- state now (the units were spent: a settlement is never refused). A
 -- window that has ended since is left alone. Follows decide.lua.
 --
--- KEYS: one counter per limit. ARGV: the test clock key, then SETTLE_ARGS
--- per limit: algorithm, limit (as the reservation applied it), window_ms,
--- reserved, actual, burst, calendar, and the reservation's receipt: its
--- run's clock (microseconds), nonce, and the limit's place in that run.
--- Returns the units each limit has left now.
+-- KEYS: one counter per limit, followed, when live overrides are on, by
+-- the limits' override keys (as decide.lua reads them). ARGV: the test
+-- clock key, whether overrides are on ('1' or '0'), then SETTLE_ARGS per
+-- limit: algorithm, limit (as configured), window_ms, reserved, actual,
+-- burst, calendar, and the reservation's receipt: its run's clock
+-- (microseconds), nonce, and the limit's place in that run. Returns the
+-- units each limit has left now.
+--
+-- A live override replaces the limit (and a burst that was the limit) as
+-- it does when checks are decided: a token bucket's units are measured in
+-- its emission interval, so a return counted at the configured limit's
+-- interval under a raised override gave back many times what was charged.
 --
 -- Per algorithm: fixed window and sliding counter move the count of the
 -- window that was charged (a sliding counter's next window holds it as
@@ -23,11 +30,22 @@ local SETTLE_ARGS = 10
 local MOVED_SLACK_MS = 1000
 local now_us = clock(ARGV[1])
 local now = math.floor(now_us / 1000)
+local ovr = ARGV[2] == '1'
+local n = #KEYS
+if ovr then n = n / 2 end
 local out = {}
-for i = 1, #KEYS do
-  local b = 1 + (i - 1) * SETTLE_ARGS
+for i = 1, n do
+  local b = 2 + (i - 1) * SETTLE_ARGS
   local alg, limit, window = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
   local reserved, actual, burst = tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
+  if ovr then
+    local o = tonumber(redis.call('GET', KEYS[n + i]) or '')
+    if o and o >= 1 then
+      if alg == 'swl' and o > MAX_LOG then o = MAX_LOG end
+      if burst == limit then burst = o end
+      limit = o
+    end
+  end
   local cal, at_us, nonce, place = ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9], ARGV[b + 10]
   local at = math.floor(at_us / 1000)
   local delta = actual - reserved
