@@ -94,6 +94,29 @@ fn ping(conn: &mut TcpStream) -> Duration {
     started.elapsed()
 }
 
+/// The slowest PING Redis answered while `work` ran (on a connection of
+/// its own), and what `work` returned. `work` must not panic: the pinger
+/// would never be told to stop.
+fn slowest_ping_during<T: Send>(f: &Standalone, work: impl FnOnce() -> T) -> (Duration, T) {
+    let mut conn = TcpStream::connect((f.redis.host.as_str(), REDIS_PORT)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    ping(&mut conn);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let pinger = s.spawn(|| {
+            let mut slowest = Duration::ZERO;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                slowest = slowest.max(ping(&mut conn));
+            }
+            slowest
+        });
+        let out = work();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        (pinger.join().unwrap(), out)
+    })
+}
+
 /// The largest check the API accepts must not stall Redis: a sliding log
 /// with `requests = cost = 10^8` used to add its members one `ZADD` at a
 /// time, blocking Redis for minutes (and `SCRIPT KILL` refuses once a
@@ -122,21 +145,8 @@ fn the_largest_allowed_check_leaves_redis_responsive() {
     let too_big = post(&addr, &log(100_000_000, 100_000_000));
     assert_eq!(too_big.status, 400, "{}", too_big.body);
     assert!(too_big.body.contains("at most 10000"), "{}", too_big.body);
-    let mut conn = TcpStream::connect((f.redis.host.as_str(), REDIS_PORT)).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    ping(&mut conn);
-    let done = std::sync::atomic::AtomicBool::new(false);
-    let (slowest, answers) = std::thread::scope(|s| {
-        let pinger = s.spawn(|| {
-            let mut slowest = Duration::ZERO;
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                slowest = slowest.max(ping(&mut conn));
-            }
-            slowest
-        });
-        // Nothing here may panic before `done` is set: the scope would
-        // wait for the pinger, which would never stop.
-        let answers: Vec<_> = (0..3)
+    let (slowest, answers) = slowest_ping_during(&f, || {
+        (0..3)
             .map(|_| {
                 let body = log(MAX_SLIDING_LOG_REQUESTS, MAX_SLIDING_LOG_REQUESTS);
                 let r = http::request(
@@ -149,9 +159,7 @@ fn the_largest_allowed_check_leaves_redis_responsive() {
                 let _ = f.redis.cli(&["FLUSHALL"]);
                 r.map(|r| (r.status, r.body))
             })
-            .collect();
-        done.store(true, std::sync::atomic::Ordering::Relaxed);
-        (pinger.join().unwrap(), answers)
+            .collect::<Vec<_>>()
     });
     for answer in answers {
         let (status, body) = answer.expect("meshlimitd answers the largest check");
@@ -198,19 +206,7 @@ fn a_forged_sliding_log_settlement_is_refused_and_redis_stays_responsive() {
             .is_some_and(|e| e.contains("limits[0].cost")),
         "{answer}"
     );
-    let mut conn = TcpStream::connect((f.redis.host.as_str(), REDIS_PORT)).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    ping(&mut conn);
-    let done = std::sync::atomic::AtomicBool::new(false);
-    let (slowest, answer) = std::thread::scope(|s| {
-        let pinger = s.spawn(|| {
-            let mut slowest = Duration::ZERO;
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                slowest = slowest.max(ping(&mut conn));
-            }
-            slowest
-        });
+    let (slowest, answer) = slowest_ping_during(&f, || {
         // The largest a real reservation can be, on one limit.
         let mut largest = settlement(MAX_SLIDING_LOG_REQUESTS, MAX_SLIDING_LOG_REQUESTS);
         if let Some(s) = largest["settlements"][0].as_object_mut() {
@@ -225,8 +221,7 @@ fn a_forged_sliding_log_settlement_is_refused_and_redis_stays_responsive() {
             &[("content-type", b"application/json")],
             largest.to_string().as_bytes(),
         );
-        done.store(true, std::sync::atomic::Ordering::Relaxed);
-        (pinger.join().unwrap(), r.map(|r| (r.status, r.body)))
+        r.map(|r| (r.status, r.body))
     });
     let (status, body) = answer.expect("meshlimitd answers the largest settlement");
     assert_eq!(status, 200, "{body}");

@@ -167,6 +167,21 @@ fn calendar_windows_end_on_the_real_month_end() {
     assert!((reset - march_len).abs() < 1_000, "reset {reset}");
 }
 
+const ADMIN_TOKEN: &str = "admin-secret-0123456789";
+
+/// meshlimitd with its admin API on, behind [`ADMIN_TOKEN`] (in a file of
+/// the directory returned, which must outlive it).
+fn with_admin_api(tag: &str) -> (Standalone, TempDir) {
+    let dir = TempDir::new(tag);
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, ADMIN_TOKEN).unwrap();
+    let f = Standalone::start(
+        binary(),
+        &["--admin-token-file", token_file.to_str().unwrap()],
+    );
+    (f, dir)
+}
+
 fn admin(addr: &str, method: &str, path: &str, token: &str, body: &str) -> http::Response {
     let auth = format!("Bearer {token}");
     http::request(
@@ -186,14 +201,8 @@ fn admin(addr: &str, method: &str, path: &str, token: &str, body: &str) -> http:
 /// ends when deleted or expired; a wrong token changes nothing.
 #[test]
 fn live_overrides_apply_at_once_and_end_when_told() {
-    let dir = TempDir::new("admin");
-    let token_file = dir.path().join("admin-token");
-    let token = "admin-secret-0123456789";
-    std::fs::write(&token_file, token).unwrap();
-    let f = Standalone::start(
-        binary(),
-        &["--admin-token-file", token_file.to_str().unwrap()],
-    );
+    let (f, _dir) = with_admin_api("admin");
+    let token = ADMIN_TOKEN;
     let addr = &f.service.addr;
     let l = [limit("api/per-minute", 3, None)];
     let n = |k: usize| {
@@ -346,14 +355,8 @@ fn a_check_across_cluster_slots_charges_nothing_when_denied() {
 /// Settlements now read the override as decisions do.
 #[test]
 fn a_settlement_under_a_live_override_gives_back_what_was_charged() {
-    let dir = TempDir::new("admin-settle");
-    let token_file = dir.path().join("admin-token");
-    let token = "admin-secret-0123456789";
-    std::fs::write(&token_file, token).unwrap();
-    let f = Standalone::start(
-        binary(),
-        &["--admin-token-file", token_file.to_str().unwrap()],
-    );
+    let (f, _dir) = with_admin_api("admin-settle");
+    let token = ADMIN_TOKEN;
     let addr = &f.service.addr;
     let subject = "hdr:x-api-key:big";
     let bucket = |cost: u64| {

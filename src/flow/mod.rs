@@ -283,15 +283,30 @@ impl Worker {
             // request then never reaches the upstream. Else they go on (a
             // paused stream would get no body callbacks) and the body
             // waits, so the upstream sees nothing it could act on.
-            // A spent budget is refused here, before anything goes on.
             let now = self.hit_clock.read(host);
-            if let decide::Outcome::Decided(step) = self.cached_deny(host, stream, now, &check) {
-                return step;
-            }
-            stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
             if self.hold.hold(stream.context_id, now) {
+                // Nothing goes on before the body decides it (a cached
+                // deny included: answered once the body is in, a refusal
+                // never cuts a client's upload short).
+                stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
                 return Step::Pause;
             }
+            // The headers would go on: a spent budget is refused here,
+            // over HTTP/1 (a refusal before the upload ends closes the
+            // connection, and the client reads its 429). Over HTTP/2 Envoy
+            // resets a stream answered mid-upload, which clients report as
+            // a stream error rather than the 429: the body decides it.
+            let multiplexed = matches!(
+                host.property(&["request", "protocol"]).as_deref(),
+                Some(b"HTTP/2" | b"HTTP/3")
+            );
+            if !multiplexed {
+                if let decide::Outcome::Decided(step) = self.cached_deny(host, stream, now, &check)
+                {
+                    return step;
+                }
+            }
+            stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
             return Step::Continue;
         }
         self.decide(host, stream, check)

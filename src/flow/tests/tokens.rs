@@ -261,17 +261,22 @@ fn a_stream_gone_before_its_answer_keeps_nothing_and_gets_its_reservation_back()
     assert_eq!(h.stat("tokens_refunded"), 40);
 }
 
+/// Reservations read from the body (`max_tokens`, 50 by default, at most
+/// 500), with the headers held (`allow_on_headers_stop_iteration`).
+fn held_harness() -> Harness {
+    harness_with(token_config_with(
+        r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#,
+        r#""allow_on_headers_stop_iteration": true,"#,
+    ))
+}
+
 /// With `allow_on_headers_stop_iteration` (Envoy honouring a paused header
 /// callback with body callbacks), a request whose reservation is in its
 /// body holds its headers until it is decided: a denied one never reaches
 /// the upstream, an admitted one goes on whole.
 #[test]
 fn held_headers_go_on_only_when_the_request_is_admitted() {
-    let reserve = r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#;
-    let mut h = harness_with(token_config_with(
-        reserve,
-        r#""allow_on_headers_stop_iteration": true,"#,
-    ));
+    let mut h = held_harness();
     let (mut denied, step) = h.post("a");
     assert_eq!(step, Step::Pause, "the headers wait");
     assert_eq!(
@@ -305,11 +310,7 @@ fn held_headers_go_on_only_when_the_request_is_admitted() {
 /// no body makes the worker let every held request go on and stop holding.
 #[test]
 fn held_headers_whose_body_never_comes_go_on_and_holding_stops() {
-    let reserve = r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#;
-    let mut h = harness_with(token_config_with(
-        reserve,
-        r#""allow_on_headers_stop_iteration": true,"#,
-    ));
+    let mut h = held_harness();
     assert!(h.host.tick_ms.get().is_some(), "a tick to watch them");
     let (first, _) = h.post("a");
     h.advance(500);
@@ -340,11 +341,7 @@ fn held_headers_whose_body_never_comes_go_on_and_holding_stops() {
 /// body later is no reason to stop holding.
 #[test]
 fn once_a_held_body_came_holding_goes_on_however_slow_the_next() {
-    let reserve = r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#;
-    let mut h = harness_with(token_config_with(
-        reserve,
-        r#""allow_on_headers_stop_iteration": true,"#,
-    ));
+    let mut h = held_harness();
     let (mut s, _) = h.post("a");
     h.request_body(&mut s, br#"{"max_tokens""#, false);
     let (_slow, _) = h.post("b");
