@@ -13,9 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use meshlimit_protocol::{CheckRequest, ErrorBody, CHECK_PATH, TIMEOUT_HEADER};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+use tracing::debug;
 
-use crate::app::decide::{decide_call, Decided};
+use crate::app::decide::{decide_call, give_back, Decided};
 use crate::app::{permit, AppState, Caller, OVERLOADED};
 
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
@@ -48,12 +49,44 @@ async fn check(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -
         return error(StatusCode::UNAUTHORIZED, denied.to_string());
     }
     let budget = caller_budget(&headers, state.limits.request_timeout);
-    let response = match tokio::time::timeout(budget, guarded(&state, &body)).await {
-        Ok(response) => response,
-        Err(_) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not decided within {budget:?}"),
-        ),
+    let request: CheckRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            state.metrics.response(400);
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("malformed check request: {e}"),
+            );
+        }
+    };
+    // The decision runs on its own: when the caller's deadline passes
+    // first, it is answered 503 (it decides without us), and what the
+    // decision leased or reserved for it goes back once the scripts end.
+    let request = std::sync::Arc::new(request);
+    let deadline = Instant::now() + budget;
+    let mut work = tokio::spawn(guarded(
+        state.clone(),
+        std::sync::Arc::clone(&request),
+        deadline,
+    ));
+    let response = match tokio::time::timeout(budget, &mut work).await {
+        Ok(Ok(decided)) => answer(decided),
+        Ok(Err(_)) => error(StatusCode::SERVICE_UNAVAILABLE, "not decided"),
+        Err(_) => {
+            let state = state.clone();
+            tokio::spawn(async move {
+                if let Ok(decided) = work.await {
+                    let units = give_back(&state, &request, &decided).await;
+                    if units > 0 {
+                        debug!(units, "gave back what a decision its caller gave up on had leased or reserved");
+                    }
+                }
+            });
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not decided within {budget:?}"),
+            )
+        }
     };
     state.metrics.response(response.status().as_u16());
     response
@@ -63,8 +96,10 @@ async fn check(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -
 /// ([`TIMEOUT_HEADER`]), never more than `request_timeout`. Work the
 /// caller will not wait for is not started: it would be charged in Redis
 /// while the caller decides (and charges) the request locally. A script
-/// that already reached Redis when the budget ends still runs to the end:
-/// that much is the window in which one request can be counted twice.
+/// that already reached Redis when the budget ends still runs to the end;
+/// what it leased or reserved is then given back (`give_back`), and a
+/// plain check's cost is the window in which one request can be counted
+/// twice.
 fn caller_budget(headers: &HeaderMap, request_timeout: Duration) -> Duration {
     headers
         .get(TIMEOUT_HEADER)
@@ -81,24 +116,23 @@ fn caller_budget(headers: &HeaderMap, request_timeout: Duration) -> Duration {
 /// Decides with a permit: at most `max_in_flight` at once, and a caller
 /// waits at most `queue_timeout` for one (then 503: the filter falls back,
 /// which beats queueing behind a backlog it would time out on anyway).
-async fn guarded(state: &AppState, body: &[u8]) -> Response {
-    match permit(state).await {
-        Some(_permit) => decide(state, body).await,
-        None => error(StatusCode::SERVICE_UNAVAILABLE, OVERLOADED),
+/// Nothing is started once `deadline` has passed (the caller no longer
+/// waits: it would decide, and charge, the requests locally too).
+async fn guarded(
+    state: AppState,
+    request: std::sync::Arc<CheckRequest>,
+    deadline: Instant,
+) -> Decided {
+    match permit(&state).await {
+        Some(_) if Instant::now() >= deadline => Decided::Unavailable("the caller gave up".into()),
+        Some(_permit) => decide_call(&state, &request).await,
+        None => Decided::Unavailable(OVERLOADED.into()),
     }
 }
 
-async fn decide(state: &AppState, body: &[u8]) -> Response {
-    let request: CheckRequest = match serde_json::from_slice(body) {
-        Ok(r) => r,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("malformed check request: {e}"),
-            )
-        }
-    };
-    match decide_call(state, &request).await {
+/// A decided call as HTTP.
+fn answer(decided: Decided) -> Response {
+    match decided {
         Decided::Answered(response) => Json(response).into_response(),
         Decided::Refused(reason) => error(StatusCode::BAD_REQUEST, reason),
         Decided::Unavailable(e) => error(StatusCode::SERVICE_UNAVAILABLE, e),

@@ -33,6 +33,7 @@ pub struct Metrics {
     redis_latency: Histogram,
     responses: Family<StatusLabel, Counter>,
     check_failures: Family<KindLabel, Counter>,
+    abandoned_given_back: Counter,
     overloaded: Counter,
     unauthorized: Counter,
     rls_responses: Family<KindLabel, Counter>,
@@ -99,6 +100,12 @@ impl Metrics {
             "Checks refused with 503 because too many were in flight",
             overloaded.clone(),
         );
+        let abandoned_given_back = Counter::default();
+        registry.register(
+            "abandoned_units_given_back",
+            "Units given back because their decision finished after its caller gave up (leases, reservations)",
+            abandoned_given_back.clone(),
+        );
         let unauthorized = Counter::default();
         registry.register(
             "unauthorized",
@@ -128,6 +135,7 @@ impl Metrics {
         );
         Metrics {
             overloaded,
+            abandoned_given_back,
             unauthorized,
             rls_responses,
             rls_shadow_over_limit,
@@ -164,6 +172,11 @@ impl Metrics {
 
     pub fn unauthorized(&self) {
         self.unauthorized.inc();
+    }
+
+    /// Units given back for a decision its caller no longer waited for.
+    pub fn abandoned_given_back(&self, units: u64) {
+        self.abandoned_given_back.inc_by(units);
     }
 
     /// An answer of the rate limit service (gRPC), by kind.

@@ -224,3 +224,50 @@ fn units_come_back_to_a_counter_whose_deadline_moved_with_its_slot() {
     }
     assert_eq!(f.redis.cli(&["get", &key]).trim(), "21");
 }
+
+/// A decision whose caller gave up: Redis paused writes past the caller's
+/// deadline (`x-meshlimit-timeout-ms`), so meshlimitd answered 503 and the
+/// caller decided the request without it, while the script still ran and
+/// granted a lease nobody would receive. Those units, and the request's
+/// own, go back once the script ends: the counter is where it was. On the
+/// old code they stayed charged until the window ended (a burnt window
+/// under repeated stalls).
+#[test]
+fn what_a_decision_leased_after_its_caller_gave_up_goes_back() {
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &["--redis-timeout-ms", "5000"],
+    );
+    let l = limit("fixed_window", 1000);
+    let body = json!({"checks": [leased_check("stalled", std::slice::from_ref(&l), 200, 1)]});
+    // The scripts are loaded, as on a running meshlimitd.
+    ask(&f, "warm", std::slice::from_ref(&l), 0, 1);
+    f.redis.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
+    let started = std::time::Instant::now();
+    let r = meshlimit_testbed::http::request(
+        &f.service.addr,
+        "POST",
+        "/v1/check",
+        &[("x-meshlimit-timeout-ms", b"50")],
+        body.to_string().as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(started.elapsed() < std::time::Duration::from_millis(250));
+    // The script runs once the pause ends; what it granted goes back.
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let after = ask(&f, "stalled", std::slice::from_ref(&l), 0, 1);
+    assert_eq!(
+        remaining(&after, 0),
+        999,
+        "only this check is charged: {after}"
+    );
+    let metrics = meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[]).unwrap();
+    assert!(
+        metrics
+            .body
+            .contains("meshlimitd_abandoned_units_given_back_total 201"),
+        "{}",
+        metrics.body
+    );
+}

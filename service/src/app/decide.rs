@@ -192,3 +192,54 @@ pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
     debug!(checks = results.len(), "decided");
     Answer::Decided(results)
 }
+
+/// Gives back what a call's admitted checks were granted or reserved once
+/// its caller no longer waits for the answer (its deadline passed while
+/// the scripts ran): the caller decides those requests without
+/// meshlimitd, so a lease or reservation charged for it would only keep
+/// units from every other replica until its window ends. Each check with
+/// receipts (a lease granted, or a reservation) is settled at 0 for all it
+/// was charged: its cost and its lease. A check without receipts charged
+/// its cost alone, and stays charged (one unit a request, as before
+/// leases). Returns the units given back.
+pub async fn give_back(state: &AppState, request: &CheckRequest, decided: &Decided) -> u64 {
+    let Decided::Answered(response) = decided else {
+        return 0;
+    };
+    let settlements: Vec<Settlement> = request
+        .checks
+        .iter()
+        .zip(&response.results)
+        .filter_map(|(check, outcome)| match outcome {
+            CheckOutcome::Decided(result) if result.allowed => {
+                let receipts = result.receipts.clone()?;
+                let limits = check
+                    .limits
+                    .iter()
+                    .map(|l| meshlimit_protocol::Limit {
+                        cost: l.cost + result.leased,
+                        ..l.clone()
+                    })
+                    .collect::<Vec<_>>();
+                Some(Settlement {
+                    subject: check.subject.clone(),
+                    actual: vec![0; limits.len()],
+                    limits,
+                    receipts,
+                })
+            }
+            _ => None,
+        })
+        .collect();
+    let mut units = 0;
+    for (settlement, outcome) in settlements
+        .iter()
+        .zip(settle_all(state, &settlements).await)
+    {
+        if let SettleOutcome::Settled { .. } = outcome {
+            units += settlement.limits.first().map_or(0, |l| l.cost);
+        }
+    }
+    state.metrics.abandoned_given_back(units);
+    units
+}
