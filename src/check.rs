@@ -10,6 +10,7 @@
 use std::cell::{Cell, OnceCell};
 use std::rc::Rc;
 
+use meshlimit_protocol::bounds;
 use meshlimit_protocol::{
     CheckRequest, LeaseAsk, LeaseLife, Limit, LimitStatus, Receipt, Settlement,
 };
@@ -283,7 +284,13 @@ impl Check {
             .collect();
         Settlement {
             subject: self.subject.clone(),
-            actual: vec![actual; limits.len()],
+            // A usage past what one settlement may carry is charged at that
+            // bound, never sent whole to be refused (which would leave only
+            // the reservation charged).
+            actual: limits
+                .iter()
+                .map(|l| actual.min(bounds::max_settled(l.algorithm)))
+                .collect(),
             limits,
             receipts: receipts.to_vec(),
         }

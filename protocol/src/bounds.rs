@@ -86,6 +86,18 @@ pub fn check_limit(
 
 /// The most units one request can ever take from a limit: the burst of a
 /// token bucket (its `requests` when unset), else `requests`.
+/// The most units a settlement may say were used on one limit: as many as
+/// one check may cost (a sliding log adds a member per unit). The filter
+/// settles a larger usage at this bound rather than have meshlimitd refuse
+/// the settlement and leave only the reservation charged.
+pub fn max_settled(algorithm: Algorithm) -> u64 {
+    if algorithm == Algorithm::SlidingWindowLog {
+        MAX_SLIDING_LOG_REQUESTS
+    } else {
+        MAX_COST
+    }
+}
+
 pub fn capacity(algorithm: Algorithm, requests: u64, burst: Option<u64>) -> u64 {
     match algorithm {
         Algorithm::TokenBucket => burst.unwrap_or(requests),

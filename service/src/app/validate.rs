@@ -50,11 +50,7 @@ pub fn validate_settlement(i: usize, s: &Settlement) -> Result<(), String> {
         // one forged settlement holds Redis for seconds. Its reservation
         // was admitted, so it fits the log.
         let log = limit.algorithm == meshlimit_protocol::Algorithm::SlidingWindowLog;
-        let most = if log {
-            bounds::MAX_SLIDING_LOG_REQUESTS
-        } else {
-            bounds::MAX_COST
-        };
+        let most = bounds::max_settled(limit.algorithm);
         if log && limit.cost > limit.requests.min(most) {
             return Err(format!(
                 "{at}.limits[{j}].cost: a sliding_window_log reservation holds at most its limit ({})",

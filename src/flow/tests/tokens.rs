@@ -390,3 +390,20 @@ fn a_spent_budget_is_refused_at_the_headers() {
     refused_after_its_body(&mut h, "low", 100);
     assert_eq!(h.post("low").1, Step::Continue);
 }
+
+/// A usage above what one settlement may carry (10^6 a limit) is charged at
+/// that bound: sent whole, meshlimitd refused the settlement and only the
+/// reservation stayed charged (issue 34, item 4).
+#[test]
+fn a_usage_past_the_settlement_bound_is_charged_at_the_bound() {
+    let mut h = harness_with(token_config("40"));
+    let (mut s, _) = h.post("a");
+    h.wake();
+    h.answer_batch(1, Some(200), &answer(&[reserved(960)]));
+    assert!(h.response_headers(&mut s, "200", "application/json"));
+    h.response_body(&s, br#"{"usage":{"total_tokens":5000000}}"#, true);
+    h.wake();
+    let settlement = &h.last_call_body()["settlements"][0];
+    assert_eq!(settlement["actual"], json!([1_000_000]), "{settlement}");
+    assert_eq!(settlement["limits"][0]["cost"], 40);
+}
