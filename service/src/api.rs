@@ -141,9 +141,28 @@ fn answer(decided: Decided) -> Response {
 
 async fn ready(State(state): State<AppState>) -> Response {
     match state.limiter.ping().await {
-        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+        Ok(()) => {
+            // Ready all the same (the cluster answers), but at risk: say so.
+            let requiring = state.limiter.full_coverage_required().await;
+            if requiring.is_empty() {
+                return (StatusCode::OK, "ready\n").into_response();
+            }
+            (
+                StatusCode::OK,
+                format!("ready\nwarning: {}\n", coverage_warning(&requiring)),
+            )
+                .into_response()
+        }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {e}")),
     }
+}
+
+/// What an operator should know of masters that require full coverage.
+pub fn coverage_warning(requiring: &[String]) -> String {
+    format!(
+        "Redis Cluster masters {} run with cluster-require-full-coverage yes: while any master is down they refuse every command, and every check falls back; set it to no (docs/operators.md)",
+        requiring.join(", ")
+    )
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

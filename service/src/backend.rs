@@ -241,6 +241,15 @@ impl Backend {
         matches!(self, Backend::Cluster(_))
     }
 
+    /// On a Redis Cluster, the masters with `cluster-require-full-coverage
+    /// yes` (see [`Cluster::full_coverage_required`]); none elsewhere.
+    pub async fn full_coverage_required(&self) -> Vec<String> {
+        match self {
+            Backend::Cluster(cluster) => cluster.full_coverage_required().await,
+            _ => Vec::new(),
+        }
+    }
+
     /// Loads a script into the script cache (every node, for a cluster).
     pub async fn load(&self, script: &Script) -> RedisResult<()> {
         match self {

@@ -188,6 +188,35 @@ impl Cluster {
         }
     }
 
+    /// The masters that run with `cluster-require-full-coverage yes`
+    /// (Redis' default): while any master is down, they refuse every
+    /// command, so the clients of live masters fall back too. Masters
+    /// that do not say (`CONFIG` renamed or refused) are left out.
+    pub async fn full_coverage_required(&self) -> Vec<String> {
+        if self.connection().await.is_err() {
+            return Vec::new();
+        }
+        let masters = match self.map.read() {
+            Ok(map) => map.masters.clone(),
+            Err(_) => return Vec::new(),
+        };
+        let mut requiring = Vec::new();
+        for (host, port) in masters {
+            let Ok(mut conn) = self.open(&host, port).await else {
+                continue;
+            };
+            let reply: RedisResult<Vec<String>> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("cluster-require-full-coverage")
+                .query_async(&mut conn)
+                .await;
+            if reply.is_ok_and(|r| r.get(1).is_some_and(|v| v == "yes")) {
+                requiring.push(format!("{host}:{port}"));
+            }
+        }
+        requiring
+    }
+
     async fn open(&self, host: &str, port: u16) -> RedisResult<MultiplexedConnection> {
         let addr = match self.seed.addr() {
             ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {

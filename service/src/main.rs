@@ -147,7 +147,13 @@ async fn run(args: Args) -> Result<(), String> {
     // A first PING, so a wrong password or address shows in the log at
     // once (meshlimitd keeps running and retrying; /readyz says why).
     match limiter.ping().await {
-        Ok(()) => info!("redis reachable ({:?} mode)", args.redis_mode),
+        Ok(()) => {
+            info!("redis reachable ({:?} mode)", args.redis_mode);
+            let requiring = limiter.full_coverage_required().await;
+            if !requiring.is_empty() {
+                warn!("{}", api::coverage_warning(&requiring));
+            }
+        }
         Err(e) => error!(
             "redis not usable yet ({:?} mode): {e}; answering 503 until it is",
             args.redis_mode

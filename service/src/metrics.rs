@@ -6,6 +6,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -34,6 +35,7 @@ pub struct Metrics {
     responses: Family<StatusLabel, Counter>,
     check_failures: Family<KindLabel, Counter>,
     abandoned_given_back: Counter,
+    full_coverage_required: Gauge,
     overloaded: Counter,
     unauthorized: Counter,
     rls_responses: Family<KindLabel, Counter>,
@@ -100,6 +102,12 @@ impl Metrics {
             "Checks refused with 503 because too many were in flight",
             overloaded.clone(),
         );
+        let full_coverage_required = Gauge::default();
+        registry.register(
+            "redis_cluster_full_coverage_required",
+            "Redis Cluster masters with cluster-require-full-coverage yes: while any master is down they refuse every command, and every client falls back (set it to no)",
+            full_coverage_required.clone(),
+        );
         let abandoned_given_back = Counter::default();
         registry.register(
             "abandoned_units_given_back",
@@ -136,6 +144,7 @@ impl Metrics {
         Metrics {
             overloaded,
             abandoned_given_back,
+            full_coverage_required,
             unauthorized,
             rls_responses,
             rls_shadow_over_limit,
@@ -172,6 +181,11 @@ impl Metrics {
 
     pub fn unauthorized(&self) {
         self.unauthorized.inc();
+    }
+
+    /// How many Cluster masters require full coverage (last read).
+    pub fn full_coverage_required(&self, masters: usize) {
+        self.full_coverage_required.set(masters as i64);
     }
 
     /// Units given back for a decision its caller no longer waited for.

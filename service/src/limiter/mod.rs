@@ -439,6 +439,15 @@ impl Limiter {
     }
 
     /// Round trip to Redis, for readiness.
+    /// Masters of a Redis Cluster that refuse every command while any
+    /// master is down (`cluster-require-full-coverage yes`), counted in
+    /// `meshlimitd_redis_cluster_full_coverage_required`.
+    pub async fn full_coverage_required(&self) -> Vec<String> {
+        let requiring = self.backend.full_coverage_required().await;
+        self.metrics.full_coverage_required(requiring.len());
+        requiring
+    }
+
     pub async fn ping(&self) -> Result<(), LimiterError> {
         let reply = tokio::time::timeout(
             self.timeout.max(Duration::from_millis(250)),
