@@ -403,6 +403,8 @@ pub struct ResponseConfig {
     pub status: u32,
     pub body: String,
     pub headers: HeaderStyle,
+    /// The gRPC status a denied gRPC request gets (its `grpc-status`).
+    pub grpc_status: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -326,6 +326,7 @@ pub(super) struct RawResponse {
     pub(super) status: u32,
     pub(super) body: String,
     pub(super) headers: HeaderStyle,
+    pub(super) grpc_status: u32,
 }
 
 impl Default for RawResponse {
@@ -334,6 +335,9 @@ impl Default for RawResponse {
             status: 429,
             body: "rate limit exceeded\n".into(),
             headers: HeaderStyle::Draft,
+            // RESOURCE_EXHAUSTED: what gRPC clients read as "slow down",
+            // where the HTTP 429's mapping (UNAVAILABLE) makes them retry.
+            grpc_status: 8,
         }
     }
 }

@@ -371,6 +371,15 @@ fn statuses_and_headers_are_checked() {
         "response.status",
         "4xx or 5xx",
     );
+    for grpc_status in [0, 17] {
+        rejects(
+            &format!(
+                r#"{{"response":{{"grpc_status":{grpc_status}}},"rules":[{{"name":"a","limits":[{{"name":"m","requests":1,"window":"1s"}}]}}]}}"#
+            ),
+            "response.grpc_status",
+            "RESOURCE_EXHAUSTED",
+        );
+    }
     rejects(
         r#"{"client_id":{"reject_status":302},"rules":[{"name":"a","limits":[{"name":"m","requests":1,"window":"1s"}]}]}"#,
         "client_id.reject_status",

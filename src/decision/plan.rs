@@ -193,6 +193,7 @@ fn plain(status: u32, body: String) -> DenyResponse {
         status,
         headers: vec![("content-type", "text/plain".into())],
         body,
+        grpc_status: crate::reply::grpc_status_of(status),
     }
 }
 

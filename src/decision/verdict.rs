@@ -159,5 +159,6 @@ fn deny_response(cfg: &Config, mut hdrs: Headers) -> DenyResponse {
         status: cfg.response.status,
         headers: hdrs,
         body: cfg.response.body.clone(),
+        grpc_status: cfg.response.grpc_status,
     }
 }

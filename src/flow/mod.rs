@@ -93,7 +93,16 @@ pub fn perform(host: &impl Host, step: Step, paused: bool) -> bool {
         }
         Step::Pause => false,
         Step::Reply(reply) => {
-            if !host.send_reply(&reply) {
+            // A gRPC client reads the HTTP status as UNAVAILABLE, and
+            // retries: it gets a gRPC status instead (one more hostcall,
+            // on replies only).
+            let grpc = crate::reply::is_grpc(host.request_headers().first("content-type"));
+            let sent = if grpc {
+                host.send_grpc_reply(&reply)
+            } else {
+                host.send_reply(&reply)
+            };
+            if !sent {
                 warn!("cannot send the {} response", reply.status);
             }
             false

@@ -1338,3 +1338,34 @@ fn a_missing_attribute_is_counted_in_a_stat_and_never_called_for() {
     let body: serde_json::Value = serde_json::from_slice(&sent[0].body).unwrap();
     assert_eq!(body["checks"][0]["subject"], "peer:spiffe://td/sa/a");
 }
+
+/// A gRPC request denied gets a gRPC status (RESOURCE_EXHAUSTED by
+/// default, `response.grpc_status`), not the HTTP 429 that gRPC clients
+/// read as UNAVAILABLE and retry.
+#[test]
+fn a_denied_grpc_request_gets_a_grpc_status() {
+    let mut h = harness(ONE_CALL);
+    let mut deny_one = |id: &str, content_type: &[u8]| {
+        h.next_context += 1;
+        let mut s = h.worker.stream(h.next_context);
+        *h.host.request.borrow_mut() = FakeRequest::default()
+            .with_header(":path", b"/api/items")
+            .with_header("content-type", content_type)
+            .with_header("x-api-key", id.as_bytes());
+        h.host.enter(s.context_id);
+        assert_eq!(
+            h.worker.on_request_headers(&h.host, &mut s, true),
+            Step::Pause
+        );
+        let step = h.answer_check(&mut s, Some(200), &answer(&[result(false, 0)]));
+        let Step::Reply(reply) = step else {
+            panic!("denied: {step:?}")
+        };
+        assert_eq!(reply.grpc_status, 8, "RESOURCE_EXHAUSTED");
+        h.host.enter(s.context_id);
+        perform(&h.host, Step::Reply(reply), true);
+        h.host.grpc_replies.get()
+    };
+    assert_eq!(deny_one("g", b"application/grpc+proto"), 1, "as gRPC");
+    assert_eq!(deny_one("j", b"application/json"), 1, "plain HTTP: a 429");
+}

@@ -155,6 +155,8 @@ pub struct FakeHost {
     pub metrics_refused: Cell<bool>,
     /// When set, local replies cannot be sent.
     pub reply_fails: Cell<bool>,
+    /// Local replies sent as gRPC.
+    pub grpc_replies: Cell<u32>,
     pub wakes: Cell<u32>,
     /// The tick period the flow asked for.
     pub tick_ms: Cell<Option<u32>>,
@@ -189,6 +191,7 @@ impl Default for FakeHost {
             queue_fails: Cell::new(false),
             metrics_refused: Cell::new(false),
             reply_fails: Cell::new(false),
+            grpc_replies: Cell::new(0),
             wakes: Cell::new(0),
             tick_ms: Cell::new(None),
             response: RefCell::default(),
@@ -410,6 +413,12 @@ impl Host for FakeHost {
             .borrow_mut()
             .push(Acted::Replied(self.context.get(), reply.clone()));
         true
+    }
+
+    fn send_grpc_reply(&self, reply: &DenyResponse) -> bool {
+        self.hostcall("send_grpc_response");
+        self.grpc_replies.set(self.grpc_replies.get() + 1);
+        self.send_reply(reply)
     }
 
     fn add_response_header(&self, name: &str, value: &str) {

@@ -192,6 +192,9 @@ pub trait Host: SharedStore {
     fn resume_request(&self) -> bool;
     /// Answers the current request locally.
     fn send_reply(&self, reply: &DenyResponse) -> bool;
+    /// Answers the current (gRPC) request locally with `reply.grpc_status`,
+    /// its body as the message and its headers as metadata.
+    fn send_grpc_reply(&self, reply: &DenyResponse) -> bool;
     /// Adds a header to the current stream's response.
     fn add_response_header(&self, name: &str, value: &str);
 

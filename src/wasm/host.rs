@@ -4,7 +4,7 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use proxy_wasm::types::{BufferType, GrpcStatusCode, MapType, MetricType, Status};
 
 use super::abi;
 use super::timers::{timed, Site};
@@ -146,6 +146,21 @@ impl Host for WasmHost {
         hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())).is_ok()
     }
 
+    fn send_grpc_reply(&self, reply: &DenyResponse) -> bool {
+        let metadata: Vec<(&str, &[u8])> = reply
+            .headers
+            .iter()
+            .filter(|(k, _)| *k != "content-type")
+            .map(|(k, v)| (*k, v.as_bytes()))
+            .collect();
+        hostcalls::send_grpc_response(
+            grpc_code(reply.grpc_status),
+            Some(reply.body.trim_end()),
+            metadata,
+        )
+        .is_ok()
+    }
+
     fn add_response_header(&self, name: &str, value: &str) {
         let _ = timed(Site::AddHeader, || {
             hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value)
@@ -181,5 +196,27 @@ impl Host for WasmHost {
 
     fn resume_response(&self) -> bool {
         hostcalls::resume_http_response().is_ok()
+    }
+}
+
+/// The SDK's code for a gRPC status number (validated 1 to 16).
+fn grpc_code(status: u32) -> GrpcStatusCode {
+    match status {
+        1 => GrpcStatusCode::Cancelled,
+        2 => GrpcStatusCode::Unknown,
+        3 => GrpcStatusCode::InvalidArgument,
+        4 => GrpcStatusCode::DeadlineExceeded,
+        5 => GrpcStatusCode::NotFound,
+        6 => GrpcStatusCode::AlreadyExists,
+        7 => GrpcStatusCode::PermissionDenied,
+        9 => GrpcStatusCode::FailedPrecondition,
+        10 => GrpcStatusCode::Aborted,
+        11 => GrpcStatusCode::OutOfRange,
+        12 => GrpcStatusCode::Unimplemented,
+        13 => GrpcStatusCode::Internal,
+        14 => GrpcStatusCode::Unavailable,
+        15 => GrpcStatusCode::DataLoss,
+        16 => GrpcStatusCode::Unauthenticated,
+        _ => GrpcStatusCode::ResourceExhausted,
     }
 }

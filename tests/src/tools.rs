@@ -29,6 +29,17 @@ fn require(what: &str, found: Option<PathBuf>, how: &str) -> PathBuf {
     }
 }
 
+/// The project's Python, with the packages of scripts/requirements.txt
+/// (grpcio: a real gRPC client for the tests).
+pub fn venv_python() -> PathBuf {
+    let p = root().join(".venv/bin/python");
+    require(
+        "the project's Python (.venv) with grpcio",
+        Some(p).filter(|p| p.is_file()),
+        "Install it with `scripts/setup.sh` (the packages of scripts/requirements.txt into .venv).",
+    )
+}
+
 /// Envoy: `$ENVOY_BIN`, else the project's virtualenv, else `PATH`.
 pub fn envoy() -> PathBuf {
     let found = std::env::var_os("ENVOY_BIN")

@@ -382,3 +382,46 @@ fn a_config_with_an_unknown_field_is_rejected_naming_the_field() {
         "{out}"
     );
 }
+
+/// A real gRPC client (Python's grpcio) through a replica: the requests
+/// past the limit fail with RESOURCE_EXHAUSTED and the deny's reason, not
+/// with the UNAVAILABLE that gRPC clients read an HTTP 429 as (and retry).
+#[test]
+fn a_denied_grpc_request_fails_with_resource_exhausted() {
+    let t = topology(keyed_config("local"));
+    wait_for_fresh_window(Duration::from_secs(15));
+    let client = r#"
+import sys, grpc
+channel = grpc.insecure_channel(sys.argv[1])
+call = channel.unary_unary("/meshlimit.test.Echo/Say")
+for _ in range(int(sys.argv[2])):
+    try:
+        call(b"", metadata=(("x-api-key", "grpc-client"),), timeout=5)
+        print("OK")
+    except grpc.RpcError as e:
+        print(e.code().name, "|", e.details())
+"#;
+    let n = LIMIT + 5;
+    let out = std::process::Command::new(meshlimit_testbed::tools::venv_python())
+        .args(["-c", client, &t.replica_addr(1), &n.to_string()])
+        .output()
+        .unwrap();
+    let lines = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{lines}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let denied: Vec<&str> = lines
+        .lines()
+        .filter(|l| l.starts_with("RESOURCE_EXHAUSTED"))
+        .collect();
+    // The admitted ones reach an upstream that does not speak gRPC: any
+    // other status, but never RESOURCE_EXHAUSTED nor UNAVAILABLE.
+    assert_eq!(denied.len(), 5, "{lines}");
+    assert!(
+        denied.iter().all(|l| l.contains("rate limit exceeded")),
+        "{lines}"
+    );
+    assert!(!lines.contains("UNAVAILABLE"), "{lines}");
+}

@@ -202,9 +202,16 @@ pub(super) fn validate_response(raw: RawResponse) -> Result<ResponseConfig, Conf
     if raw.body.len() > 64 * 1024 {
         return Err(err("response.body", "must be at most 64 KiB"));
     }
+    if !(1..=16).contains(&raw.grpc_status) {
+        return Err(err(
+            "response.grpc_status",
+            "must be a gRPC status code from 1 to 16 (8, RESOURCE_EXHAUSTED, is the standard one)",
+        ));
+    }
     Ok(ResponseConfig {
         status: raw.status,
         body: raw.body,
         headers: raw.headers,
+        grpc_status: raw.grpc_status,
     })
 }
