@@ -25,6 +25,13 @@ use crate::tokens::budget::{Ledger, Place, Reservation};
 use crate::tokens::json;
 use crate::tokens::sse::{SseGate, CUT_EVENTS};
 
+/// The fewest units a top-up asks for: a stream reserving 1 (mode
+/// `after`'s unit, or a small `max_tokens`) that keeps producing would
+/// otherwise call meshlimitd once per token. What a top-up does not use is
+/// given back with the settlement; when a whole one no longer fits, the
+/// stream takes what is left.
+const MIN_TOP_UP: u64 = 64;
+
 impl Worker {
     /// Where a fallback decision charged (nowhere with `failure_mode:
     /// allow`).
@@ -66,7 +73,9 @@ impl Worker {
             Budget {
                 check: check.clone(),
                 ledger,
-                step: units,
+                // A stream that outgrows a small reservation tops up in
+                // chunks, not a script run per token.
+                step: units.max(MIN_TOP_UP),
                 statuses,
                 response: Response::NotYet,
                 topping_up: false,
