@@ -59,35 +59,7 @@ async fn check(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -
             );
         }
     };
-    // The decision runs on its own: when the caller's deadline passes
-    // first, it is answered 503 (it decides without us), and what the
-    // decision leased or reserved for it goes back once the scripts end.
-    let request = std::sync::Arc::new(request);
-    let deadline = Instant::now() + budget;
-    let mut work = tokio::spawn(guarded(
-        state.clone(),
-        std::sync::Arc::clone(&request),
-        deadline,
-    ));
-    let response = match tokio::time::timeout(budget, &mut work).await {
-        Ok(Ok(decided)) => answer(decided),
-        Ok(Err(_)) => error(StatusCode::SERVICE_UNAVAILABLE, "not decided"),
-        Err(_) => {
-            let state = state.clone();
-            tokio::spawn(async move {
-                if let Ok(decided) = work.await {
-                    let units = give_back(&state, &request, &decided).await;
-                    if units > 0 {
-                        debug!(units, "gave back what a decision its caller gave up on had leased or reserved");
-                    }
-                }
-            });
-            error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("not decided within {budget:?}"),
-            )
-        }
-    };
+    let response = decide_within(&state, request, budget).await;
     state.metrics.response(response.status().as_u16());
     response
 }
@@ -113,20 +85,50 @@ fn caller_budget(headers: &HeaderMap, request_timeout: Duration) -> Duration {
         })
 }
 
-/// Decides with a permit: at most `max_in_flight` at once, and a caller
-/// waits at most `queue_timeout` for one (then 503: the filter falls back,
-/// which beats queueing behind a backlog it would time out on anyway).
-/// Nothing is started once `deadline` has passed (the caller no longer
-/// waits: it would decide, and charge, the requests locally too).
-async fn guarded(
-    state: AppState,
-    request: std::sync::Arc<CheckRequest>,
-    deadline: Instant,
-) -> Decided {
-    match permit(&state).await {
-        Some(_) if Instant::now() >= deadline => Decided::Unavailable("the caller gave up".into()),
-        Some(_permit) => decide_call(&state, &request).await,
-        None => Decided::Unavailable(OVERLOADED.into()),
+/// Decides a call within `budget`, with a permit: at most
+/// `max_in_flight` at once, and a caller waits at most `queue_timeout` for
+/// one (then 503: the filter falls back, which beats queueing behind a
+/// backlog it would time out on anyway). The decision runs on its own:
+/// when the deadline passes first, the caller gets its 503 (it decides
+/// without us) and the permit is free again, as if the work had stopped;
+/// the scripts already sent end in Redis anyway, and what they leased or
+/// reserved goes back then (`give_back`). Nothing is started once the
+/// deadline has passed.
+async fn decide_within(state: &AppState, request: CheckRequest, budget: Duration) -> Response {
+    let deadline = Instant::now() + budget;
+    let Ok(permit) = tokio::time::timeout(budget, permit(state)).await else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not decided within {budget:?}"),
+        );
+    };
+    let Some(_permit) = permit else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, OVERLOADED);
+    };
+    let request = std::sync::Arc::new(request);
+    let mut work = {
+        let (state, request) = (state.clone(), std::sync::Arc::clone(&request));
+        tokio::spawn(async move { decide_call(&state, &request).await })
+    };
+    let left = deadline.saturating_duration_since(Instant::now());
+    match tokio::time::timeout(left, &mut work).await {
+        Ok(Ok(decided)) => answer(decided),
+        Ok(Err(_)) => error(StatusCode::SERVICE_UNAVAILABLE, "not decided"),
+        Err(_) => {
+            let state = state.clone();
+            tokio::spawn(async move {
+                if let Ok(decided) = work.await {
+                    let units = give_back(&state, &request, &decided).await;
+                    if units > 0 {
+                        debug!(units, "gave back what a decision its caller gave up on had leased or reserved");
+                    }
+                }
+            });
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not decided within {budget:?}"),
+            )
+        }
     }
 }
 
