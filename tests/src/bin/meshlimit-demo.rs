@@ -209,106 +209,10 @@ fn fallback_total(t: &Topology) -> u64 {
 }
 
 fn main() {
-    println!("meshlimit demo: one shared limit for a client, whichever Envoy replica serves it.\n");
-    println!("Starting on loopback (every process is stopped at the end):");
-    let mut t = Topology::start(TopologyOptions::default());
-    let h = t.host.clone();
-    println!("  redis-server   {h}:{REDIS_PORT}");
-    println!("  meshlimitd     {h}:{MESHLIMITD_PORT}   (runs the Lua scripts on Redis)");
-    println!(
-        "  replica-1/2    {h}:{} and :{}  (Envoy + meshlimit.wasm)",
-        FRONT_PORT + 1,
-        FRONT_PORT + 2
-    );
-    println!("  front          {h}:{FRONT_PORT}   (Envoy, round robin over the replicas)");
-    println!("  rule: {LIMIT} requests per minute per x-api-key (envoy/plugin-config.json)");
-
-    println!("\n1. Redis up: the limit is global.");
-    fresh_window(15);
-    let (mut alice, mut bob) = (Tally::default(), Tally::default());
-    for _ in 0..30 {
-        send(&t, "alice", 2, &mut alice);
-        send(&t, "bob", 1, &mut bob);
-    }
-    table(
-        "alice sends 60, bob 30, interleaved, through the front load balancer:",
-        &[("alice", &alice), ("bob", &bob)],
-        &format!("{LIMIT} allowed each, in total across both replicas (an in-memory limiter would allow {})", 2 * LIMIT),
-    );
-    // Lease hits reach the stat on the filter's next tick.
-    let _ = t.lease_hits();
-    println!("  how the allowed ones were decided (Envoy stats, wasmcustom.*):");
-    for name in [
-        "meshlimit.requests_allowed",
-        "meshlimit.lease_grants",
-        "meshlimit.lease_hits",
-    ] {
-        println!("    {}", stats_line(&t, name));
-    }
-    println!("  (busy clients get quota leases: units meshlimitd charged in Redis ahead of time,");
-    println!("   spent by the replica without a call; never more than the limit, docs/leases.md)");
-    let last = t.get("/api/orders", &[("x-api-key", b"alice")]);
-    println!("\n  what alice's next request gets back:");
-    println!("    HTTP {}", last.status);
-    for name in ["retry-after", "ratelimit", "ratelimit-policy"] {
-        println!("    {name}: {}", last.header(name).unwrap_or("-"));
-    }
-
-    println!("\n2. Redis stopped: every replica falls back to its own local counters.");
-    t.stop_redis();
-    fresh_window(10);
-    let mut carol = Tally::default();
-    send(&t, "carol", 60, &mut carol);
-    table(
-        "carol sends 60 while Redis is down:",
-        &[("carol", &carol)],
-        &format!(
-            "no 5xx; each replica allows {LIMIT} on its own ({} in all) until Redis returns",
-            2 * LIMIT
-        ),
-    );
-    println!("  Envoy stats (wasmcustom.*):");
-    for name in [
-        "meshlimit.fallback_allowed",
-        "meshlimit.fallback_denied",
-        "meshlimit.service_errors.unavailable",
-        "meshlimit.breaker_opened",
-    ] {
-        println!("    {}", stats_line(&t, name));
-    }
-    println!("  (after 5 failed calls each replica's breaker opened: the other requests");
-    println!(
-        "   were decided locally without calling meshlimitd, so no request waited on a timeout)"
-    );
-
-    println!("\n3. Redis restarted (Envoy and meshlimitd keep running).");
-    t.start_redis();
-    let started = Instant::now();
-    // Several global decisions in a row: every replica's breaker has closed.
-    let mut in_a_row = 0;
-    while in_a_row < 6 && started.elapsed() < Duration::from_secs(15) {
-        let before = fallback_total(&t);
-        t.get("/api/orders", &[("x-api-key", b"probe")]);
-        if fallback_total(&t) == before {
-            in_a_row += 1;
-        } else {
-            in_a_row = 0;
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-    println!(
-        "  global decisions again after {:.1}s",
-        started.elapsed().as_secs_f64()
-    );
-    fresh_window(10);
-    let mut dave = Tally::default();
-    send(&t, "dave", 60, &mut dave);
-    table(
-        "dave sends 60:",
-        &[("dave", &dave)],
-        &format!("{LIMIT} allowed: the global limit is back"),
-    );
-
+    let mut t = start();
+    let (alice, bob) = act_global(&t);
+    let carol = act_redis_down(&mut t);
+    let dave = act_redis_back(&mut t);
     drop(t);
     let tokens_ok = token_budget();
 
@@ -329,19 +233,132 @@ fn main() {
         .filter(|(_, met)| !met)
         .map(|(what, _)| *what)
         .collect();
-    let ok = missed.is_empty();
-    if !ok {
+    if missed.is_empty() {
+        println!("Done: every number matched what was expected.");
+    } else {
         println!("Not as expected: {}", missed.join("; "));
-    }
-    println!(
-        "{}",
-        if ok {
-            "Done: every number matched what was expected."
-        } else {
-            "Done, but some numbers differ from what was expected (see above)."
-        }
-    );
-    if !ok {
+        println!("Done, but some numbers differ from what was expected (see above).");
         std::process::exit(1);
     }
+}
+
+/// Starts the demo's processes and says what runs where.
+fn start() -> Topology {
+    println!("meshlimit demo: one shared limit for a client, whichever Envoy replica serves it.\n");
+    println!("Starting on loopback (every process is stopped at the end):");
+    let t = Topology::start(TopologyOptions::default());
+    let h = t.host.clone();
+    println!("  redis-server   {h}:{REDIS_PORT}");
+    println!("  meshlimitd     {h}:{MESHLIMITD_PORT}   (runs the Lua scripts on Redis)");
+    println!(
+        "  replica-1/2    {h}:{} and :{}  (Envoy + meshlimit.wasm)",
+        FRONT_PORT + 1,
+        FRONT_PORT + 2
+    );
+    println!("  front          {h}:{FRONT_PORT}   (Envoy, round robin over the replicas)");
+    println!("  rule: {LIMIT} requests per minute per x-api-key (envoy/plugin-config.json)");
+
+    t
+}
+
+/// Act 1: two clients through the front load balancer, one limit each
+/// across both replicas.
+fn act_global(t: &Topology) -> (Tally, Tally) {
+    println!("\n1. Redis up: the limit is global.");
+    fresh_window(15);
+    let (mut alice, mut bob) = (Tally::default(), Tally::default());
+    for _ in 0..30 {
+        send(t, "alice", 2, &mut alice);
+        send(t, "bob", 1, &mut bob);
+    }
+    table(
+        "alice sends 60, bob 30, interleaved, through the front load balancer:",
+        &[("alice", &alice), ("bob", &bob)],
+        &format!("{LIMIT} allowed each, in total across both replicas (an in-memory limiter would allow {})", 2 * LIMIT),
+    );
+    // Lease hits reach the stat on the filter's next tick.
+    let _ = t.lease_hits();
+    println!("  how the allowed ones were decided (Envoy stats, wasmcustom.*):");
+    for name in [
+        "meshlimit.requests_allowed",
+        "meshlimit.lease_grants",
+        "meshlimit.lease_hits",
+    ] {
+        println!("    {}", stats_line(t, name));
+    }
+    println!("  (busy clients get quota leases: units meshlimitd charged in Redis ahead of time,");
+    println!("   spent by the replica without a call; never more than the limit, docs/leases.md)");
+    let last = t.get("/api/orders", &[("x-api-key", b"alice")]);
+    println!("\n  what alice's next request gets back:");
+    println!("    HTTP {}", last.status);
+    for name in ["retry-after", "ratelimit", "ratelimit-policy"] {
+        println!("    {name}: {}", last.header(name).unwrap_or("-"));
+    }
+
+    (alice, bob)
+}
+
+/// Act 2: Redis stopped; each replica decides from its own counters.
+fn act_redis_down(t: &mut Topology) -> Tally {
+    println!("\n2. Redis stopped: every replica falls back to its own local counters.");
+    t.stop_redis();
+    fresh_window(10);
+    let mut carol = Tally::default();
+    send(t, "carol", 60, &mut carol);
+    table(
+        "carol sends 60 while Redis is down:",
+        &[("carol", &carol)],
+        &format!(
+            "no 5xx; each replica allows {LIMIT} on its own ({} in all) until Redis returns",
+            2 * LIMIT
+        ),
+    );
+    println!("  Envoy stats (wasmcustom.*):");
+    for name in [
+        "meshlimit.fallback_allowed",
+        "meshlimit.fallback_denied",
+        "meshlimit.service_errors.unavailable",
+        "meshlimit.breaker_opened",
+    ] {
+        println!("    {}", stats_line(t, name));
+    }
+    println!("  (after 5 failed calls each replica's breaker opened: the other requests");
+    println!(
+        "   were decided locally without calling meshlimitd, so no request waited on a timeout)"
+    );
+
+    carol
+}
+
+/// Act 3: Redis back; the limit is global again.
+fn act_redis_back(t: &mut Topology) -> Tally {
+    println!("\n3. Redis restarted (Envoy and meshlimitd keep running).");
+    t.start_redis();
+    let started = Instant::now();
+    // Several global decisions in a row: every replica's breaker has closed.
+    let mut in_a_row = 0;
+    while in_a_row < 6 && started.elapsed() < Duration::from_secs(15) {
+        let before = fallback_total(t);
+        t.get("/api/orders", &[("x-api-key", b"probe")]);
+        if fallback_total(t) == before {
+            in_a_row += 1;
+        } else {
+            in_a_row = 0;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    println!(
+        "  global decisions again after {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    fresh_window(10);
+    let mut dave = Tally::default();
+    send(t, "dave", 60, &mut dave);
+    table(
+        "dave sends 60:",
+        &[("dave", &dave)],
+        &format!("{LIMIT} allowed: the global limit is back"),
+    );
+
+    dave
 }

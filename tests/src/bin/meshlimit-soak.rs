@@ -90,6 +90,49 @@ fn hostile(entry: &str, kind: u64, n: u64) -> bool {
     }
 }
 
+/// The hostile client, until `stop`: a request every 20 ms, each one of
+/// [`hostile`]'s kinds in turn.
+fn hostile_client(entry: &str, counts: &Counts, stop: &AtomicBool) {
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        n += 1;
+        if hostile(entry, n, n / 3) {
+            counts.server_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        counts.hostile.fetch_add(1, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One keep-alive connection (`w` of 4) of well-behaved and abusive
+/// clients over the three rules, until `stop`.
+fn mixed_traffic(w: u64, entry: &str, counts: &Counts, stop: &AtomicBool) {
+    let mut conn = Conn::new(entry);
+    let mut n = w;
+    while !stop.load(Ordering::Relaxed) {
+        n = n
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let path = ["/fixed/a", "/log/b", "/bucket/c"][(n >> 33) as usize % 3];
+        // 200 well-behaved clients and 3 abusive ones.
+        let id = if n.is_multiple_of(10) {
+            format!("abuser-{}", (n >> 20) % 3)
+        } else {
+            format!("client-{}", (n >> 24) % 200)
+        };
+        let slot = match conn.get(path, &[("x-api-key", id.as_bytes())]) {
+            Ok(r) if r.status == 200 => &counts.ok,
+            Ok(r) if r.status == 429 => &counts.denied,
+            Ok(r) if r.status >= 500 => &counts.server_errors,
+            _ => &counts.other,
+        };
+        slot.fetch_add(1, Ordering::Relaxed);
+        if w == 0 && n.is_multiple_of(4) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
 fn soak() {
     let seconds = env_secs("SOAK_SECONDS", 600);
     let restart_every = env_secs("SOAK_RESTART_SECONDS", 120);
@@ -112,46 +155,11 @@ fn soak() {
     std::thread::scope(|s| {
         {
             let (entry, counts, stop) = (entry.clone(), &counts, &stop);
-            s.spawn(move || {
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    if hostile(&entry, n, n / 3) {
-                        counts.server_errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                    counts.hostile.fetch_add(1, Ordering::Relaxed);
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            });
+            s.spawn(move || hostile_client(&entry, counts, stop));
         }
         for w in 0..4u64 {
             let (entry, counts, stop) = (entry.clone(), &counts, &stop);
-            s.spawn(move || {
-                let mut conn = Conn::new(&entry);
-                let mut n = w;
-                while !stop.load(Ordering::Relaxed) {
-                    n = n
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    let path = ["/fixed/a", "/log/b", "/bucket/c"][(n >> 33) as usize % 3];
-                    // 200 well-behaved clients and 3 abusive ones.
-                    let id = if n % 10 == 0 {
-                        format!("abuser-{}", (n >> 20) % 3)
-                    } else {
-                        format!("client-{}", (n >> 24) % 200)
-                    };
-                    let slot = match conn.get(path, &[("x-api-key", id.as_bytes())]) {
-                        Ok(r) if r.status == 200 => &counts.ok,
-                        Ok(r) if r.status == 429 => &counts.denied,
-                        Ok(r) if r.status >= 500 => &counts.server_errors,
-                        _ => &counts.other,
-                    };
-                    slot.fetch_add(1, Ordering::Relaxed);
-                    if w == 0 && n % 4 == 0 {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                }
-            });
+            s.spawn(move || mixed_traffic(w, &entry, counts, stop));
         }
         let start = Instant::now();
         let mut next_restart = Duration::from_secs(restart_every);

@@ -1,0 +1,127 @@
+//! The machine: cores, pinning processes to them, their CPU time, and an
+//! Envoy's stats.
+
+use std::process::Command;
+
+use meshlimit_testbed::http;
+use meshlimit_testbed::Topology;
+
+use crate::load::{Sample, LOADGEN_CPUS, SECONDS};
+use crate::rows::{run, Target};
+
+/// The machine's cores, read once, first thing: the bench later pins its
+/// own process (it runs the token row's fake model), and
+/// `available_parallelism` follows the process's CPU affinity.
+pub(crate) fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The CPU for the Envoy under test, and the CPUs for everything else (its
+/// upstream, meshlimitd, Redis, the load generator); None on one core.
+pub(crate) fn cpu_sets() -> Option<(String, String)> {
+    let n = cores();
+    let others = if n == 2 {
+        "1".to_string()
+    } else {
+        format!("1-{}", n - 1)
+    };
+    (n >= 2).then_some(("0".to_string(), others))
+}
+
+/// Sets the CPUs every thread of `pid` may run on.
+pub(crate) fn pin(pid: Option<u32>, cpus: &str) {
+    let Some(pid) = pid else { return };
+    let ok = Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus, &pid.to_string()])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(ok, "taskset could not pin process {pid} to CPUs {cpus}");
+}
+
+pub(crate) fn stat(admin: &str, name: &str) -> u64 {
+    http::envoy_stats(admin, &format!("^{}$", name.replace('.', "\\.")))
+        .first()
+        .map_or(0, |(_, v)| *v)
+}
+
+/// CPU time (user + system) a process used so far, in clock ticks.
+pub(crate) fn cpu_ticks(pid: Option<u32>) -> u64 {
+    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .and_then(|s| {
+            // Fields after the command name (which may contain spaces).
+            let rest = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0)
+}
+
+/// CPU time of the whole machine so far (all cores, excluding idle), ticks.
+pub(crate) fn busy_ticks() -> u64 {
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| {
+            let cpu: Vec<u64> = s
+                .lines()
+                .next()?
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            Some(
+                cpu.iter().sum::<u64>()
+                    - cpu.get(3).copied().unwrap_or(0)
+                    - cpu.get(4).copied().unwrap_or(0),
+            )
+        })
+        .unwrap_or(0)
+}
+
+/// Where the CPU went during one saturation run: per process, in
+/// milliseconds of CPU per 1000 requests.
+pub(crate) struct CpuShare {
+    pub(crate) name: &'static str,
+    pub(crate) per_1000: Vec<(&'static str, f64)>,
+}
+
+/// Pins the Envoys under test (`targets`) to a core of their own and the
+/// rest of `topologies` (upstreams, meshlimitd, Redis) and the load
+/// generator to the other, then warms every row up at a fixed rate.
+pub(crate) fn pin_and_warm<'t>(
+    what: &str,
+    targets: &[Target],
+    topologies: impl Iterator<Item = &'t Topology>,
+    key: &str,
+) {
+    let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
+        panic!("{what} pins Envoy to a core of its own: it needs two cores");
+    };
+    for t in targets {
+        pin(Some(t.pid), &envoy_cpus);
+    }
+    for p in topologies.flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()]) {
+        pin(p, &other_cpus);
+    }
+    if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
+        *cpus = Some(other_cpus);
+    }
+    for t in targets {
+        let _ = run(t, key, Some(2_000));
+    }
+}
+
+/// A saturation run of `t`, with the Envoy CPU it spent per request
+/// (since `before`, its CPU ticks when the run started; USER_HZ is 100 on
+/// Linux: a tick is 10 ms).
+pub(crate) fn with_cpu(t: &Target, mut s: Sample, before: u64) -> Sample {
+    s.envoy_cpu_us =
+        (cpu_ticks(Some(t.pid)) - before) as f64 * 10_000.0 / (s.rps * SECONDS as f64).max(1.0);
+    s
+}
+
+/// Whether the environment variable `name` is set to something (an empty
+/// value, as `make` passes an unset one, is off).
+pub(crate) fn flag(name: &str) -> bool {
+    std::env::var_os(name).is_some_and(|v| !v.is_empty())
+}
