@@ -52,24 +52,24 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
     }
 }
 
-/// Adds, through `add`, the headers of a request admitted from a lease
-/// with `remaining` units left and its window whole again in
-/// `reset_after_ms`: the same as [`rate_limit_headers`] for a result whose
-/// every limit reports those (each at its configured quota), without
-/// making that result. The policy, the same for every such request of the
-/// check, is made once and kept in `policy`; the other values are written
-/// in `scratch`, so a busy client's hits allocate nothing once it has
-/// grown.
+/// Adds, through `add`, the headers of a request admitted without a call
+/// (a lease hit, or `scope: local` rules alone): the limit at `top` (an
+/// index into `limits`) is the most constraining, with `remaining` units
+/// left and its window whole again in `reset_after_ms`. The same as
+/// [`rate_limit_headers`] for a result whose most constraining status says
+/// that at the configured quota, without making that result. The policy,
+/// the same for every such request of the check, is made once and kept in
+/// `policy`; the other values are written in `scratch`, so a busy client's
+/// hits allocate nothing once it has grown.
 pub fn add_admitted(
     style: HeaderStyle,
     limits: &[Applied],
-    (remaining, reset_after_ms): (u64, u64),
+    (top, remaining, reset_after_ms): (usize, u64, u64),
     policy: &std::cell::OnceCell<String>,
     scratch: &mut String,
     mut add: impl FnMut(&'static str, &str),
 ) {
-    // Equal statuses: the most constraining is the first enforced limit.
-    let Some(top) = limits.iter().find(|a| !a.shadow) else {
+    let Some(top) = limits.get(top).filter(|a| !a.shadow) else {
         return;
     };
     match style {
@@ -98,6 +98,19 @@ pub fn add_admitted(
             add("ratelimit", scratch);
         }
     }
+}
+
+/// The first enforced limit: the most constraining when every limit
+/// reports the same (a lease's units count against each alike).
+pub fn first_enforced(limits: &[Applied]) -> Option<usize> {
+    limits.iter().position(|a| !a.shadow)
+}
+
+/// Where `result`'s most constraining status is (an index into its
+/// limits, in the order of the check's).
+pub fn most_constraining_index(result: &CheckResult) -> Option<usize> {
+    let top = result.most_constraining()?;
+    result.limits.iter().position(|s| std::ptr::eq(s, top))
 }
 
 fn x_ratelimit(limit: u64, remaining: u64, reset_after_ms: u64) -> Headers {
@@ -168,10 +181,12 @@ fn most_constraining<'a>(
     limits: &'a [Applied],
     result: &'a CheckResult,
 ) -> Option<(&'a str, &'a LimitStatus)> {
-    let top = result.most_constraining()?;
-    let index = result.limits.iter().position(|s| std::ptr::eq(s, top))?;
+    let index = most_constraining_index(result)?;
     let applied = limits.get(index)?;
-    Some((applied.limit.qualified_name.as_str(), top))
+    Some((
+        applied.limit.qualified_name.as_str(),
+        result.limits.get(index)?,
+    ))
 }
 
 #[cfg(test)]
@@ -236,10 +251,14 @@ mod tests {
                     let (policy, mut scratch) = (std::cell::OnceCell::new(), String::new());
                     for _ in 0..2 {
                         let mut added = Vec::new();
+                        let Some(top) = first_enforced(limits) else {
+                            assert!(rate_limit_headers(style, limits, &result).is_empty());
+                            continue;
+                        };
                         add_admitted(
                             style,
                             limits,
-                            (remaining, reset),
+                            (top, remaining, reset),
                             &policy,
                             &mut scratch,
                             |name, value| added.push((name, value.to_string())),
@@ -251,6 +270,59 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// Local rules' headers, made at the response from the most
+    /// constraining status alone, are those of their result, whichever
+    /// limit constrains most and whatever the others report.
+    #[test]
+    fn local_rules_headers_from_the_most_constraining_status_are_those_of_their_result() {
+        let limits = [
+            ap(&limit("per-second", 5, 1_000)),
+            ap(&limit("per-minute", 100, 60_000)),
+            Applied {
+                shadow: true,
+                ..ap(&limit("shadow", 1, 1_000))
+            },
+        ];
+        for style in [
+            HeaderStyle::Draft,
+            HeaderStyle::XRatelimit,
+            HeaderStyle::None,
+        ] {
+            for (a, b) in [(4, 99), (99, 4), (3, 3), (0, 0)] {
+                let result = CheckResult {
+                    allowed: true,
+                    limits: vec![
+                        st(true, 5, a, 400, 0),
+                        st(true, 100, b, 59_000, 0),
+                        LimitStatus {
+                            shadow: true,
+                            ..st(false, 1, 0, 1_000, 1_000)
+                        },
+                    ],
+                    receipts: None,
+                    leased: 0,
+                };
+                let top = most_constraining_index(&result).unwrap();
+                let status = &result.limits[top];
+                let (policy, mut scratch) = (std::cell::OnceCell::new(), String::new());
+                let mut added = Vec::new();
+                add_admitted(
+                    style,
+                    &limits,
+                    (top, status.remaining, status.reset_after_ms),
+                    &policy,
+                    &mut scratch,
+                    |name, value| added.push((name, value.to_string())),
+                );
+                assert_eq!(
+                    added,
+                    rate_limit_headers(style, &limits, &result),
+                    "{style:?} {a} {b}"
+                );
             }
         }
     }

@@ -2,8 +2,9 @@
 //! of which either decides the request (a [`Step`]) or hands the next
 //! stage what it learned.
 //!
-//! 1. [`Worker::local_rules`]: `scope: local` rules, from this Envoy's
-//!    shared data (a local deny costs no call).
+//! 1. `Worker::local_rules` (`local_rules.rs`): `scope: local` rules,
+//!    from this worker's draw or this Envoy's shared data (a local deny
+//!    costs no call).
 //! 2. [`Worker::leased_units`]: units meshlimitd already charged to this
 //!    Envoy (a hit costs no call, and comes before the deny cache: a deny
 //!    cached on another request does not make those units any less this
@@ -20,6 +21,7 @@ use std::rc::Rc;
 use meshlimit_protocol::CheckResult;
 
 use super::leases::{self, Lookup};
+use super::local_draws;
 use super::{profile, with_local, Step, Stream, Worker};
 use crate::check::Check;
 use crate::decision;
@@ -58,16 +60,16 @@ impl Worker {
     pub(super) fn decide(&self, host: &impl Host, stream: &mut Stream, check: Rc<Check>) -> Step {
         // A hit from the worker's draw may decide on the last clock read
         // (see `clock`); anything else reads the clock.
-        let reused = if check.local.is_empty() {
-            self.hit_clock.reuse()
+        let reused = if check.local.is_empty() || local_draws::drawable(&check).is_some() {
+            self.hits.clock.reuse()
         } else {
             None
         };
         let now = match reused {
             Some(then) => then,
-            None => self.hit_clock.read(host),
+            None => self.hits.clock.read(host),
         };
-        let local = next!(self.local_rules(host, stream, now, &check));
+        let local = next!(self.local_rules(host, stream, (now, reused.is_some()), &check));
         let LeaseMiss { now, ask } = next!(self.leased_units(
             host,
             stream,
@@ -80,41 +82,6 @@ impl Worker {
             Gate::Skip => self.without_meshlimitd(host, stream, now, &check, local.as_ref()),
             Gate::Call | Gate::Probe => self.call(host, stream, now, check, local, ask),
         }
-    }
-
-    /// Stage 1: the request's `scope: local` rules. Their admitted result
-    /// (to report with the global one), or `None` when it has none. (A
-    /// request they admit and the global rules deny still used its local
-    /// quota.)
-    fn local_rules(
-        &self,
-        host: &impl Host,
-        stream: &mut Stream,
-        now: u64,
-        check: &Check,
-    ) -> Outcome<Option<CheckResult>> {
-        if check.local.is_empty() {
-            return Outcome::Next(None);
-        }
-        let decided = self
-            .guard
-            .local_limiter(host, now)
-            .check(host, &check.local, now);
-        self.guard
-            .count_shadow(host, &self.metrics, now, &check.local, &decided.result);
-        self.metrics.bump(
-            host,
-            if decided.result.allowed {
-                Stat::LocalAllowed
-            } else {
-                Stat::LocalDenied
-            },
-        );
-        if !decided.result.allowed || check.global.is_empty() {
-            let verdict = decision::verdict(&self.config, &check.local, &decided.result);
-            return Outcome::Decided(stream.apply(verdict));
-        }
-        Outcome::Next(Some(decided.result))
     }
 
     /// Stage 2: units leased to this Envoy. `clock`: the time, and whether
@@ -130,12 +97,12 @@ impl Worker {
         let mut lookup = self.lease_hit(host, now, reused, stream.context_id, check);
         let now = match (&lookup, reused) {
             (Lookup::NeedsClock, _) => {
-                let now = self.hit_clock.read(host);
+                let now = self.hits.clock.read(host);
                 lookup = self.lease_hit(host, now, false, stream.context_id, check);
                 now
             }
             // A miss goes on to calls and caches: on a fresh read.
-            (Lookup::Miss(_), true) => self.hit_clock.read(host),
+            (Lookup::Miss(_), true) => self.hits.clock.read(host),
             _ => now,
         };
         match lookup {

@@ -31,8 +31,6 @@ pub(super) struct LeaseBook {
     /// The root's tick runs (leases on, and the host took the period):
     /// renewals with time to spare may wait for it.
     pub(super) ticking: bool,
-    /// Where a lease hit's header values are written (keeps its capacity).
-    pub(super) header_scratch: RefCell<String>,
 }
 
 impl LeaseBook {
@@ -59,7 +57,6 @@ impl LeaseBook {
             hits: Cell::new(0),
             observer: RefCell::new(Observer::new(observed)),
             ticking,
-            header_scratch: RefCell::default(),
         }
     }
 

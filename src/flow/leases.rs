@@ -17,6 +17,7 @@ use log::warn;
 use meshlimit_protocol::{CheckResult, LeaseLife, Receipt, SettleOutcome, Settlement};
 
 use super::clock::NEAR_EXPIRY_MS;
+use super::hit::{HitHeaders, Scope};
 use super::observer::Observer;
 use super::{Job, Queued, Step, Stream, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
@@ -40,14 +41,6 @@ pub(super) enum Lookup {
     /// it may spend then and for [`super::clock::NEAR_EXPIRY_MS`] after:
     /// ask again on a fresh one. Nothing was counted.
     NeedsClock,
-}
-
-/// What a request admitted from a lease reports in its RateLimit headers,
-/// until its response comes.
-pub(crate) struct LeaseHeaders {
-    check: Rc<Check>,
-    remaining: u64,
-    reset_after_ms: u64,
 }
 
 /// The next lease a draw found due: its ticket, and how long the units
@@ -167,34 +160,24 @@ impl Worker {
         remaining: u64,
         reset_after_ms: u64,
     ) -> Step {
-        stream.from_lease = true;
         if local.is_some() {
+            stream.hit = true;
             let result = hit_result(&check, remaining, reset_after_ms);
             return stream.apply(super::with_local(&self.config, &check, local, &result));
         }
         // The usual hit: its headers are made when they are added, from
         // the check it shares with the plan memo (nothing is allocated).
-        if !super::profile::SKIP_HEADERS {
-            stream.lease_headers = Some(LeaseHeaders {
+        let top = crate::headers::first_enforced(&check.global).unwrap_or(0);
+        self.admit_hit(
+            stream,
+            HitHeaders {
                 check,
+                scope: Scope::Global,
+                top,
                 remaining,
                 reset_after_ms,
-            });
-        }
-        Step::Continue
-    }
-
-    /// Adds a lease hit's RateLimit headers to its response.
-    pub(super) fn add_lease_headers(&self, host: &impl Host, hit: &LeaseHeaders) {
-        let mut scratch = self.lease_book.header_scratch.borrow_mut();
-        crate::headers::add_admitted(
-            self.config.response.headers,
-            &hit.check.global,
-            (hit.remaining, hit.reset_after_ms),
-            &hit.check.hit_policy.0,
-            &mut scratch,
-            |name, value| host.add_response_header(name, value),
-        );
+            },
+        )
     }
 
     /// A new draw from the check's slot for a request of the check's cost,
@@ -395,7 +378,7 @@ impl Worker {
             self.metrics.add(host, Stat::LeaseHits, hits as usize);
         }
         // Also the clock the next hits reuse.
-        let now = self.hit_clock.read(host);
+        let now = self.hits.clock.read(host);
         let (Some(leases), Some(tick_ms)) = (self.leases(host, now), self.lease_tick_ms()) else {
             return;
         };

@@ -31,9 +31,12 @@ mod budget;
 mod clock;
 mod decide;
 mod guard;
+mod hit;
 mod hold;
 mod lease_book;
 mod leases;
+mod local_draws;
+mod local_rules;
 mod metrics;
 pub(crate) mod observer;
 mod outbox;
@@ -64,7 +67,8 @@ use lease_book::LeaseBook;
 use metrics::Metrics;
 use outbox::{Job, Outbox, Queue, Queued};
 
-/// The root's tick when only held headers need it (leases off).
+/// The root's tick when only held headers or local draws need it (leases
+/// off).
 const HOLD_TICK_MS: u32 = 250;
 
 /// Interval between two log lines about the same kind of trouble.
@@ -120,13 +124,13 @@ pub struct Stream {
     /// A check whose reservation is read from the request body, while the
     /// body comes in.
     awaiting_body: Option<Check>,
-    /// Admitted from a lease: it was never queued, called for, resumed by
-    /// the root or priced in tokens, so the worker's tables of such
-    /// streams hold nothing of it (a busy client's every request skips
-    /// reading them).
-    from_lease: bool,
-    /// Admitted from a lease: its RateLimit headers, made with its response.
-    lease_headers: Option<leases::LeaseHeaders>,
+    /// Admitted without a call (a lease hit, or `scope: local` rules
+    /// alone): it was never queued, called for, resumed by the root or
+    /// priced in tokens, so the worker's tables of such streams hold
+    /// nothing of it (a busy client's every request skips reading them).
+    hit: bool,
+    /// A hit's RateLimit headers, made with its response (see `hit`).
+    hit_headers: Option<hit::HitHeaders>,
 }
 
 /// A check a stream sent itself and waits for.
@@ -169,8 +173,10 @@ pub struct Worker {
     /// The last check planned, for the next request planned from the same
     /// inputs (a busy client's).
     plan_memo: RefCell<crate::plan_memo::PlanMemo>,
-    /// The last clock read, which a lease hit may reuse (see `clock`).
-    hit_clock: clock::HitClock,
+    /// The clock hits may reuse, and where their headers are written.
+    hits: hit::Hits,
+    /// Units this worker drew ahead from `scope: local` counters.
+    local_draws: local_draws::LocalDraws,
 }
 
 impl Worker {
@@ -194,12 +200,17 @@ impl Worker {
         let outbox = Outbox::new(host, &config, root_context_id);
         let guard = Guard::new(&config, instance_keys(host, &config));
         let metrics = Metrics::define(host);
-        // The root's tick gives leased units back, and checks that held
-        // headers get their bodies (see `hold`).
-        let tick_ms = lease_book::tick_ms(config.leases).or(config
-            .allow_on_headers_stop_iteration
-            .then_some(HOLD_TICK_MS));
+        // The root's tick gives leased and drawn units back, and checks
+        // that held headers get their bodies (see `hold`).
+        let has_local = config
+            .rules
+            .iter()
+            .any(|r| r.scope == crate::config::Scope::Local);
+        let tick_ms = lease_book::tick_ms(config.leases)
+            .or((has_local || config.allow_on_headers_stop_iteration).then_some(HOLD_TICK_MS));
         let lease_book = LeaseBook::new(host, config.leases, tick_ms);
+        // Without the tick, drawn units would not go back once idle.
+        let local_draws = local_draws::LocalDraws::new(lease_book.ticking);
         let hold = HeaderHold::new(config.allow_on_headers_stop_iteration);
         Worker {
             metrics,
@@ -216,7 +227,8 @@ impl Worker {
             budgets: RefCell::default(),
             lease_book,
             plan_memo: RefCell::default(),
-            hit_clock: clock::HitClock::default(),
+            hits: hit::Hits::default(),
+            local_draws,
         }
     }
 
@@ -227,8 +239,8 @@ impl Worker {
             in_flight: None,
             response_headers: Vec::new(),
             awaiting_body: None,
-            from_lease: false,
-            lease_headers: None,
+            hit: false,
+            hit_headers: None,
         }
     }
 
@@ -292,7 +304,7 @@ impl Worker {
             // request then never reaches the upstream. Else they go on (a
             // paused stream would get no body callbacks) and the body
             // waits, so the upstream sees nothing it could act on.
-            let now = self.hit_clock.read(host);
+            let now = self.hits.clock.read(host);
             if self.hold.hold(stream.context_id, now) {
                 // Nothing goes on before the body decides it (a cached
                 // deny included: answered once the body is in, a refusal
@@ -325,9 +337,9 @@ impl Worker {
     /// False when the response must wait (a token budget settling first).
     pub fn on_response_headers(&self, host: &impl Host, stream: &mut Stream) -> bool {
         let mut headers = std::mem::take(&mut stream.response_headers);
-        if stream.from_lease {
-            if let Some(hit) = stream.lease_headers.take() {
-                self.add_lease_headers(host, &hit);
+        if stream.hit {
+            if let Some(hit) = stream.hit_headers.take() {
+                self.add_hit_headers(host, &hit);
             }
             for (name, value) in headers {
                 host.add_response_header(name, &value);
@@ -349,7 +361,7 @@ impl Worker {
     /// A reservation not settled yet is settled as the request got
     /// (`on_stream_gone`).
     pub fn on_stream_end(&self, host: &impl Host, stream: &Stream) {
-        if stream.from_lease {
+        if stream.hit {
             return;
         }
         let id = stream.context_id;
@@ -372,6 +384,7 @@ impl Worker {
             host.set_effective_context(self.root_context_id);
         }
         self.lease_tick(host);
+        self.local_draws_tick(host);
     }
 
     /// A stream woke the root: send every batch that is due.

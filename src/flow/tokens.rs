@@ -201,7 +201,7 @@ impl Worker {
         size: usize,
         end_of_stream: bool,
     ) -> bool {
-        if stream.from_lease {
+        if stream.hit {
             return true;
         }
         let id = stream.context_id;

@@ -74,17 +74,36 @@ impl SharedStore for FakeStore {
             *left -= 1;
             return Err(StoreError::CasMismatch);
         }
-        let mut data = self.data.borrow_mut();
-        let current = data.get(key).map(|(_, c)| *c);
-        // Envoy's rule: a non-zero token must match an existing entry's.
-        if let (Some(c), Some(cur)) = (cas, current) {
-            if c != 0 && c != cur {
-                return Err(StoreError::CasMismatch);
+        let current = self.data.borrow().get(key).map(|(_, c)| *c);
+        // Envoy's rule: a token must match an existing entry's. `None` is
+        // the token no entry holds (the key was read missing: see
+        // `WasmHost`'s `set`).
+        match (cas, current) {
+            (Some(c), Some(cur)) if c != cur => Err(StoreError::CasMismatch),
+            (None, Some(_)) => Err(StoreError::CasMismatch),
+            _ => {
+                self.write(key, value, current);
+                Ok(())
             }
         }
-        let next = current.unwrap_or(0) + 1;
-        data.insert(key.to_string(), (value.to_vec(), next));
+    }
+
+    fn overwrite(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        if self.broken.get() {
+            return Err(StoreError::Failed);
+        }
+        let current = self.data.borrow().get(key).map(|(_, c)| *c);
+        self.write(key, value, current);
         Ok(())
+    }
+}
+
+impl FakeStore {
+    fn write(&self, key: &str, value: &[u8], current: Option<u32>) {
+        let next = current.unwrap_or(0) + 1;
+        self.data
+            .borrow_mut()
+            .insert(key.to_string(), (value.to_vec(), next));
     }
 }
 
@@ -275,6 +294,10 @@ impl SharedStore for FakeHost {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         self.hostcall("set_shared_data");
         self.store.set(key, value, cas)
+    }
+    fn overwrite(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.hostcall("set_shared_data");
+        self.store.overwrite(key, value)
     }
 }
 

@@ -73,10 +73,10 @@ impl<S: SharedStore> DenyCache<'_, S> {
         // Unconditional write: the slot belongs to the latest deny.
         let _ = self
             .store
-            .set(&key, &le_words(&[fp, until_ms, now_ms]), None);
+            .overwrite(&key, &le_words(&[fp, until_ms, now_ms]));
         let _ = self
             .store
-            .set(self.keys.deny_recent(), &le_words(&[now_ms]), None);
+            .overwrite(self.keys.deny_recent(), &le_words(&[now_ms]));
         evicted
     }
 

@@ -57,6 +57,17 @@ impl<'k> LocalLimiter<'k> {
         }
     }
 
+    /// The key of `applied`'s counter (a keyed fingerprint of its limit
+    /// and subject), as its slot finds it.
+    pub fn fingerprint(&self, applied: &Applied) -> u64 {
+        store::fingerprint(
+            self.seed,
+            Purpose::Fallback,
+            &*applied.limit,
+            &applied.subject,
+        )
+    }
+
     /// Decides every limit (each for its own subject), all or nothing:
     /// nothing is charged unless every enforced limit admits the request.
     /// Shadow limits are decided and charged like the others but never
@@ -67,14 +78,32 @@ impl<'k> LocalLimiter<'k> {
         limits: &[Applied],
         now_ms: u64,
     ) -> LocalDecision {
-        if let Ok(result) = retry_on_conflict(|| self.try_check(store, limits, now_ms)) {
-            return LocalDecision {
+        self.check_drawing(store, limits, now_ms, |_| 0).0
+    }
+
+    /// As [`LocalLimiter::check`], and for a check of one limit that fits,
+    /// also charges `draw(remaining)` more units (what the limit has left
+    /// once the request is charged; 0 for none), which the caller then
+    /// holds: a worker's draw (`crate::flow::local_draws`). The units
+    /// drawn, counted in the result's `remaining`.
+    pub fn check_drawing(
+        &self,
+        store: &impl SharedStore,
+        limits: &[Applied],
+        now_ms: u64,
+        draw: impl Fn(u64) -> u64,
+    ) -> (LocalDecision, u64) {
+        if let Ok((result, drawn)) =
+            retry_on_conflict(|| self.try_check(store, limits, now_ms, &draw))
+        {
+            let decision = LocalDecision {
                 result,
                 degraded: false,
             };
+            return (decision, drawn);
         }
         // Fail open, visibly: the caller counts and logs degraded decisions.
-        LocalDecision {
+        let decision = LocalDecision {
             result: CheckResult {
                 allowed: true,
                 limits: limits
@@ -85,7 +114,8 @@ impl<'k> LocalLimiter<'k> {
                 leased: 0,
             },
             degraded: true,
-        }
+        };
+        (decision, 0)
     }
 
     fn try_check(
@@ -93,7 +123,8 @@ impl<'k> LocalLimiter<'k> {
         store: &impl SharedStore,
         limits: &[Applied],
         now_ms: u64,
-    ) -> Result<CheckResult, StoreError> {
+        draw: &dyn Fn(u64) -> u64,
+    ) -> Result<(CheckResult, u64), StoreError> {
         /// One shared-data key this check reads and may write. Limits whose
         /// entries share a key update the same copy and write it once: two
         /// writes with one CAS token would make the second fail, and the
@@ -107,6 +138,7 @@ impl<'k> LocalLimiter<'k> {
         let mut slots: Vec<Slot> = Vec::with_capacity(limits.len());
         let mut statuses = Vec::with_capacity(limits.len());
         let mut allowed = true;
+        let mut drawn = 0;
         for applied in limits {
             let limit = &applied.limit;
             let fingerprint =
@@ -136,7 +168,21 @@ impl<'k> LocalLimiter<'k> {
             } else {
                 State::default()
             };
-            let outcome = algorithms::evaluate(&params(limit), state, applied.cost, now_ms);
+            let params = params(limit);
+            let mut outcome = algorithms::evaluate(&params, state, applied.cost, now_ms);
+            let extra = if outcome.fits && limits.len() == 1 {
+                draw(outcome.remaining)
+            } else {
+                0
+            };
+            if extra > 0 {
+                let cost = applied.cost.saturating_add(extra);
+                let with_draw = algorithms::evaluate(&params, state, cost, now_ms);
+                if with_draw.fits {
+                    outcome = with_draw;
+                    drawn = extra;
+                }
+            }
             if !outcome.fits && !applied.shadow {
                 allowed = false;
             }
@@ -175,12 +221,13 @@ impl<'k> LocalLimiter<'k> {
                 }
             }
         }
-        Ok(CheckResult {
+        let result = CheckResult {
             allowed,
             limits: statuses,
             receipts: None,
             leased: 0,
-        })
+        };
+        Ok((result, drawn))
     }
 }
 
@@ -198,33 +245,55 @@ impl LocalLimiter<'_> {
         now_ms: u64,
     ) {
         for applied in limits {
-            let limit = &applied.limit;
-            let fingerprint =
-                store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
-            let key = self
-                .keys
-                .fallback_slot(store::slot(fingerprint, self.slots));
-            let params = params(limit);
-            let _ = retry_on_conflict(|| {
-                let (bytes, cas) = store.get(&key)?;
-                let mut entries = decode(bytes.as_deref());
-                let Some(entry) = entries
-                    .iter_mut()
-                    .find(|e| e.fingerprint == fingerprint && e.touched > 0)
-                else {
-                    return Ok(());
-                };
-                entry.state = algorithms::settle(
-                    &params,
-                    entry.state,
-                    applied.cost,
-                    actual,
-                    charged_ms,
-                    now_ms,
-                );
-                store.set(&key, &encode(&entries), cas)
-            });
+            self.adjust(store, applied, (applied.cost, actual), charged_ms, now_ms);
         }
+    }
+
+    /// Gives back `units` a worker drew on `applied` at `charged_ms` and
+    /// did not use (see [`LocalLimiter::check_drawing`]): as a
+    /// reservation of `units` that cost nothing. Best effort, as
+    /// [`LocalLimiter::settle`].
+    pub fn give_back(
+        &self,
+        store: &impl SharedStore,
+        applied: &Applied,
+        units: u64,
+        charged_ms: u64,
+        now_ms: u64,
+    ) {
+        self.adjust(store, applied, (units, 0), charged_ms, now_ms);
+    }
+
+    /// Moves `applied`'s entry (if still there) by `actual - reserved`,
+    /// in the window `charged_ms` fell in.
+    fn adjust(
+        &self,
+        store: &impl SharedStore,
+        applied: &Applied,
+        (reserved, actual): (u64, u64),
+        charged_ms: u64,
+        now_ms: u64,
+    ) {
+        let limit = &applied.limit;
+        let fingerprint =
+            store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
+        let key = self
+            .keys
+            .fallback_slot(store::slot(fingerprint, self.slots));
+        let params = params(limit);
+        let _ = retry_on_conflict(|| {
+            let (bytes, cas) = store.get(&key)?;
+            let mut entries = decode(bytes.as_deref());
+            let Some(entry) = entries
+                .iter_mut()
+                .find(|e| e.fingerprint == fingerprint && e.touched > 0)
+            else {
+                return Ok(());
+            };
+            entry.state =
+                algorithms::settle(&params, entry.state, reserved, actual, charged_ms, now_ms);
+            store.set(&key, &encode(&entries), cas)
+        });
     }
 }
 
@@ -293,9 +362,9 @@ pub fn shared_seed(store: &impl SharedStore, keys: &Keys, fresh: (u64, u64)) -> 
         if let Some(b) = bytes {
             return Ok(le_word(&b, 0).zip(le_word(&b, 1)));
         }
-        // Two workers racing here may both write; the last write wins and,
-        // since callers re-read the seed now and then, every worker agrees
-        // from then on.
+        // Two workers racing here: the second's write finds the key the
+        // first created, a mismatch, and the retry reads the first's seed.
+        // Every worker counts with one seed from the start.
         store.set(keys.seed(), &le_words(&[fresh.0, fresh.1]), cas)?;
         Ok(Some(fresh))
     })
@@ -452,6 +521,53 @@ mod tests {
         let d = check_as(&l, &s, "a", &applied(&[&m]), 0);
         assert!(d.result.allowed && !d.degraded);
         assert_eq!(d.result.limits[0].remaining, 1);
+    }
+
+    /// Another worker creates a client's slot between this worker's read
+    /// (missing) and its write. Envoy creates a missing key whatever the
+    /// token, so a write that starts from a missing key must be one that
+    /// fails over a key that now exists: it is made again over the other
+    /// worker's, and neither request's count is lost.
+    #[test]
+    fn two_workers_creating_one_slot_at_once_lose_no_count() {
+        /// A store whose first write finds the other worker's already in.
+        struct Racing<'a> {
+            inner: &'a FakeStore,
+            other: std::cell::Cell<Option<Box<dyn FnOnce() + 'a>>>,
+        }
+        impl SharedStore for Racing<'_> {
+            fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+                self.inner.get(key)
+            }
+            fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+                if let Some(other) = self.other.take() {
+                    other();
+                }
+                self.inner.set(key, value, cas)
+            }
+            fn overwrite(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+                self.inner.overwrite(key, value)
+            }
+        }
+        let (l, s) = (
+            LocalLimiter::new(64, (1, 2), &TEST_KEYS),
+            FakeStore::default(),
+        );
+        let m = limit("m", 10, 60_000);
+        let limits = applied(&[&m]);
+        let racing = Racing {
+            inner: &s,
+            other: std::cell::Cell::new(Some(Box::new(|| {
+                assert!(check_as(&l, &s, "a", &limits, 0).result.allowed);
+            }))),
+        };
+        let mine = check_as(&l, &racing, "a", &limits, 0);
+        assert!(mine.result.allowed && !mine.degraded);
+        assert_eq!(mine.result.limits[0].remaining, 8, "both requests counted");
+        assert_eq!(
+            check_as(&l, &s, "a", &limits, 0).result.limits[0].remaining,
+            7
+        );
     }
 
     #[test]

@@ -18,8 +18,13 @@ pub enum StoreError {
 pub trait SharedStore {
     /// The value and its CAS token.
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError>;
-    /// Writes when `cas` still matches (or unconditionally with `None`).
+    /// Writes when the key still holds what was read: the value whose
+    /// token is `cas`, or, with `None`, nothing (the key was missing when
+    /// read, so another worker may have created it since: a read-modify-
+    /// write that starts from a missing key must not overwrite it).
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+    /// Writes whatever the key holds: last write wins (a cache).
+    fn overwrite(&self, key: &str, value: &[u8]) -> Result<(), StoreError>;
 }
 
 /// Compare-and-swap attempts before a read-modify-write gives up.

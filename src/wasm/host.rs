@@ -22,14 +22,33 @@ impl SharedStore for WasmHost {
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        timed(Site::SharedSet, || {
-            hostcalls::set_shared_data(key, Some(value), cas)
-        })
-        .map_err(|e| match e {
-            Status::CasMismatch => StoreError::CasMismatch,
-            _ => StoreError::Failed,
-        })
+        // Envoy writes unconditionally with a token of 0 (the SDK's
+        // `None`), and creates a missing key whatever the token. A write
+        // over a key read missing passes a token no live key holds, so
+        // that a key another worker created since is a mismatch, not
+        // overwritten.
+        set_shared(key, value, Some(cas.unwrap_or(CREATE_CAS)))
     }
+
+    fn overwrite(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        set_shared(key, value, None)
+    }
+}
+
+/// The token of a write over a key read missing: Envoy's tokens count up
+/// from 1 over every write of the process, so a live key holds this one
+/// only if its last write was the 4,294,967,295th, modulo 2^32, and that
+/// other worker's creation raced ours.
+const CREATE_CAS: u32 = u32::MAX;
+
+fn set_shared(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+    timed(Site::SharedSet, || {
+        hostcalls::set_shared_data(key, Some(value), cas)
+    })
+    .map_err(|e| match e {
+        Status::CasMismatch => StoreError::CasMismatch,
+        _ => StoreError::Failed,
+    })
 }
 
 impl Host for WasmHost {
