@@ -59,11 +59,12 @@ pub enum Stat {
     LeaseReturns,
     LeaseHits,
     LeaseRenewals,
+    Version,
 }
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 36] = [
+    pub const ALL: [Stat; 37] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -100,6 +101,7 @@ impl Stat {
         Stat::LeaseReturns,
         Stat::LeaseHits,
         Stat::LeaseRenewals,
+        Stat::Version,
     ];
 
     /// Name, kind and meaning: the one home of each.
@@ -276,6 +278,11 @@ impl Stat {
                 Counter,
                 "renewals asked: calls for a lease running low, that no request waits on",
             ),
+            Stat::Version => (
+                "meshlimit.version",
+                Gauge,
+                "the filter's version as one number, major * 10000 + minor * 100 + patch (0.1.0 is 100)",
+            ),
             Stat::LeaseReturns => (
                 "meshlimit.lease_returns",
                 Counter,
@@ -289,6 +296,16 @@ impl Stat {
         };
         StatDef { name, kind, help }
     }
+}
+
+/// The filter's version (the workspace's) as [`Stat::Version`] reports it.
+pub fn version_number() -> u64 {
+    let mut parts = env!("CARGO_PKG_VERSION")
+        .split(['.', '-'])
+        .map(|p| p.parse::<u64>().unwrap_or(0));
+    let mut next = || parts.next().unwrap_or(0).min(99);
+    let (major, minor, patch) = (next(), next(), next());
+    major * 10_000 + minor * 100 + patch
 }
 
 #[cfg(test)]
@@ -309,11 +326,14 @@ mod tests {
 
     #[test]
     fn the_readme_lists_every_stat() {
-        let readme = include_str!("../README.md");
+        let readme = include_str!("../docs/behaviour.md");
         for stat in Stat::ALL {
             let name = stat.def().name;
             let last = name.rsplit(['.']).next().unwrap_or(name);
-            assert!(readme.contains(last), "README does not list {name}");
+            assert!(
+                readme.contains(last),
+                "docs/behaviour.md does not list {name}"
+            );
         }
     }
 }

@@ -15,3 +15,4 @@ pub mod metrics;
 pub mod rls;
 pub mod script;
 pub mod throttle;
+pub mod validate;

@@ -7,6 +7,7 @@ use meshlimitd::app::{self, AppState};
 use meshlimitd::backend;
 use meshlimitd::limiter::Limiter;
 use meshlimitd::metrics::Metrics;
+use meshlimitd::validate;
 use tracing::{error, info, warn};
 
 /// meshlimitd: decides meshlimit's rate limits on Redis.
@@ -102,6 +103,50 @@ struct Args {
     /// Log format: text or json.
     #[arg(long, env = "MESHLIMITD_LOG_FORMAT", default_value = "text")]
     log_format: String,
+    /// Without one, meshlimitd serves.
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Checks configuration without starting anything: exits 0 and prints
+    /// a summary when it is accepted, 1 and the reason when it is not.
+    #[command(subcommand)]
+    Validate(Validate),
+    /// Exits 0 when the meshlimitd listening on --listen is ready (GET
+    /// /readyz answers 200): a healthcheck for an image with no shell.
+    Probe,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Validate {
+    /// The filter's plugin configuration (JSON, YAML, or an Istio
+    /// WasmPlugin manifest), by the filter's own parser: the message is
+    /// the line the filter would log.
+    PluginConfig { file: std::path::PathBuf },
+    /// A directory of rate limit service configuration files (YAML), as
+    /// --rls-config-dir loads them.
+    RlsConfig { dir: std::path::PathBuf },
+}
+
+/// Runs a command other than serving; the process's exit code.
+fn command(command: &Command, args: &Args) -> i32 {
+    let outcome = match command {
+        Command::Validate(Validate::PluginConfig { file }) => validate::plugin_config(file),
+        Command::Validate(Validate::RlsConfig { dir }) => validate::rls_config(dir),
+        Command::Probe => validate::probe(args.listen),
+    };
+    match outcome {
+        Ok(line) => {
+            println!("{line}");
+            0
+        }
+        Err(line) => {
+            eprintln!("{line}");
+            1
+        }
+    }
 }
 
 #[tokio::main]
@@ -109,6 +154,9 @@ async fn main() {
     // rediss:// uses rustls; select its crypto provider once, explicitly.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let args = Args::parse();
+    if let Some(c) = &args.command {
+        std::process::exit(command(c, &args));
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_env("MESHLIMITD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     if args.log_format == "json" {

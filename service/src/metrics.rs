@@ -51,6 +51,15 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("meshlimitd");
+        // meshlimitd_build_info{version="..."} 1: the workspace's version.
+        registry.register(
+            "build",
+            "meshlimitd's version (the workspace's: the filter's and the images')",
+            prometheus_client::metrics::info::Info::new(vec![(
+                "version".to_string(),
+                env!("CARGO_PKG_VERSION").to_string(),
+            )]),
+        );
         let decisions = Family::<ResultLabel, Counter>::default();
         registry.register(
             "decisions",

@@ -187,7 +187,8 @@ impl Worker {
             config.response.headers = crate::config::HeaderStyle::None;
         }
         info!(
-            "configured {} rule(s), service cluster \"{}\", failure_mode {:?}, group commit {}",
+            "meshlimit {}: configured {} rule(s), service cluster \"{}\", failure_mode {:?}, group commit {}",
+            env!("CARGO_PKG_VERSION"),
             config.rules.len(),
             config.service.cluster,
             config.failure_mode,
@@ -200,6 +201,7 @@ impl Worker {
         let outbox = Outbox::new(host, &config, root_context_id);
         let guard = Guard::new(&config, instance_keys(host, &config));
         let metrics = Metrics::define(host);
+        metrics.set(host, Stat::Version, crate::stats::version_number());
         // The root's tick gives leased and drawn units back, and checks
         // that held headers get their bodies (see `hold`).
         let has_local = config

@@ -975,12 +975,18 @@ fn hostcalls_per_request_with_one_call_each() {
 fn every_stat_is_defined_at_configure() {
     let h = harness("");
     for stat in crate::stats::Stat::ALL {
+        // The version gauge holds the filter's version from the start.
+        let want = match stat {
+            crate::stats::Stat::Version => crate::stats::version_number(),
+            _ => 0,
+        };
         assert!(
-            h.host.stat(stat.def().name) == 0,
-            "{} defined and zero",
+            h.host.stat(stat.def().name) == want,
+            "{} defined and {want}",
             stat.def().name
         );
     }
+    assert_eq!(h.host.stat("meshlimit.version"), 100, "0.1.0");
 }
 
 // ---- the rest of the branches ----
