@@ -13,6 +13,10 @@ use serde::Deserialize;
 
 pub(crate) mod duration;
 mod raw;
+/// The reference of every field: docs/configuration.md and the JSON
+/// Schema are generated from it (native builds only).
+#[cfg(not(target_arch = "wasm32"))]
+pub mod reference;
 #[cfg(test)]
 mod tests;
 mod validate;
