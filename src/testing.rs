@@ -28,6 +28,7 @@ pub(crate) fn limit(qualified_name: &str, requests: u64, window_ms: u64) -> Limi
         overrides: Vec::new(),
         calendar: None,
         share_ppm: 1_000_000,
+        stats: crate::config::StatSlot::default(),
     }
 }
 

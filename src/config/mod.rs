@@ -330,6 +330,26 @@ pub struct LimitConfig {
     /// The rule's `fallback_share` in parts per million (see
     /// [`LimitConfig::fallback_requests`]).
     pub share_ppm: u64,
+    /// Where the limit's own stats are (`crate::flow::rule_stats`).
+    pub stats: StatSlot,
+}
+
+/// A limit's position among every configured limit, where its stats are.
+/// Not part of its identity: equality and fingerprints ignore it, so a
+/// rule moved within the configuration keeps its counters and leases.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StatSlot(pub usize);
+
+impl PartialEq for StatSlot {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for StatSlot {}
+
+impl std::hash::Hash for StatSlot {
+    fn hash<H: std::hash::Hasher>(&self, _: &mut H) {}
 }
 
 impl LimitConfig {

@@ -353,7 +353,7 @@ fn denials_are_cached_until_retry_and_answered_locally() {
         leased: 0,
     };
     remember_denials(&p, &result, &cache, 1_000);
-    let Some(Verdict::Deny(d)) = cached_deny(&c, &p, &cache, 1_500) else {
+    let Some((Verdict::Deny(d), _)) = cached_deny(&c, &p, &cache, 1_500) else {
         panic!("expected a cached deny")
     };
     assert!(d.headers.contains(&("retry-after", "30".into())));

@@ -50,12 +50,12 @@ pub fn verdict(cfg: &Config, limits: &[Applied], result: &CheckResult) -> Verdic
 /// computed for a heavier request would over-deny a lighter one), and
 /// token budgets found at 0 (no reservation fits), whatever the request
 /// would reserve: a spent budget is refused before its body is read.
-pub fn cached_deny<S: SharedStore>(
+pub fn cached_deny<'c, S: SharedStore>(
     cfg: &Config,
-    check: &Check,
+    check: &'c Check,
     cache: &DenyCache<'_, S>,
     now_ms: u64,
-) -> Option<Verdict> {
+) -> Option<(Verdict, &'c Applied)> {
     let mut candidates = check
         .global
         .iter()
@@ -82,7 +82,7 @@ pub fn cached_deny<S: SharedStore>(
             receipts: None,
             leased: 0,
         };
-        Some(verdict(cfg, std::slice::from_ref(a), &result))
+        Some((verdict(cfg, std::slice::from_ref(a), &result), a))
     })
 }
 

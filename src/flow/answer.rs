@@ -6,6 +6,7 @@ use log::warn;
 use meshlimit_protocol::CheckResult;
 
 use super::metrics::Tally;
+use super::rule_stats::Event;
 use super::{with_local, Job, Queued, Step, Stream, Worker};
 use crate::check::{Applied, Check};
 use crate::config::FailureMode;
@@ -141,6 +142,7 @@ impl Worker {
                     if let Ok(mut result) = outcome {
                         // Counted: meshlimitd charged it.
                         tally.decided(result.allowed);
+                        self.rule_stats.result(host, &check.global, &result, false);
                         self.give_back(host, queued.context_id, check, &result);
                         // A lease granted with it serves the next requests.
                         self.install_lease(host, now, queued.context_id, check, &mut result);
@@ -197,6 +199,7 @@ impl Worker {
         let (decided, place) = match outcome {
             Ok(mut result) => {
                 tally.decided(result.allowed);
+                self.rule_stats.result(host, &check.global, &result, false);
                 self.install_lease(host, now, context_id, check, &mut result);
                 self.guard
                     .count_shadow(host, &self.metrics, now, &check.global, &result);
@@ -256,10 +259,20 @@ impl Worker {
                 }
                 self.guard
                     .count_shadow(host, &self.metrics, now, &scaled, &decided.result);
+                self.rule_stats.result(host, &scaled, &decided.result, true);
                 Ok(decided.result)
             }
         };
         let allowed = matches!(&decided, Ok(r) if r.allowed);
+        if config.failure_mode != FailureMode::Local {
+            // No counter decided: every limit was decided by the mode.
+            for applied in &check.global {
+                self.rule_stats.count(host, applied, Event::Fallback);
+                if allowed {
+                    self.rule_stats.count(host, applied, Event::Allowed);
+                }
+            }
+        }
         self.metrics.bump(
             host,
             if allowed {

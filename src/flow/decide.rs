@@ -22,6 +22,7 @@ use meshlimit_protocol::CheckResult;
 
 use super::leases::{self, Lookup};
 use super::local_draws;
+use super::rule_stats::Event;
 use super::{profile, with_local, Step, Stream, Worker};
 use crate::check::Check;
 use crate::decision;
@@ -133,8 +134,9 @@ impl Worker {
             return Outcome::Next(());
         };
         match decision::cached_deny(&self.config, check, &cache, now) {
-            Some(verdict) => {
+            Some((verdict, limit)) => {
                 self.metrics.bump(host, Stat::DenyCacheHits);
+                self.rule_stats.count(host, limit, Event::Denied);
                 Outcome::Decided(stream.apply(verdict))
             }
             None => Outcome::Next(()),

@@ -143,6 +143,9 @@ impl Worker {
         if let Some(hits) = self.lease_book.count_hit() {
             self.metrics.add(host, Stat::LeaseHits, hits as usize);
         }
+        for applied in &check.global {
+            self.rule_stats.admitted(host, applied, remaining);
+        }
         Lookup::Hit {
             remaining,
             reset_after_ms: draw.reset_at_ms.saturating_sub(now),

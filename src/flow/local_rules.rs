@@ -84,6 +84,7 @@ impl Worker {
                 if let Some(hits) = self.local_draws.count_hit() {
                     self.metrics.add(host, Stat::LocalAllowed, hits as usize);
                 }
+                self.rule_stats.admitted(host, applied, remaining);
                 let headers = HitHeaders {
                     check: Rc::clone(check),
                     scope: Scope::Local,
@@ -132,6 +133,7 @@ impl Worker {
     fn count_local(&self, host: &impl Host, now: u64, check: &Check, result: &CheckResult) {
         self.guard
             .count_shadow(host, &self.metrics, now, &check.local, result);
+        self.rule_stats.result(host, &check.local, result, false);
         let stat = if result.allowed {
             Stat::LocalAllowed
         } else {

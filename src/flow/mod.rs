@@ -41,6 +41,7 @@ mod metrics;
 pub(crate) mod observer;
 mod outbox;
 pub(crate) mod profile;
+mod rule_stats;
 mod settle;
 #[cfg(test)]
 mod tests;
@@ -177,6 +178,8 @@ pub struct Worker {
     hits: hit::Hits,
     /// Units this worker drew ahead from `scope: local` counters.
     local_draws: local_draws::LocalDraws,
+    /// Stats per rule and limit, and the counts not yet added to them.
+    rule_stats: rule_stats::RuleStats,
 }
 
 impl Worker {
@@ -213,6 +216,8 @@ impl Worker {
         let lease_book = LeaseBook::new(host, config.leases, tick_ms);
         // Without the tick, drawn units would not go back once idle.
         let local_draws = local_draws::LocalDraws::new(lease_book.ticking);
+        let rule_stats = rule_stats::RuleStats::define(host, &config);
+        rule_stats.set_ticking(lease_book.ticking);
         let hold = HeaderHold::new(config.allow_on_headers_stop_iteration);
         Worker {
             metrics,
@@ -231,6 +236,7 @@ impl Worker {
             plan_memo: RefCell::default(),
             hits: hit::Hits::default(),
             local_draws,
+            rule_stats,
         }
     }
 
@@ -387,6 +393,7 @@ impl Worker {
         }
         self.lease_tick(host);
         self.local_draws_tick(host);
+        self.rule_stats.flush(host);
     }
 
     /// A stream woke the root: send every batch that is due.

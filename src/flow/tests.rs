@@ -9,6 +9,7 @@ use serde_json::json;
 mod leases;
 mod local;
 mod routing;
+mod rule_stats;
 mod tokens;
 
 const ROOT: u32 = 1;

@@ -263,6 +263,11 @@ impl FakeHost {
         std::mem::take(&mut *self.hostcalls.borrow_mut())
     }
 
+    /// Whether a stat of that name was defined.
+    pub fn has_stat(&self, name: &str) -> bool {
+        self.metrics.borrow().iter().any(|(n, _, _)| n == name)
+    }
+
     /// A stat's value by name (0 when never touched or not defined).
     pub fn stat(&self, name: &str) -> u64 {
         self.metrics

@@ -168,21 +168,10 @@ impl<'k> LocalLimiter<'k> {
             } else {
                 State::default()
             };
-            let params = params(limit);
-            let mut outcome = algorithms::evaluate(&params, state, applied.cost, now_ms);
-            let extra = if outcome.fits && limits.len() == 1 {
-                draw(outcome.remaining)
-            } else {
-                0
-            };
-            if extra > 0 {
-                let cost = applied.cost.saturating_add(extra);
-                let with_draw = algorithms::evaluate(&params, state, cost, now_ms);
-                if with_draw.fits {
-                    outcome = with_draw;
-                    drawn = extra;
-                }
-            }
+            let draw = if limits.len() == 1 { draw } else { &|_| 0 };
+            let outcome;
+            (outcome, drawn) =
+                evaluate_drawing(&params(limit), state, (applied.cost, now_ms), draw);
             if !outcome.fits && !applied.shadow {
                 allowed = false;
             }
@@ -295,6 +284,30 @@ impl LocalLimiter<'_> {
             store.set(&key, &encode(&entries), cas)
         });
     }
+}
+
+/// A request of `cost` on one limit in `state` at `now_ms`, and, when it
+/// fits, `draw(remaining)` units more if those fit too: the outcome to
+/// store and report, and the units drawn.
+fn evaluate_drawing(
+    params: &Params,
+    state: State,
+    (cost, now_ms): (u64, u64),
+    draw: &dyn Fn(u64) -> u64,
+) -> (algorithms::Outcome, u64) {
+    let outcome = algorithms::evaluate(params, state, cost, now_ms);
+    let extra = if outcome.fits {
+        draw(outcome.remaining)
+    } else {
+        0
+    };
+    if extra > 0 {
+        let with_draw = algorithms::evaluate(params, state, cost.saturating_add(extra), now_ms);
+        if with_draw.fits {
+            return (with_draw, extra);
+        }
+    }
+    (outcome, 0)
 }
 
 /// A limit as the algorithms take it.

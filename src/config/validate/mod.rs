@@ -65,6 +65,16 @@ pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
         }
         rules.push(rule);
     }
+    // Each limit's stats, in the order of the configuration.
+    for (i, limit) in rules
+        .iter_mut()
+        .flat_map(|r| r.limits.iter_mut())
+        .enumerate()
+    {
+        if let Some(limit) = std::rc::Rc::get_mut(limit) {
+            limit.stats = crate::config::StatSlot(i);
+        }
+    }
     let response = validate_response(raw.response)?;
     if !(MIN_SLOTS..=MAX_SLOTS).contains(&raw.local.slots) {
         return Err(err(

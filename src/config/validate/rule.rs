@@ -233,6 +233,8 @@ fn validate_limit(
         overrides,
         calendar,
         share_ppm,
+        // Numbered once every rule is read (`super::config`).
+        stats: crate::config::StatSlot::default(),
     })
 }
 
