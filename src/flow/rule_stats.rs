@@ -1,7 +1,7 @@
 //! Stats per rule and limit: which rule is denying, and how close each
 //! limit is to its quota. Defined at configure time, five per configured
-//! limit (so their number is bounded by the configuration, never by
-//! traffic), named `meshlimit.rule.<rule>.limit.<limit>.<outcome>` so that
+//! limit and three more per limit of a token budget (so their number is
+//! bounded by the configuration, never by traffic), named `meshlimit.rule.<rule>.limit.<limit>.<outcome>` so that
 //! Envoy's `stats_tags` (or Istio's tag extraction) turn `rule` and
 //! `limit` into labels: `envoy/replica.yaml` ships the two tag regexes,
 //! and Prometheus sees `meshlimit_rule_limit_allowed{rule, limit}`.
@@ -33,11 +33,19 @@ pub(crate) enum Event {
     Fallback = 3,
     /// Admitted with less than a tenth of the limit left.
     NearLimit = 4,
+    /// Token budgets only, in units: reserved before the request went on,
+    /// settled at the usage, given back unused.
+    TokensReserved = 5,
+    TokensSettled = 6,
+    TokensRefunded = 7,
 }
+
+/// Events every limit has; the token events follow them.
+const REQUEST_EVENTS: usize = 5;
 
 /// The outcomes' stat names (the last part) and meanings: the one home of
 /// both.
-pub(crate) const EVENTS: [(Event, &str, &str); 5] = [
+pub(crate) const EVENTS: [(Event, &str, &str); 8] = [
     (Event::Allowed, "allowed", "requests admitted on this limit"),
     (Event::Denied, "denied", "requests this limit refused"),
     (
@@ -54,6 +62,21 @@ pub(crate) const EVENTS: [(Event, &str, &str); 5] = [
         Event::NearLimit,
         "near_limit",
         "requests admitted with less than a tenth of the limit left",
+    ),
+    (
+        Event::TokensReserved,
+        "tokens_reserved",
+        "token budgets: units reserved before requests went on",
+    ),
+    (
+        Event::TokensSettled,
+        "tokens_settled",
+        "token budgets: units settled at the usage responses reported",
+    ),
+    (
+        Event::TokensRefunded,
+        "tokens_refunded",
+        "token budgets: reserved units given back unused",
     ),
 ];
 
@@ -76,8 +99,8 @@ pub(crate) fn stat_name(qualified_name: &str, outcome: &str) -> String {
 
 /// Each configured limit's stats, and the counts not yet added to them.
 pub(super) struct RuleStats {
-    ids: Vec<[Option<u32>; 5]>,
-    pending: RefCell<Vec<[u64; 5]>>,
+    ids: Vec<[Option<u32>; 8]>,
+    pending: RefCell<Vec<[u64; 8]>>,
     unflushed: Cell<u32>,
     /// The root's tick runs, and flushes (else every record is added at
     /// once).
@@ -87,20 +110,28 @@ pub(super) struct RuleStats {
 impl RuleStats {
     /// Defines the stats of every limit of `config`, in its order.
     pub(super) fn define(host: &impl Host, config: &Config) -> RuleStats {
-        let ids: Vec<[Option<u32>; 5]> = config
+        let ids: Vec<[Option<u32>; 8]> = config
             .rules
             .iter()
-            .flat_map(|r| r.limits.iter())
-            .map(|limit| {
-                EVENTS.map(|(_, outcome, _)| {
-                    host.define_metric(
-                        MetricKind::Counter,
-                        &stat_name(&limit.qualified_name, outcome),
-                    )
+            .flat_map(|r| {
+                let tokens = matches!(r.cost, crate::config::Cost::Tokens(_));
+                r.limits.iter().map(move |limit| (limit, tokens))
+            })
+            .map(|(limit, tokens)| {
+                EVENTS.map(|(event, name, _)| {
+                    let defined = tokens || (event as usize) < REQUEST_EVENTS;
+                    defined
+                        .then(|| {
+                            host.define_metric(
+                                MetricKind::Counter,
+                                &stat_name(&limit.qualified_name, name),
+                            )
+                        })
+                        .flatten()
                 })
             })
             .collect();
-        let pending = RefCell::new(vec![[0; 5]; ids.len()]);
+        let pending = RefCell::new(vec![[0; 8]; ids.len()]);
         RuleStats {
             ids,
             pending,
@@ -116,10 +147,25 @@ impl RuleStats {
 
     /// Counts `event` on `applied`'s limit.
     pub(super) fn count(&self, host: &impl Host, applied: &Applied, event: Event) {
+        self.add(host, applied, event, 1);
+    }
+
+    /// Counts `units` of a token event on each token-priced limit of
+    /// `limits`.
+    pub(super) fn tokens(&self, host: &impl Host, limits: &[Applied], event: Event, units: u64) {
+        for applied in limits.iter().filter(|a| a.tokens) {
+            if units > 0 {
+                self.add(host, applied, event, units);
+            }
+        }
+    }
+
+    /// Adds `n` to `event` on `applied`'s limit.
+    fn add(&self, host: &impl Host, applied: &Applied, event: Event, n: u64) {
         let slot = applied.limit.stats.0;
         if let Some(counts) = self.pending.borrow_mut().get_mut(slot) {
-            if let Some(n) = counts.get_mut(event as usize) {
-                *n += 1;
+            if let Some(count) = counts.get_mut(event as usize) {
+                *count += n;
             }
         }
         let unflushed = self.unflushed.get() + 1;

@@ -4,6 +4,7 @@
 //! the very counters it was reserved in, or in the local ones); what the
 //! response held for the settlement then goes on.
 
+use super::rule_stats::Event;
 use log::warn;
 use meshlimit_protocol::{CheckResult, LimitStatus, SettleOutcome};
 
@@ -29,6 +30,8 @@ impl Worker {
         }
         self.metrics
             .add(host, Stat::TokensRefunded, check.reserved() as usize);
+        self.rule_stats
+            .tokens(host, &check.global, Event::TokensRefunded, check.reserved());
         let settlement = check.settlement(check.reserved(), 0, &receipts);
         let job = Job::Settle {
             settlements: vec![settlement],
@@ -82,6 +85,15 @@ impl Worker {
             host,
             Stat::TokensRefunded,
             reserved.saturating_sub(actual) as usize,
+        );
+        let limits = &b.check.global;
+        self.rule_stats
+            .tokens(host, limits, Event::TokensSettled, actual);
+        self.rule_stats.tokens(
+            host,
+            limits,
+            Event::TokensRefunded,
+            reserved.saturating_sub(actual),
         );
         let now = host.now_ms();
         let shares = b.ledger.split(actual);

@@ -10,6 +10,7 @@
 //! a top-up; the response's end (or, with usage in a header, its headers)
 //! waits for the settlement, so the next request sees the units freed.
 
+use super::rule_stats::Event;
 use log::info;
 use meshlimit_protocol::CheckResult;
 
@@ -55,6 +56,8 @@ impl Worker {
         }
         let units = check.reserved();
         self.metrics.add(host, Stat::TokensReserved, units as usize);
+        self.rule_stats
+            .tokens(host, &check.global, Event::TokensReserved, units);
         let statuses = check
             .global
             .iter()
@@ -378,6 +381,8 @@ impl Worker {
             match place {
                 Some(place) => {
                     self.metrics.add(host, Stat::TokensReserved, units as usize);
+                    self.rule_stats
+                        .tokens(host, &check.global, Event::TokensReserved, units);
                     b.ledger.reservations.push(Reservation { units, place });
                 }
                 None => b.unbounded = true,

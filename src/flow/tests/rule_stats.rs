@@ -16,7 +16,7 @@ fn tick(h: &Harness) {
 }
 
 #[test]
-fn each_limit_has_its_five_stats_defined_at_configure() {
+fn each_limit_has_its_five_stats_defined_at_configure_and_token_limits_three_more() {
     let h = harness("");
     tick(&h);
     for event in [

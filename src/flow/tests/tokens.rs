@@ -119,6 +119,21 @@ fn a_reservation_read_from_the_body_is_settled_in_the_next_batch() {
         (h.stat("tokens_settled"), h.stat("tokens_refunded")),
         (120, 180)
     );
+    // The same, on the rule's limit (added to its stats on the tick).
+    h.host.enter(ROOT);
+    h.worker.on_tick(&h.host);
+    let limit = |event: &str| {
+        h.host
+            .stat(&format!("meshlimit.rule.llm.limit.tokens.{event}"))
+    };
+    assert_eq!(
+        (
+            limit("tokens_reserved"),
+            limit("tokens_settled"),
+            limit("tokens_refunded")
+        ),
+        (300, 120, 180)
+    );
 }
 
 #[test]
