@@ -326,12 +326,15 @@ async fn grpc_server(
 ) -> Result<tokio::task::JoinHandle<()>, String> {
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
     use meshlimitd::rls::{reload, server::RlsService};
-    let loaded = reload::load(dir).map_err(|e| format!("--rls-config-dir: {e}"))?;
+    let loaded = reload::load(dir);
+    state.metrics.rls_config_load(loaded.is_ok());
+    let loaded = loaded.map_err(|e| format!("--rls-config-dir: {e}"))?;
     let config = loaded.current.clone();
     tokio::spawn(reload::watch(
         dir.to_path_buf(),
         loaded,
         Duration::from_secs(1),
+        state.metrics.clone(),
     ));
     let (health, health_service) = tonic_health::server::health_reporter();
     health

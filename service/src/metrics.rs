@@ -10,6 +10,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+mod limits;
+mod ratelimit;
+pub use limits::MAX_LIMITS;
+pub use ratelimit::RlsEvent;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {
     result: &'static str,
@@ -40,6 +45,9 @@ pub struct Metrics {
     unauthorized: Counter,
     rls_responses: Family<KindLabel, Counter>,
     rls_shadow_over_limit: Counter,
+    limits: limits::LimitDecisions,
+    rls_config_loads: Family<ResultLabel, Counter>,
+    rls_descriptors: ratelimit::DescriptorStats,
 }
 
 impl Default for Metrics {
@@ -50,7 +58,18 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("meshlimitd");
+        // meshlimitd's own metrics under its prefix; the rate limit
+        // service's per-descriptor ones under envoyproxy/ratelimit's names.
+        let mut root = Registry::default();
+        let rls_descriptors = ratelimit::DescriptorStats::register(&mut root);
+        let registry = root.sub_registry_with_prefix("meshlimitd");
+        let limits = limits::LimitDecisions::register(registry, MAX_LIMITS);
+        let rls_config_loads = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "rls_config_loads",
+            "Rate limit service configuration loads (at start and on change), by result: success or error (the last good one stays)",
+            rls_config_loads.clone(),
+        );
         // meshlimitd_build_info{version="..."} 1: the workspace's version.
         registry.register(
             "build",
@@ -157,7 +176,10 @@ impl Metrics {
             unauthorized,
             rls_responses,
             rls_shadow_over_limit,
-            registry: Arc::new(registry),
+            registry: Arc::new(root),
+            limits,
+            rls_descriptors,
+            rls_config_loads,
             decisions,
             redis_errors,
             redis_latency,
@@ -174,6 +196,32 @@ impl Metrics {
     pub fn decision(&self, allowed: bool) {
         let result = if allowed { "allowed" } else { "denied" };
         self.decisions.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    /// A decided check's limits: their names (`rule/limit`), statuses, and
+    /// whether the check was admitted.
+    pub fn limit_decisions<'a>(
+        &self,
+        limits: impl Iterator<Item = (&'a str, &'a meshlimit_protocol::LimitStatus)>,
+        admitted: bool,
+    ) {
+        for (name, status) in limits {
+            self.limits.record(name, status, admitted);
+        }
+    }
+
+    /// A descriptor's stats under envoyproxy/ratelimit's names: `hits` of
+    /// `event` on the descriptor whose stats' key is `stat_key`.
+    pub fn rls_descriptor(&self, stat_key: &str, event: RlsEvent, hits: u64) {
+        self.rls_descriptors.add(stat_key, event, hits);
+    }
+
+    /// A rate limit service configuration load, and whether it succeeded.
+    pub fn rls_config_load(&self, ok: bool) {
+        let result = if ok { "success" } else { "error" };
+        self.rls_config_loads
+            .get_or_create(&ResultLabel { result })
+            .inc();
     }
 
     pub fn redis_error(&self, kind: &'static str) {

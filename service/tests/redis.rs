@@ -367,3 +367,32 @@ fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
     let admitted = (0..15).filter(|_| run(&mut con, 0, 1)[0] == 1).count();
     assert_eq!(admitted, 13);
 }
+
+/// meshlimitd's decisions by limit, against a real Redis: the limit that
+/// denied has its own series, beside build_info with the version.
+#[test]
+fn decisions_are_counted_by_limit_and_the_version_is_exported() {
+    let f = start(&[]);
+    let addr = f.service.addr.clone();
+    for _ in 0..3 {
+        let r = post(
+            &addr,
+            &check_body("by-limit", &[limit("api/per-minute", 2, 60_000)]),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let metrics = http::get(&addr, "/metrics", &[]).unwrap().body;
+    for line in [
+        r#"meshlimitd_limit_decisions_total{limit="api/per-minute",result="allowed"} 2"#,
+        r#"meshlimitd_limit_decisions_total{limit="api/per-minute",result="denied"} 1"#,
+        r#"meshlimitd_limit_decisions_total{limit="api/per-minute",result="near_limit"} 1"#,
+        "meshlimitd_limit_labels_overflowed_total 0",
+        concat!(
+            r#"meshlimitd_build_info{version=""#,
+            env!("CARGO_PKG_VERSION"),
+            r#""} 1"#
+        ),
+    ] {
+        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
+    }
+}

@@ -193,6 +193,18 @@ fn descriptors_behave_as_the_format_documents() {
         "4 of the 5 were over, in shadow: {}",
         metrics.body
     );
+    // The same under envoyproxy/ratelimit's names, for its dashboards.
+    for line in [
+        r#"ratelimit_service_rate_limit_shadow_mode{domain="edge",key1="path_/p/shadow*",key2=""} 4"#,
+        r#"ratelimit_service_rate_limit_over_limit{domain="edge",key1="message_type_marketing",key2="to_number"} 1"#,
+        r#"ratelimit_service_rate_limit_total_hits{domain="edge",key1="path_/p/shadow*",key2=""} 5"#,
+    ] {
+        assert!(
+            metrics.body.contains(line),
+            "{line} missing from {}",
+            metrics.body
+        );
+    }
     let vip = (0..30)
         .filter(|_| n.get(1, "/api", &[("x-user", b"ivy"), ("x-vip", b"gold")]) == 200)
         .count();

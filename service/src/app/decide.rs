@@ -165,9 +165,13 @@ pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
                     kind: FailureKind::Invalid,
                 })
             }
-            Ok(_) => match decided.next() {
+            Ok(check) => match decided.next() {
                 Some(Ok(result)) => {
                     state.metrics.decision(result.allowed);
+                    let names = check.limits.iter().map(|l| l.name.as_str());
+                    state
+                        .metrics
+                        .limit_decisions(names.zip(&result.limits), result.allowed);
                     CheckOutcome::Decided(result)
                 }
                 Some(Err(e)) => {

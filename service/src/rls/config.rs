@@ -154,6 +154,9 @@ pub struct Limited {
     /// The counter's name in Redis keys: stable across reloads while the
     /// node's place (domain, keys, values) stays the same.
     pub id: String,
+    /// Its stats' key as envoyproxy/ratelimit names it: the domain, then
+    /// each level's `key` or `key_value`, joined by `.`.
+    pub stat_key: std::sync::Arc<str>,
     pub requests: u64,
     pub unit: Unit,
     pub multiplier: u64,
@@ -436,8 +439,13 @@ fn node_limit(
             hash.update(part.as_bytes());
         }
         let digest = hash.finalize();
+        let stat_key = std::iter::once(domain.to_string())
+            .chain(place.iter().map(|p| p.replacen('=', "_", 1)))
+            .collect::<Vec<_>>()
+            .join(".");
         RateLimit::Limited(Limited {
             id: format!("rls.{}", hex::encode(digest.get(..8).unwrap_or_default())),
+            stat_key: stat_key.into(),
             requests,
             unit,
             multiplier,

@@ -74,8 +74,14 @@ pub fn load(dir: &Path) -> Result<Loaded, ConfigError> {
 }
 
 /// Watches `dir` every `every`, reloading the configuration when the
-/// directory holds something else than what was last read.
-pub async fn watch(dir: PathBuf, loaded: Loaded, every: Duration) {
+/// directory holds something else than what was last read; each reload is
+/// counted in `metrics` (`meshlimitd_rls_config_loads_total{result}`).
+pub async fn watch(
+    dir: PathBuf,
+    loaded: Loaded,
+    every: Duration,
+    metrics: crate::metrics::Metrics,
+) {
     let Loaded { current, mut seen } = loaded;
     loop {
         tokio::time::sleep(every).await;
@@ -91,8 +97,10 @@ pub async fn watch(dir: PathBuf, loaded: Loaded, every: Duration) {
                     domains.domain_count()
                 );
                 current.set(domains);
+                metrics.rls_config_load(true);
             }
             Err(e) => {
+                metrics.rls_config_load(false);
                 error!("rate limit service configuration refused, keeping the last good one: {e}")
             }
         }
@@ -146,7 +154,13 @@ mod tests {
         let loaded = load(&link).unwrap();
         let current = loaded.current.clone();
         assert_eq!(requests(&current), 5);
-        let watcher = tokio::spawn(watch(link.clone(), loaded, Duration::from_millis(20)));
+        let metrics = crate::metrics::Metrics::new();
+        let watcher = tokio::spawn(watch(
+            link.clone(),
+            loaded,
+            Duration::from_millis(20),
+            metrics.clone(),
+        ));
         let swap = |to: &Path| {
             let tmp = root.join("next");
             let _ = std::fs::remove_file(&tmp);
@@ -166,6 +180,15 @@ mod tests {
         swap(&bad);
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(requests(&current), 7, "the last good configuration stays");
+        let counted = metrics.render();
+        assert!(
+            counted.contains(r#"meshlimitd_rls_config_loads_total{result="success"} 1"#),
+            "{counted}"
+        );
+        assert!(
+            counted.contains(r#"meshlimitd_rls_config_loads_total{result="error"} 1"#),
+            "{counted}"
+        );
         watcher.abort();
         let _ = std::fs::remove_dir_all(&root);
     }

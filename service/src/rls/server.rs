@@ -37,12 +37,14 @@ enum Slot {
     Unlimited,
     /// `requests_per_unit: 0`: always over (OK in shadow mode).
     Blocked { unit: Unit, shadow: bool },
-    /// The check's `index`-th limit.
+    /// The check's `index`-th limit, charged `hits`; its stats' key.
     Counted {
         index: usize,
         requests: u64,
         unit: Unit,
         shadow: bool,
+        hits: u64,
+        stat_key: std::sync::Arc<str>,
     },
 }
 
@@ -140,6 +142,8 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
                     requests: l.requests,
                     unit: l.unit,
                     shadow: m.shadow,
+                    hits,
+                    stat_key: l.stat_key.clone(),
                 });
                 limits.push(limit);
             }
@@ -215,6 +219,40 @@ fn duration(ms: u64) -> ProtoDuration {
     }
 }
 
+/// Each counted descriptor's stats under envoyproxy/ratelimit's names, so
+/// that its dashboards keep working after a migration: `total_hits`,
+/// `over_limit` (refused), `near_limit` (admitted past 80% of the limit,
+/// its default `NEAR_LIMIT_RATIO`) and `shadow_mode` (over the limit in
+/// shadow mode), each by the hits the descriptor carried.
+fn count_descriptors(metrics: &crate::metrics::Metrics, plan: &Plan, result: &CheckResult) {
+    use crate::metrics::RlsEvent;
+    for slot in &plan.slots {
+        let Slot::Counted {
+            index,
+            requests,
+            shadow,
+            hits,
+            stat_key,
+            ..
+        } = slot
+        else {
+            continue;
+        };
+        let Some(status) = result.limits.get(*index) else {
+            continue;
+        };
+        metrics.rls_descriptor(stat_key, RlsEvent::TotalHits, *hits);
+        match (status.allowed, *shadow) {
+            (false, true) => metrics.rls_descriptor(stat_key, RlsEvent::ShadowMode, *hits),
+            (false, false) => metrics.rls_descriptor(stat_key, RlsEvent::OverLimit, *hits),
+            (true, _) if result.allowed && status.remaining.saturating_mul(5) < *requests => {
+                metrics.rls_descriptor(stat_key, RlsEvent::NearLimit, *hits);
+            }
+            (true, _) => {}
+        }
+    }
+}
+
 /// The answer for a planned request and its check's result.
 fn answer(plan: &Plan, result: Option<&CheckResult>) -> RateLimitResponse {
     let code = |over: bool| if over { Code::OverLimit } else { Code::Ok } as i32;
@@ -242,6 +280,7 @@ fn answer(plan: &Plan, result: Option<&CheckResult>) -> RateLimitResponse {
                 requests,
                 unit,
                 shadow,
+                ..
             } => {
                 let status = result.and_then(|r| r.limits.get(*index));
                 DescriptorStatus {
@@ -312,6 +351,9 @@ impl RateLimitService for RlsService {
         match decided {
             Ok(result) => {
                 metrics.decision(result.allowed);
+                let names = check.limits.iter().map(|l| l.name.as_str());
+                metrics.limit_decisions(names.zip(&result.limits), result.allowed);
+                count_descriptors(metrics, &plan, &result);
                 metrics.rls_shadow_over_limit(
                     result
                         .limits
