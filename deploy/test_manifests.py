@@ -395,3 +395,32 @@ def test_network_policies_select_the_pods_they_protect():
     meshlimitd = find("Deployment", "meshlimitd")["spec"]["template"]["metadata"]["labels"]
     (rule,) = find("NetworkPolicy", "redis-ingress")["spec"]["ingress"]
     assert rule["from"][0]["podSelector"]["matchLabels"].items() <= meshlimitd.items()
+
+
+def test_the_prometheus_rule_holds_exactly_the_alerts():
+    """deploy/prometheus/alerts.yaml is the one home of the alerts; the
+    Prometheus Operator's PrometheusRule is generated from it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate", os.path.join(ROOT, "deploy/prometheus/operator/generate.py"))
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    with open(os.path.join(ROOT, "deploy/prometheus/operator/prometheusrule.yaml")) as f:
+        shipped = yaml.safe_load(f)
+    assert shipped == generate.rule(), "run python3 deploy/prometheus/operator/generate.py"
+
+
+def test_the_monitors_scrape_meshlimitd_and_the_gateway():
+    monitors = docs("deploy/prometheus/operator/monitors.yaml")
+    kinds = {d["kind"]: d for _, d in monitors}
+    service = find("Service", "meshlimitd")
+    sm = kinds["ServiceMonitor"]
+    assert sm["metadata"]["namespace"] == service["metadata"]["namespace"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= ports
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    gateway = [d for _, d in ISTIO_INSTALL if d["kind"] == "WasmPlugin"][0]
+    pm = kinds["PodMonitor"]
+    assert pm["spec"]["selector"]["matchLabels"] == gateway["spec"]["selector"]["matchLabels"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["path"] == "/stats/prometheus"

@@ -168,6 +168,7 @@ pub fn coverage_warning(requiring: &[String]) -> String {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
+    state.metrics.redis_healthy(state.limiter.redis_healthy());
     (
         [(
             header::CONTENT_TYPE,

@@ -41,6 +41,7 @@ pub struct Metrics {
     check_failures: Family<KindLabel, Counter>,
     abandoned_given_back: Counter,
     full_coverage_required: Gauge,
+    redis_healthy: Gauge,
     overloaded: Counter,
     unauthorized: Counter,
     rls_responses: Family<KindLabel, Counter>,
@@ -130,6 +131,12 @@ impl Metrics {
             "Checks refused with 503 because too many were in flight",
             overloaded.clone(),
         );
+        let redis_healthy = Gauge::default();
+        registry.register(
+            "redis_healthy",
+            "1 while Redis answers this meshlimitd's calls, 0 after consecutive failures (its checks answer 503: every caller falls back)",
+            redis_healthy.clone(),
+        );
         let full_coverage_required = Gauge::default();
         registry.register(
             "redis_cluster_full_coverage_required",
@@ -173,6 +180,7 @@ impl Metrics {
             overloaded,
             abandoned_given_back,
             full_coverage_required,
+            redis_healthy,
             unauthorized,
             rls_responses,
             rls_shadow_over_limit,
@@ -238,6 +246,11 @@ impl Metrics {
 
     pub fn unauthorized(&self) {
         self.unauthorized.inc();
+    }
+
+    /// Whether Redis answers this meshlimitd (read when scraped).
+    pub fn redis_healthy(&self, healthy: bool) {
+        self.redis_healthy.set(i64::from(healthy));
     }
 
     /// How many Cluster masters require full coverage (last read).

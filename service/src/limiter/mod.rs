@@ -448,6 +448,12 @@ impl Limiter {
         requiring
     }
 
+    /// Whether Redis answered lately: fewer consecutive failures than make
+    /// calls fail fast (what `meshlimitd_redis_healthy` exports).
+    pub fn redis_healthy(&self) -> bool {
+        self.health.failures.load(Ordering::Relaxed) < UNHEALTHY_AFTER
+    }
+
     pub async fn ping(&self) -> Result<(), LimiterError> {
         let reply = tokio::time::timeout(
             self.timeout.max(Duration::from_millis(250)),
