@@ -14,10 +14,6 @@ use super::observer::Observer;
 use crate::config::LeaseConfig;
 use crate::host::Host;
 
-/// Lease hits are added to their stat this many at a time (and on every
-/// tick, so the stat is at most a tick behind).
-const HITS_PER_STAT_UPDATE: u64 = 64;
-
 pub(super) struct LeaseBook {
     /// Leases this worker installed, until their units are spent or back.
     pub(super) records: RefCell<Vec<LeaseRecord>>,
@@ -25,7 +21,7 @@ pub(super) struct LeaseBook {
     /// point, so two workers' ids do not meet).
     ids: Cell<u64>,
     /// Lease hits not yet added to their stat.
-    hits: Cell<u64>,
+    hits: super::bulk::BulkCount,
     /// How busy each check is, as this worker sees it (sizes leases).
     pub(super) observer: RefCell<Observer>,
     /// The root's tick runs (leases on, and the host took the period):
@@ -54,7 +50,7 @@ impl LeaseBook {
         LeaseBook {
             records: RefCell::new(Vec::new()),
             ids: Cell::new(host.random_seed().1),
-            hits: Cell::new(0),
+            hits: super::bulk::BulkCount::default(),
             observer: RefCell::new(Observer::new(observed)),
             ticking,
         }
@@ -67,22 +63,15 @@ impl LeaseBook {
         next
     }
 
-    /// Counts a hit; the hits to add to their stat now, if any (in bulk: a
-    /// hostcall per request is a tenth of what a hit costs).
+    /// Counts a hit; the hits to add to their stat now, if any (in bulk:
+    /// a hostcall per request is a tenth of what a hit costs).
     pub(super) fn count_hit(&self) -> Option<u64> {
-        let hits = self.hits.get() + 1;
-        if hits >= HITS_PER_STAT_UPDATE {
-            self.hits.set(0);
-            Some(hits)
-        } else {
-            self.hits.set(hits);
-            None
-        }
+        self.hits.count()
     }
 
     /// The hits not yet added to their stat (the tick adds them).
     pub(super) fn take_hits(&self) -> u64 {
-        self.hits.replace(0)
+        self.hits.take()
     }
 }
 

@@ -25,7 +25,7 @@
 //! budget) with one enforced limit. Any other goes to shared data with
 //! each request.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use meshlimit_protocol::{Algorithm, LimitStatus};
@@ -46,9 +46,6 @@ const MAX_DRAW: u64 = 256;
 const FIRST_DRAW: u64 = 4;
 /// A token bucket has no window: its draw is spent within this long.
 const BUCKET_DRAW_MS: u64 = 1_000;
-/// Draw hits are added to their stat this many at a time (and on every
-/// tick).
-const HITS_PER_STAT_UPDATE: u64 = 64;
 
 /// The limit a check's requests may be drawn for, if any.
 pub(super) fn drawable(check: &Check) -> Option<&Applied> {
@@ -96,7 +93,8 @@ pub(super) enum Spend {
 
 pub(super) struct LocalDraws {
     entries: RefCell<Vec<Entry>>,
-    hits: Cell<u64>,
+    /// Draw hits not yet added to `local_allowed`.
+    hits: super::bulk::BulkCount,
     /// The root's tick runs: without it, units would not go back once
     /// idle, so nothing is drawn.
     ticking: bool,
@@ -106,7 +104,7 @@ impl LocalDraws {
     pub(super) fn new(ticking: bool) -> LocalDraws {
         LocalDraws {
             entries: RefCell::default(),
-            hits: Cell::new(0),
+            hits: super::bulk::BulkCount::default(),
             ticking,
         }
     }
@@ -207,19 +205,12 @@ impl LocalDraws {
     /// Counts a hit; the hits to add to their stat now, if any (in bulk,
     /// as lease hits are).
     pub(super) fn count_hit(&self) -> Option<u64> {
-        let hits = self.hits.get() + 1;
-        if hits >= HITS_PER_STAT_UPDATE {
-            self.hits.set(0);
-            Some(hits)
-        } else {
-            self.hits.set(hits);
-            None
-        }
+        self.hits.count()
     }
 
     /// The hits not yet added to their stat (the tick adds them).
     pub(super) fn take_hits(&self) -> u64 {
-        self.hits.replace(0)
+        self.hits.take()
     }
 
     /// Units held, over every entry (tests).

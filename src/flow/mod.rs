@@ -28,6 +28,7 @@
 
 mod answer;
 mod budget;
+mod bulk;
 mod clock;
 mod decide;
 mod guard;

@@ -68,6 +68,16 @@ impl<'k> LocalLimiter<'k> {
         )
     }
 
+    /// `applied`'s counter: its fingerprint, and the shared-data key of
+    /// the slot it lives in.
+    fn place(&self, applied: &Applied) -> (u64, String) {
+        let fingerprint = self.fingerprint(applied);
+        let key = self
+            .keys
+            .fallback_slot(store::slot(fingerprint, self.slots));
+        (fingerprint, key)
+    }
+
     /// Decides every limit (each for its own subject), all or nothing:
     /// nothing is charged unless every enforced limit admits the request.
     /// Shadow limits are decided and charged like the others but never
@@ -141,11 +151,7 @@ impl<'k> LocalLimiter<'k> {
         let mut drawn = 0;
         for applied in limits {
             let limit = &applied.limit;
-            let fingerprint =
-                store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
-            let key = self
-                .keys
-                .fallback_slot(store::slot(fingerprint, self.slots));
+            let (fingerprint, key) = self.place(applied);
             let index = match slots.iter().position(|s| s.key == key) {
                 Some(index) => index,
                 None => {
@@ -263,13 +269,8 @@ impl LocalLimiter<'_> {
         charged_ms: u64,
         now_ms: u64,
     ) {
-        let limit = &applied.limit;
-        let fingerprint =
-            store::fingerprint(self.seed, Purpose::Fallback, &**limit, &applied.subject);
-        let key = self
-            .keys
-            .fallback_slot(store::slot(fingerprint, self.slots));
-        let params = params(limit);
+        let (fingerprint, key) = self.place(applied);
+        let params = params(&applied.limit);
         let _ = retry_on_conflict(|| {
             let (bytes, cas) = store.get(&key)?;
             let mut entries = decode(bytes.as_deref());
