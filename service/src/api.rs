@@ -169,6 +169,9 @@ pub fn coverage_warning(requiring: &[String]) -> String {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     state.metrics.redis_healthy(state.limiter.redis_healthy());
+    if let Some(memory) = state.limiter.redis_memory().await {
+        state.metrics.redis_memory(&memory);
+    }
     (
         [(
             header::CONTENT_TYPE,

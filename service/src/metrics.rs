@@ -42,6 +42,8 @@ pub struct Metrics {
     abandoned_given_back: Counter,
     full_coverage_required: Gauge,
     redis_healthy: Gauge,
+    /// Redis' used memory, maxmemory and evicted keys (`INFO`).
+    redis_memory: [Gauge; 3],
     overloaded: Counter,
     unauthorized: Counter,
     rls_responses: Family<KindLabel, Counter>,
@@ -131,6 +133,14 @@ impl Metrics {
             "Checks refused with 503 because too many were in flight",
             overloaded.clone(),
         );
+        let redis_memory: [Gauge; 3] = Default::default();
+        for (name, help, gauge) in [
+            ("redis_used_memory_bytes", "Redis' used_memory (INFO memory), read when scraped", &redis_memory[0]),
+            ("redis_maxmemory_bytes", "Redis' maxmemory (0: no limit), read when scraped", &redis_memory[1]),
+            ("redis_evicted_keys", "Keys Redis evicted since it started (INFO stats): an evicted counter hands its clients fresh quota", &redis_memory[2]),
+        ] {
+            registry.register(name, help, gauge.clone());
+        }
         let redis_healthy = Gauge::default();
         registry.register(
             "redis_healthy",
@@ -181,6 +191,7 @@ impl Metrics {
             abandoned_given_back,
             full_coverage_required,
             redis_healthy,
+            redis_memory,
             unauthorized,
             rls_responses,
             rls_shadow_over_limit,
@@ -251,6 +262,14 @@ impl Metrics {
     /// Whether Redis answers this meshlimitd (read when scraped).
     pub fn redis_healthy(&self, healthy: bool) {
         self.redis_healthy.set(i64::from(healthy));
+    }
+
+    /// Redis' memory and evictions, as read when scraped.
+    pub fn redis_memory(&self, memory: &crate::limiter::RedisMemory) {
+        let values = [memory.used_bytes, memory.max_bytes, memory.evicted_keys];
+        for (gauge, value) in self.redis_memory.iter().zip(values) {
+            gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
+        }
     }
 
     /// How many Cluster masters require full coverage (last read).

@@ -396,3 +396,27 @@ fn decisions_are_counted_by_limit_and_the_version_is_exported() {
         assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
     }
 }
+
+/// Redis' memory and evictions reach /metrics (read when scraped), for the
+/// alerts on a Redis near maxmemory or evicting counters.
+#[test]
+fn redis_memory_and_evictions_are_exported() {
+    let f = start(&[]);
+    f.redis.cli(&["config", "set", "maxmemory", "104857600"]);
+    let metrics = http::get(&f.service.addr, "/metrics", &[]).unwrap().body;
+    assert!(
+        metrics.contains("meshlimitd_redis_maxmemory_bytes 104857600"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("meshlimitd_redis_evicted_keys 0"),
+        "{metrics}"
+    );
+    let used: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("meshlimitd_redis_used_memory_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(used > 0, "{metrics}");
+    assert!(metrics.contains("meshlimitd_redis_healthy 1"), "{metrics}");
+}

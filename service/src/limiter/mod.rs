@@ -448,6 +448,32 @@ impl Limiter {
         requiring
     }
 
+    /// Redis' memory and evictions (`INFO memory`, `INFO stats`), for the
+    /// alerts on a Redis near `maxmemory` or evicting keys: an evicted
+    /// counter hands its clients fresh quota, silently. On a Cluster, of
+    /// the node the connection reaches. `None` when Redis does not answer
+    /// in time.
+    pub async fn redis_memory(&self) -> Option<RedisMemory> {
+        let info = tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(250)),
+            self.backend
+                .query::<String>(redis::cmd("INFO").arg("memory").arg("stats")),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        Some(RedisMemory {
+            used_bytes: field("used_memory")?,
+            max_bytes: field("maxmemory").unwrap_or(0),
+            evicted_keys: field("evicted_keys").unwrap_or(0),
+        })
+    }
+
     /// Whether Redis answered lately: fewer consecutive failures than make
     /// calls fail fast (what `meshlimitd_redis_healthy` exports).
     pub fn redis_healthy(&self) -> bool {
@@ -466,6 +492,16 @@ impl Limiter {
             Ok(Ok(_)) => Ok(()),
         }
     }
+}
+
+/// What Redis says of its memory (see [`Limiter::redis_memory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedisMemory {
+    pub used_bytes: u64,
+    /// 0: no limit.
+    pub max_bytes: u64,
+    /// Keys evicted since Redis started.
+    pub evicted_keys: u64,
 }
 
 /// A check script's reply: the run's clock (its last value) and the rest.
