@@ -26,9 +26,21 @@ struct KindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ScriptLabel {
+    algorithm: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StatusLabel {
     status: u16,
 }
+
+/// Seconds: 50us .. 100ms. Loopback Redis answers in tens of
+/// microseconds; anything near the filter's timeout (20ms default) is
+/// trouble.
+const REDIS_BUCKETS: [f64; 11] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1,
+];
 
 /// Handles on every metric; clones share the same series.
 #[derive(Clone)]
@@ -37,6 +49,7 @@ pub struct Metrics {
     decisions: Family<ResultLabel, Counter>,
     redis_errors: Family<KindLabel, Counter>,
     redis_latency: Histogram,
+    script_duration: Family<ScriptLabel, Histogram>,
     responses: Family<StatusLabel, Counter>,
     check_failures: Family<KindLabel, Counter>,
     abandoned_given_back: Counter,
@@ -96,9 +109,7 @@ impl Metrics {
         );
         // 50us .. ~100ms: loopback Redis answers in tens of microseconds;
         // anything near the filter's timeout (20ms default) is trouble.
-        let redis_latency = Histogram::new([
-            0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1,
-        ]);
+        let redis_latency = Histogram::new(REDIS_BUCKETS);
         registry.register(
             "redis_latency_seconds",
             "Time of one script run on Redis",
@@ -132,6 +143,15 @@ impl Metrics {
             "overloaded",
             "Checks refused with 503 because too many were in flight",
             overloaded.clone(),
+        );
+        // The same buckets as redis_latency, by what the run decided.
+        let script_duration = Family::<ScriptLabel, Histogram>::new_with_constructor(
+            script_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "script_duration_seconds",
+            "Script runs on Redis, by algorithm (of a check run whose limits share one; mixed otherwise; settle, overrides)",
+            script_duration.clone(),
         );
         let redis_memory: [Gauge; 3] = Default::default();
         for (name, help, gauge) in [
@@ -202,6 +222,7 @@ impl Metrics {
             decisions,
             redis_errors,
             redis_latency,
+            script_duration,
             responses,
             check_failures,
         }
@@ -249,6 +270,13 @@ impl Metrics {
 
     pub fn observe_redis(&self, elapsed: Duration) {
         self.redis_latency.observe(elapsed.as_secs_f64());
+    }
+
+    /// A script run, by what it decided (see `limiter::script_label`).
+    pub fn observe_script(&self, algorithm: &'static str, elapsed: Duration) {
+        self.script_duration
+            .get_or_create(&ScriptLabel { algorithm })
+            .observe(elapsed.as_secs_f64());
     }
 
     pub fn overloaded(&self) {
@@ -306,4 +334,9 @@ impl Metrics {
         }
         out
     }
+}
+
+/// Buckets of a script run's duration: those of `redis_latency`.
+fn script_histogram() -> Histogram {
+    Histogram::new(REDIS_BUCKETS)
 }

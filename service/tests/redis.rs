@@ -387,6 +387,7 @@ fn decisions_are_counted_by_limit_and_the_version_is_exported() {
         r#"meshlimitd_limit_decisions_total{limit="api/per-minute",result="denied"} 1"#,
         r#"meshlimitd_limit_decisions_total{limit="api/per-minute",result="near_limit"} 1"#,
         "meshlimitd_limit_labels_overflowed_total 0",
+        r#"meshlimitd_script_duration_seconds_count{algorithm="fixed_window"} 3"#,
         concat!(
             r#"meshlimitd_build_info{version=""#,
             env!("CARGO_PKG_VERSION"),

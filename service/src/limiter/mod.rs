@@ -200,7 +200,7 @@ impl Limiter {
             invocation.arg(arg);
         }
         self.add_limits(&mut invocation, check, &check.limits);
-        let values = self.run(slot, &invocation).await?;
+        let values = self.run(slot, &invocation, script_label([check])).await?;
         let (clock, reply) = split_clock(&values)?;
         let mut result = parse_reply(check, reply)?;
         if wants_receipts(check, &result) {
@@ -294,7 +294,8 @@ impl Limiter {
             .first()
             .and_then(|c| self.slot_of(c))
             .unwrap_or_default();
-        let values = self.run(slot, &invocation).await?;
+        let what = script_label(checks.iter().copied());
+        let values = self.run(slot, &invocation, what).await?;
         let (clock, mut rest) = split_clock(&values)?;
         let mut results = Vec::with_capacity(checks.len());
         for (c, check) in checks.iter().enumerate() {
@@ -377,10 +378,13 @@ impl Limiter {
 
     /// Runs a script invocation with the timeout, the health check and the
     /// metrics every run gets.
+    /// Runs a script on the node of `slot`; `what` names it in
+    /// `meshlimitd_script_duration_seconds` (see [`script_label`]).
     async fn run(
         &self,
         slot: u16,
         invocation: &redis::ScriptInvocation<'_>,
+        what: &'static str,
     ) -> Result<Vec<i64>, LimiterError> {
         if self.health.fail_fast() {
             self.metrics.redis_error(LimiterError::Unhealthy.kind());
@@ -393,6 +397,7 @@ impl Limiter {
         )
         .await;
         self.metrics.observe_redis(started.elapsed());
+        self.metrics.observe_script(what, started.elapsed());
         let values = match reply {
             Err(_) => {
                 self.backend.timed_out().await;
@@ -491,6 +496,20 @@ impl Limiter {
             Ok(Err(e)) => Err(e.into()),
             Ok(Ok(_)) => Ok(()),
         }
+    }
+}
+
+/// How a check run is labelled in `meshlimitd_script_duration_seconds`:
+/// the algorithm of its limits when they share one (`fixed_window`, ...),
+/// else `mixed`. Settlements and overrides are labelled so themselves.
+pub(crate) fn script_label<'a>(checks: impl IntoIterator<Item = &'a Check>) -> &'static str {
+    let mut algorithms = checks
+        .into_iter()
+        .flat_map(|c| c.limits.iter().map(|l| l.algorithm));
+    match algorithms.next() {
+        Some(first) if algorithms.all(|a| a == first) => first.as_str(),
+        Some(_) => "mixed",
+        None => "none",
     }
 }
 

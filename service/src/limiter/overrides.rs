@@ -50,7 +50,8 @@ impl Limiter {
         for arg in args {
             invocation.arg(*arg);
         }
-        self.run(keys::tag_slot(&tag), &invocation).await
+        self.run(keys::tag_slot(&tag), &invocation, "overrides")
+            .await
     }
 }
 

@@ -73,7 +73,7 @@ impl Limiter {
                     }
                 }
             }
-            async move { self.run(*slot, &invocation).await }
+            async move { self.run(*slot, &invocation, "settle").await }
         }))
         .await;
         let mut remaining = vec![0u64; n];

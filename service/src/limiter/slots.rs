@@ -46,7 +46,8 @@ impl Limiter {
                 // No lease: a check spread over slots is decided per request.
                 invocation.arg(0).arg(1);
                 self.add_limits(&mut invocation, check, &limits);
-                let values = self.run(*slot, &invocation).await?;
+                let what = super::script_label(std::iter::once(check));
+                let values = self.run(*slot, &invocation, what).await?;
                 let (clock, reply) = split_clock(&values)?;
                 let part = Check {
                     subject: check.subject.clone(),
