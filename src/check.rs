@@ -186,6 +186,7 @@ impl Check {
                 units: t.want,
                 share: t.share,
             }),
+            trace: None,
         }
     }
 

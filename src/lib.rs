@@ -54,6 +54,7 @@ pub(crate) mod subject;
 mod testing;
 pub(crate) mod throttle;
 pub mod tokens;
+pub(crate) mod trace_context;
 
 #[cfg(target_arch = "wasm32")]
 mod wasm;

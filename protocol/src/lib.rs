@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod bounds;
 pub mod calendar;
+pub mod trace;
 
 pub use calendar::{Calendar, CalendarUnit};
 
@@ -104,6 +105,12 @@ pub struct Check {
     /// goes unused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<LeaseAsk>,
+    /// The trace context of the request this check decides, as a W3C
+    /// `traceparent` value (see [`trace`]): meshlimitd's span for the
+    /// check is its child. Client input, parsed strictly; a malformed one
+    /// is ignored, never an error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 /// A quota lease asked with a check: at most `units` more units on every

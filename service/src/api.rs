@@ -49,7 +49,7 @@ async fn check(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -
         return error(StatusCode::UNAUTHORIZED, denied.to_string());
     }
     let budget = caller_budget(&headers, state.limits.request_timeout);
-    let request: CheckRequest = match serde_json::from_slice(&body) {
+    let mut request: CheckRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
             state.metrics.response(400);
@@ -59,6 +59,16 @@ async fn check(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -
             );
         }
     };
+    if state.traces.is_some() {
+        // A caller that traces its call, not each check: its checks are
+        // children of the call's context.
+        let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        if let Some(context) = crate::traces::context_from_headers(get) {
+            for check in request.checks.iter_mut().filter(|c| c.trace.is_none()) {
+                check.trace = Some(context.clone());
+            }
+        }
+    }
     let response = decide_within(&state, request, budget).await;
     state.metrics.response(response.status().as_u16());
     response

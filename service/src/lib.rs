@@ -15,4 +15,5 @@ pub mod metrics;
 pub mod rls;
 pub mod script;
 pub mod throttle;
+pub mod traces;
 pub mod validate;

@@ -7,6 +7,7 @@ use meshlimitd::app::{self, AppState};
 use meshlimitd::backend;
 use meshlimitd::limiter::Limiter;
 use meshlimitd::metrics::Metrics;
+use meshlimitd::traces::{TraceSettings, Traces};
 use meshlimitd::validate;
 use tracing::{error, info, warn};
 
@@ -100,6 +101,17 @@ struct Args {
     /// (logged with its field) and the last good configuration kept.
     #[arg(long, env = "MESHLIMITD_RLS_CONFIG_DIR", requires = "grpc_listen")]
     rls_config_dir: Option<std::path::PathBuf>,
+    /// An OTLP/gRPC endpoint (`http://otel-collector:4317`): every check
+    /// of a traced request then makes a span there, a child of the
+    /// request's span (docs/operators.md). Off by default. The exporter
+    /// also reads the standard `OTEL_EXPORTER_OTLP_*` and `OTEL_BSP_*`
+    /// variables (headers, TLS, batching).
+    #[arg(long, env = "MESHLIMITD_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// With --otlp-endpoint: the share (0 to 1) of checks of untraced
+    /// requests that start a trace of their own.
+    #[arg(long, env = "MESHLIMITD_OTLP_ROOT_SAMPLE_RATIO", default_value_t = 0.0)]
+    otlp_root_sample_ratio: f64,
     /// Log format: text or json.
     #[arg(long, env = "MESHLIMITD_LOG_FORMAT", default_value = "text")]
     log_format: String,
@@ -216,10 +228,29 @@ async fn run(args: Args) -> Result<(), String> {
     if admin_token.is_some() {
         info!("admin API on: live overrides are read by every decision");
     }
+    let traces = match &args.otlp_endpoint {
+        Some(endpoint) => {
+            let settings = TraceSettings {
+                endpoint: endpoint.clone(),
+                root_ratio: args.otlp_root_sample_ratio,
+            };
+            let traces = Traces::start(&settings).map_err(|e| e.to_string())?;
+            info!("traces on: spans of traced requests' checks go to {endpoint} (OTLP/gRPC)");
+            Some(traces)
+        }
+        None => None,
+    };
     let state = AppState::new(limiter, metrics, limits)
         .with_auth_token(auth_token)
-        .with_admin_token(admin_token);
-    serve(&args, state).await
+        .with_admin_token(admin_token)
+        .with_traces(traces.clone());
+    let served = serve(&args, state).await;
+    if let Some(traces) = traces {
+        // Flushing blocks: off the runtime's workers, which the exporter's
+        // gRPC client needs meanwhile.
+        let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
+    }
+    served
 }
 
 /// A flag's file, read whole (`None`: the flag is not set).

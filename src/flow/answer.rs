@@ -148,7 +148,7 @@ impl Worker {
                         self.install_lease(host, now, queued.context_id, check, &mut result);
                     }
                 }
-                Job::Admit { check, local } => {
+                Job::Admit { check, local, .. } => {
                     let verdict = self.verdict_after_call(
                         host,
                         &mut tally,

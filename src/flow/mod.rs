@@ -63,6 +63,7 @@ use crate::host::{Host, Request};
 use crate::shared::keys;
 use crate::stats::Stat;
 use crate::throttle::LogThrottle;
+use crate::trace_context::TraceContext;
 use guard::Guard;
 use hold::HeaderHold;
 use lease_book::LeaseBook;
@@ -133,6 +134,8 @@ pub struct Stream {
     hit: bool,
     /// A hit's RateLimit headers, made with its response (see `hit`).
     hit_headers: Option<hit::HitHeaders>,
+    /// The trace context the request came with, for its check call.
+    trace: Option<Box<TraceContext>>,
 }
 
 /// A check a stream sent itself and waits for.
@@ -250,6 +253,7 @@ impl Worker {
             awaiting_body: None,
             hit: false,
             hit_headers: None,
+            trace: None,
         }
     }
 
@@ -304,6 +308,9 @@ impl Worker {
         };
         self.metrics
             .add(host, Stat::SkippedMissingAttribute, check.skipped as usize);
+        // Read now, with the headers at hand: the call, if one is made,
+        // is sent later (from the body, or by the root).
+        stream.trace = TraceContext::read(request.headers()).map(Box::new);
         if profile::SKIP_DECIDE {
             return Step::Continue;
         }
@@ -412,9 +419,13 @@ impl Worker {
         check: Check,
         local: Option<CheckResult>,
     ) -> Step {
-        let dispatched =
-            self.outbox
-                .send_check(host, &self.config.service, stream.context_id, &check, now);
+        let dispatched = self.outbox.send_check(
+            host,
+            &self.config.service,
+            stream.context_id,
+            (&check, stream.trace.as_deref()),
+            now,
+        );
         match dispatched {
             Ok(token) => {
                 stream.in_flight = Some(InFlight {
@@ -445,7 +456,11 @@ impl Worker {
         self.awaiting.borrow_mut().insert(stream.context_id);
         let queued = Queued {
             context_id: stream.context_id,
-            job: Job::Admit { check, local },
+            job: Job::Admit {
+                check,
+                local,
+                trace: stream.trace.take(),
+            },
         };
         let outcome = self.outbox.queue(host, queued, now);
         let paused = if profile::SKIP_PAUSE {
@@ -459,14 +474,20 @@ impl Worker {
             Queue::Queued => paused,
             // The root cannot be woken: call for this check ourselves.
             Queue::NoWake(Queued {
-                job: Job::Admit { check, local },
+                job:
+                    Job::Admit {
+                        check,
+                        local,
+                        trace,
+                    },
                 ..
             }) => {
                 self.awaiting.borrow_mut().remove(&stream.context_id);
+                stream.trace = trace;
                 self.ask_service(host, stream, now, check, local)
             }
             Queue::Refused(Queued {
-                job: Job::Admit { check, local },
+                job: Job::Admit { check, local, .. },
                 ..
             }) => {
                 // Too many queued: decide by failure_mode, and count it.

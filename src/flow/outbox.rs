@@ -35,6 +35,7 @@ use crate::decision::ServiceError;
 use crate::host::{Call, Host};
 use crate::shared::keys;
 use crate::throttle::LogThrottle;
+use crate::trace_context::TraceContext;
 use meshlimit_protocol::CheckResult;
 
 /// With group commit off: one job a call, each sent as soon as it is
@@ -63,6 +64,8 @@ pub(super) enum Job {
         check: Check,
         /// The admitted decision of the request's `scope: local` rules.
         local: Option<CheckResult>,
+        /// The request's trace context, forwarded with the check.
+        trace: Option<Box<TraceContext>>,
     },
     /// Reserve more for a stream that outgrew its reservation.
     TopUp { check: Check },
@@ -82,6 +85,21 @@ impl Queued {
             Job::Admit { check, .. } | Job::TopUp { check } | Job::Renew { check } => Some(check),
             Job::Settle { .. } | Job::Return { .. } => None,
         }
+    }
+
+    /// The trace context of the request it decides, if any.
+    fn trace(&self) -> Option<&TraceContext> {
+        match &self.job {
+            Job::Admit { trace, .. } => trace.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// The check as it goes on the wire, with its request's trace context.
+    fn to_wire(&self) -> Option<meshlimit_protocol::Check> {
+        let mut wire = self.check()?.to_wire();
+        wire.trace = self.trace().map(TraceContext::traceparent);
+        Some(wire)
     }
 
     pub(super) fn settlements(&self) -> &[Settlement] {
@@ -238,13 +256,17 @@ impl Outbox {
         host: &impl Host,
         service: &ServiceConfig,
         context_id: u32,
-        check: &Check,
+        (check, trace): (&Check, Option<&TraceContext>),
         now: u64,
     ) -> Result<u32, ServiceError> {
         host.set_effective_context(self.root_context_id);
-        let dispatched = serde_json::to_vec(&check.to_request())
+        let mut request = check.to_request();
+        for wire in &mut request.checks {
+            wire.trace = trace.map(TraceContext::traceparent);
+        }
+        let dispatched = serde_json::to_vec(&request)
             .map_err(|e| ServiceError::BadBody(e.to_string()))
-            .and_then(|body| self.dispatch(host, service, &body, now));
+            .and_then(|body| self.dispatch(host, service, &body, trace, now));
         host.set_effective_context(context_id);
         dispatched
     }
@@ -299,10 +321,7 @@ impl Outbox {
         now: u64,
     ) -> Result<u32, ServiceError> {
         let request = CheckRequest {
-            checks: jobs
-                .iter()
-                .filter_map(|q| Some(q.check()?.to_wire()))
-                .collect(),
+            checks: jobs.iter().filter_map(Queued::to_wire).collect(),
             settlements: jobs
                 .iter()
                 .flat_map(|q| q.settlements().iter().cloned())
@@ -310,7 +329,10 @@ impl Outbox {
         };
         serde_json::to_vec(&request)
             .map_err(|e| ServiceError::BadBody(e.to_string()))
-            .and_then(|body| self.dispatch(host, service, &body, now))
+            .and_then(|body| {
+                let trace = jobs.iter().find_map(Queued::trace);
+                self.dispatch(host, service, &body, trace, now)
+            })
     }
 
     /// Sends a check request to meshlimitd from the current context.
@@ -319,6 +341,7 @@ impl Outbox {
         host: &impl Host,
         service: &ServiceConfig,
         body: &[u8],
+        trace: Option<&TraceContext>,
         now: u64,
     ) -> Result<u32, ServiceError> {
         host.dispatch(&Call {
@@ -328,6 +351,7 @@ impl Outbox {
             body,
             timeout_ms: service.timeout_ms,
             authorization: service.authorization.as_deref(),
+            trace,
         })
         .map_err(|e| {
             // Typically an unknown cluster, or no healthy meshlimitd.

@@ -11,6 +11,7 @@ mod local;
 mod routing;
 mod rule_stats;
 mod tokens;
+mod tracing;
 
 const ROOT: u32 = 1;
 

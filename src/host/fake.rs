@@ -124,6 +124,8 @@ pub struct SentCall {
     pub body: Vec<u8>,
     pub timeout_ms: u64,
     pub authorization: Option<String>,
+    /// The trace headers it carried.
+    pub trace_headers: Vec<(String, String)>,
 }
 
 /// A call's response as the host holds it: `:status` and body.
@@ -399,6 +401,12 @@ impl Host for FakeHost {
             body: call.body.to_vec(),
             timeout_ms: call.timeout_ms,
             authorization: call.authorization.map(String::from),
+            trace_headers: call
+                .trace
+                .iter()
+                .flat_map(|t| t.headers())
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
         });
         Ok(token)
     }

@@ -9,6 +9,7 @@
 use crate::reply::DenyResponse;
 pub use crate::shared::{SharedStore, StoreError};
 use crate::stats::MetricKind;
+use crate::trace_context::TraceContext;
 
 #[cfg(test)]
 pub mod fake;
@@ -95,6 +96,11 @@ impl<'h, H: Host> Request<'h, H> {
         }
     }
 
+    /// Every header of the request.
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
     /// A header as text (lossy: only compared with configured text), empty
     /// when absent; the first when repeated (pseudo-headers are unique).
     pub fn text(&self, name: &str) -> std::borrow::Cow<'_, str> {
@@ -144,6 +150,9 @@ pub struct Call<'a> {
     pub timeout_ms: u64,
     /// The `authorization` header meshlimitd asks for, if any.
     pub authorization: Option<&'a str>,
+    /// The trace context of the request the call is for (of the first
+    /// such request of a batch), forwarded as headers.
+    pub trace: Option<&'a TraceContext>,
 }
 
 /// Everything the request flow does to its host. The request, the call

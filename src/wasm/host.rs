@@ -128,6 +128,9 @@ impl Host for WasmHost {
         if let Some(authorization) = call.authorization {
             headers.push(("authorization", authorization));
         }
+        if let Some(trace) = call.trace {
+            headers.extend(trace.headers());
+        }
         timed(Site::Dispatch, || {
             hostcalls::dispatch_http_call(
                 call.cluster,

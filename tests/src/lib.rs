@@ -17,6 +17,7 @@
 pub mod fake;
 pub mod http;
 pub mod llm;
+pub mod otlp;
 pub mod plugin;
 pub mod procs;
 pub mod render;

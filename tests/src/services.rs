@@ -117,12 +117,25 @@ impl Meshlimitd {
         dir: &Path,
         extra: &[&str],
     ) -> Meshlimitd {
+        Self::start_with_env(binary, host, redis_url, dir, extra, &[])
+    }
+
+    /// As [`Meshlimitd::start_binary`], with environment variables set.
+    pub fn start_with_env(
+        binary: &Path,
+        host: &str,
+        redis_url: &str,
+        dir: &Path,
+        extra: &[&str],
+        env: &[(String, String)],
+    ) -> Meshlimitd {
         let addr = format!("{host}:{MESHLIMITD_PORT}");
         let mut proc = Proc::spawn(
             "meshlimitd",
             Command::new(binary)
                 .args(["--listen", &addr, "--redis-url", redis_url])
-                .args(extra),
+                .args(extra)
+                .envs(env.iter().map(|(k, v)| (k, v))),
             dir,
         );
         wait_until(&mut proc, "healthy", Duration::from_secs(10), || {

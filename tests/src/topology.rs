@@ -36,6 +36,8 @@ pub struct TopologyOptions {
     pub fake: Option<Behavior>,
     /// Extra meshlimitd flags.
     pub meshlimitd_args: Vec<String>,
+    /// Environment variables of meshlimitd.
+    pub meshlimitd_env: Vec<(String, String)>,
     /// Run meshlimitd on a 3-master, 3-replica Redis Cluster instead of one
     /// Redis.
     pub redis_cluster: bool,
@@ -63,6 +65,7 @@ impl Default for TopologyOptions {
             start_service: true,
             fake: None,
             meshlimitd_args: Vec::new(),
+            meshlimitd_env: Vec::new(),
             redis_cluster: false,
             wasm: None,
             llm: false,
@@ -304,7 +307,14 @@ impl Topology {
             ]
         });
         extra.extend(grpc.iter().flatten().map(String::as_str));
-        self.meshlimitd = Some(Meshlimitd::start(&self.host, &url, self.dir.path(), &extra));
+        self.meshlimitd = Some(Meshlimitd::start_with_env(
+            &tools::meshlimitd(),
+            &self.host,
+            &url,
+            self.dir.path(),
+            &extra,
+            &self.options.meshlimitd_env,
+        ));
     }
 
     /// The meshlimitd process handle, e.g. to signal it or wait for it.

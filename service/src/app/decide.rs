@@ -11,6 +11,7 @@ use tracing::{debug, warn};
 use super::validate::{validate_batch, validate_check, validate_settlement};
 use super::AppState;
 use crate::limiter::LimiterError;
+use crate::traces::CheckSpan;
 
 /// What a whole call comes to.
 pub enum Decided {
@@ -133,12 +134,14 @@ pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
     }
     // Each check is decided on its own and atomically; a batch's checks
     // share script runs (one per Redis node), pipelined.
+    let (started, clock) = (std::time::SystemTime::now(), std::time::Instant::now());
     let decided: Vec<Result<CheckResult, LimiterError>> = if let [one] = valid {
         vec![state.limiter.check(one).await]
     } else {
         state.limiter.prepare_batch().await;
         state.limiter.check_batch(valid).await
     };
+    let scripts = clock.elapsed();
     if decided.iter().all(Result::is_err) {
         // Redis cannot decide anything now: the caller falls back (and its
         // breaker learns that meshlimitd is of no use for the moment).
@@ -154,6 +157,7 @@ pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
     let mut decided = decided.into_iter();
     let mut results = Vec::with_capacity(checked.len());
     for check in checked {
+        let decided_check = check.as_ref().ok().copied();
         let outcome = match check {
             Err(reason) => {
                 state.metrics.check_failure("invalid");
@@ -191,6 +195,15 @@ pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
                 }),
             },
         };
+        if let (Some(traces), Some(check)) = (&state.traces, decided_check) {
+            traces.record(&CheckSpan {
+                check,
+                outcome: &outcome,
+                started,
+                scripts,
+                batch: checks.len(),
+            });
+        }
         results.push(outcome);
     }
     debug!(checks = results.len(), "decided");

@@ -29,6 +29,8 @@ pub struct AppState {
     pub authorization: Option<std::sync::Arc<[u8]>>,
     /// `Bearer <admin secret>` of the admin API; `None`: the API is off.
     pub admin_authorization: Option<std::sync::Arc<[u8]>>,
+    /// Spans for decisions, when `--otlp-endpoint` is set.
+    pub traces: Option<crate::traces::Traces>,
 }
 
 /// Bounds on work in progress.
@@ -53,7 +55,14 @@ impl AppState {
             error_log: std::sync::Arc::new(LogEvery::default()),
             authorization: None,
             admin_authorization: None,
+            traces: None,
         }
+    }
+
+    /// Records a span for every check decided (see [`crate::traces`]).
+    pub fn with_traces(mut self, traces: Option<crate::traces::Traces>) -> Self {
+        self.traces = traces;
+        self
     }
 
     /// Turns the admin API (live overrides) on, behind `token`; the

@@ -182,6 +182,7 @@ mod tests {
                 }],
                 receipt: false,
                 lease: None,
+                trace: None,
             }],
             settlements: Vec::new(),
         }

@@ -568,6 +568,7 @@ mod tests {
                 .collect(),
             receipt: false,
             lease: None,
+            trace: None,
         }
     }
 

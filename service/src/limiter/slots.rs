@@ -54,6 +54,7 @@ impl Limiter {
                     limits: limits.clone(),
                     receipt: check.receipt,
                     lease: None,
+                    trace: None,
                 };
                 let mut result = parse_reply(&part, reply)?;
                 if check.receipt {

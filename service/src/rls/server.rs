@@ -14,12 +14,15 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
-use meshlimit_protocol::{bounds, Check, CheckResult, Limit};
+use meshlimit_protocol::{
+    bounds, Check, CheckFailure, CheckOutcome, CheckResult, FailureKind, Limit,
+};
 use tracing::warn;
 
 use super::config::{Domains, Limited, RateLimit, Unit};
 use super::reload::Current;
 use crate::app::{AppState, Caller};
+use crate::traces::CheckSpan;
 
 /// The gRPC service: the HTTP API's state (limiter, bounds, metrics) and
 /// the configuration in use.
@@ -154,6 +157,7 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
         limits,
         receipt: false,
         lease: None,
+        trace: None,
     });
     Ok(Plan { check, slots })
 }
@@ -318,10 +322,16 @@ impl RateLimitService for RlsService {
             self.state.metrics.rls_response("unauthenticated");
             return Err(tonic::Status::unauthenticated(denied.to_string()));
         }
+        // Envoy's ratelimit filter sends its span's context as metadata
+        // when the listener traces.
+        let trace = self.state.traces.as_ref().and_then(|_| {
+            let metadata = request.metadata();
+            crate::traces::context_from_headers(|name| metadata.get(name)?.to_str().ok())
+        });
         let request = request.into_inner();
         let domains = self.config.get();
         let metrics = &self.state.metrics;
-        let plan = plan(&domains, &request).map_err(|e| {
+        let mut plan = plan(&domains, &request).map_err(|e| {
             metrics.rls_response("invalid");
             tonic::Status::invalid_argument(e)
         })?;
@@ -333,6 +343,9 @@ impl RateLimitService for RlsService {
             });
             Ok(tonic::Response::new(response))
         };
+        if let Some(check) = &mut plan.check {
+            check.trace = trace;
+        }
         let Some(check) = &plan.check else {
             return respond(answer(&plan, None));
         };
@@ -344,10 +357,27 @@ impl RateLimitService for RlsService {
         let Some(_permit) = crate::app::permit(state).await else {
             return Err(unavailable(crate::app::OVERLOADED.into()));
         };
+        let (started, clock) = (std::time::SystemTime::now(), std::time::Instant::now());
         let decided =
             tokio::time::timeout(state.limits.request_timeout, state.limiter.check(check))
                 .await
                 .map_err(|_| unavailable("not decided in time".into()))?;
+        if let Some(traces) = &state.traces {
+            let outcome = match &decided {
+                Ok(result) => CheckOutcome::Decided(result.clone()),
+                Err(e) => CheckOutcome::Failed(CheckFailure {
+                    error: e.to_string(),
+                    kind: FailureKind::Unavailable,
+                }),
+            };
+            traces.record(&CheckSpan {
+                check,
+                outcome: &outcome,
+                started,
+                scripts: clock.elapsed(),
+                batch: 1,
+            });
+        }
         match decided {
             Ok(result) => {
                 metrics.decision(result.allowed);
