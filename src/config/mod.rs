@@ -73,6 +73,31 @@ pub struct Config {
     /// holds its headers until it is decided, so a denied one never
     /// reaches the upstream.
     pub allow_on_headers_stop_iteration: bool,
+    /// Why was a request decided so: a sampled log line per decision;
+    /// `None` when off (the default).
+    pub decision_log: Option<DecisionLogConfig>,
+}
+
+/// The decision log (`decision_log`): which decisions get a line, at
+/// which level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecisionLogConfig {
+    /// Decisions logged, per million (from `sample`, 0 to 1).
+    pub sample_ppm: u32,
+    /// Only denials (shadow denials included).
+    pub denied_only: bool,
+    pub level: LogLevel,
+}
+
+/// The level of the decision log's lines: `debug` shows only where the
+/// proxy's wasm log level is debug (`/logging?wasm=debug` on Envoy's
+/// admin port), `info` everywhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogLevel {
+    #[default]
+    Debug,
+    Info,
 }
 
 /// The verified JWT payload in the request's dynamic metadata, as Envoy's

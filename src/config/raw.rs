@@ -5,7 +5,7 @@
 use meshlimit_protocol::Algorithm;
 use serde::Deserialize;
 
-use super::{FailureMode, HeaderStyle, MissingAttribute, Scope, WhenMissing};
+use super::{FailureMode, HeaderStyle, LogLevel, MissingAttribute, Scope, WhenMissing};
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawConfig {
@@ -32,6 +32,16 @@ pub(super) struct RawConfig {
     pub(super) jwt: RawJwt,
     #[serde(default)]
     pub(super) allow_on_headers_stop_iteration: bool,
+    #[serde(default)]
+    pub(super) decision_log: RawDecisionLog,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawDecisionLog {
+    pub(super) sample: f64,
+    pub(super) denied_only: bool,
+    pub(super) level: LogLevel,
 }
 
 #[derive(Deserialize)]

@@ -328,6 +328,24 @@ pub const FIELDS: &[Field] = &[
         schema: r#"{"type": "integer", "minimum": 0}"#,
     },
     Field {
+        path: "decision_log.sample",
+        default: "`0` (off)",
+        meaning: "share of decisions (0 to 1) that get a log line saying why: the decision, where it came from (`lease`, `call`, `cache`, `fallback`, `local`), and each limit's name, subject (as overrides spell it) and remaining. At most 100 lines a second per worker. A configuration push turns it on or off, without a restart",
+        schema: r#"{"type": "number", "minimum": 0, "maximum": 1}"#,
+    },
+    Field {
+        path: "decision_log.denied_only",
+        default: "`false`",
+        meaning: "log only denials (shadow denials included)",
+        schema: r#"{"type": "boolean"}"#,
+    },
+    Field {
+        path: "decision_log.level",
+        default: "`\"debug\"`",
+        meaning: "`debug` (shown where the proxy's wasm log level is debug: `curl -X POST localhost:15000/logging?wasm=debug`, or `istioctl proxy-config log <pod> --level wasm:debug`) or `info`",
+        schema: r#"{"type": "string", "enum": ["debug", "info"]}"#,
+    },
+    Field {
         path: "breaker.failures",
         default: "`5`",
         meaning: "consecutive failed calls that open the circuit breaker",
@@ -585,6 +603,7 @@ mod tests {
             "response",
             "deny_cache",
             "breaker",
+            "decision_log",
         ];
         for object in objects {
             let message = refusal(|c| {

@@ -5,6 +5,7 @@
 use log::warn;
 use meshlimit_protocol::CheckResult;
 
+use super::decision_log::Source;
 use super::metrics::Tally;
 use super::rule_stats::Event;
 use super::{with_local, Job, Queued, Step, Stream, Worker};
@@ -200,6 +201,8 @@ impl Worker {
             Ok(mut result) => {
                 tally.decided(result.allowed);
                 self.rule_stats.result(host, &check.global, &result, false);
+                self.decision_log
+                    .result(now, Source::Call, &check.global, &result);
                 self.install_lease(host, now, context_id, check, &mut result);
                 self.guard
                     .count_shadow(host, &self.metrics, now, &check.global, &result);
@@ -260,6 +263,8 @@ impl Worker {
                 self.guard
                     .count_shadow(host, &self.metrics, now, &scaled, &decided.result);
                 self.rule_stats.result(host, &scaled, &decided.result, true);
+                self.decision_log
+                    .result(now, Source::Fallback, &scaled, &decided.result);
                 Ok(decided.result)
             }
         };
@@ -272,6 +277,8 @@ impl Worker {
                     self.rule_stats.count(host, applied, Event::Allowed);
                 }
             }
+            self.decision_log
+                .uncounted(now, Source::Fallback, &check.global, allowed, None);
         }
         self.metrics.bump(
             host,

@@ -20,6 +20,7 @@ use std::rc::Rc;
 
 use meshlimit_protocol::CheckResult;
 
+use super::decision_log::Source;
 use super::leases::{self, Lookup};
 use super::local_draws;
 use super::rule_stats::Event;
@@ -137,6 +138,8 @@ impl Worker {
             Some((verdict, limit)) => {
                 self.metrics.bump(host, Stat::DenyCacheHits);
                 self.rule_stats.count(host, limit, Event::Denied);
+                self.decision_log
+                    .uncounted(now, Source::Cache, &check.global, false, Some(limit));
                 Outcome::Decided(stream.apply(verdict))
             }
             None => Outcome::Next(()),

@@ -17,6 +17,7 @@ use log::warn;
 use meshlimit_protocol::{CheckResult, LeaseLife, Receipt, SettleOutcome, Settlement};
 
 use super::clock::NEAR_EXPIRY_MS;
+use super::decision_log::Source;
 use super::hit::{HitHeaders, Scope};
 use super::observer::Observer;
 use super::{Job, Queued, Step, Stream, Worker};
@@ -146,6 +147,8 @@ impl Worker {
         for applied in &check.global {
             self.rule_stats.admitted(host, applied, remaining);
         }
+        self.decision_log
+            .admitted(now, Source::Lease, &check.global, remaining);
         Lookup::Hit {
             remaining,
             reset_after_ms: draw.reset_at_ms.saturating_sub(now),

@@ -8,6 +8,7 @@ use std::rc::Rc;
 use meshlimit_protocol::CheckResult;
 
 use super::decide::Outcome;
+use super::decision_log::Source;
 use super::hit::{HitHeaders, Scope};
 use super::local_draws::{self, LocalDraws, Spend};
 use super::{Step, Stream, Worker};
@@ -85,6 +86,12 @@ impl Worker {
                     self.metrics.add(host, Stat::LocalAllowed, hits as usize);
                 }
                 self.rule_stats.admitted(host, applied, remaining);
+                self.decision_log.admitted(
+                    now,
+                    Source::Local,
+                    std::slice::from_ref(applied),
+                    remaining,
+                );
                 let headers = HitHeaders {
                     check: Rc::clone(check),
                     scope: Scope::Local,
@@ -134,6 +141,8 @@ impl Worker {
         self.guard
             .count_shadow(host, &self.metrics, now, &check.local, result);
         self.rule_stats.result(host, &check.local, result, false);
+        self.decision_log
+            .result(now, Source::Local, &check.local, result);
         let stat = if result.allowed {
             Stat::LocalAllowed
         } else {

@@ -31,6 +31,7 @@ mod budget;
 mod bulk;
 mod clock;
 mod decide;
+mod decision_log;
 mod guard;
 mod hit;
 mod hold;
@@ -184,6 +185,8 @@ pub struct Worker {
     local_draws: local_draws::LocalDraws,
     /// Stats per rule and limit, and the counts not yet added to them.
     rule_stats: rule_stats::RuleStats,
+    /// Why each (sampled) decision was made, when `decision_log` is on.
+    decision_log: decision_log::DecisionLog,
 }
 
 impl Worker {
@@ -223,6 +226,7 @@ impl Worker {
         let rule_stats = rule_stats::RuleStats::define(host, &config);
         rule_stats.set_ticking(lease_book.ticking);
         let hold = HeaderHold::new(config.allow_on_headers_stop_iteration);
+        let decision_log = decision_log::DecisionLog::new(&config, host.random_seed().1);
         Worker {
             metrics,
             config,
@@ -241,6 +245,7 @@ impl Worker {
             hits: hit::Hits::default(),
             local_draws,
             rule_stats,
+            decision_log,
         }
     }
 

@@ -6,6 +6,7 @@ use super::*;
 use crate::host::fake::{Acted, FakeHost, FakeRequest};
 use serde_json::json;
 
+mod decision_log;
 mod leases;
 mod local;
 mod routing;

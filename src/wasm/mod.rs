@@ -24,7 +24,9 @@ use host::WasmHost;
 use timers::Site;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
+    // Debug: the decision log may write at debug (`decision_log.level`);
+    // nothing else does, and Envoy drops what its wasm level hides.
+    proxy_wasm::set_log_level(LogLevel::Debug);
     proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
         Box::new(Root { context_id, worker: None })
     });

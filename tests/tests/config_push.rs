@@ -45,6 +45,52 @@ fn split_listener(config: &str) -> (String, String) {
     (bootstrap, resources)
 }
 
+/// Starts replica 1 with `plugin_config`, its listener in a file Envoy
+/// watches, and waits for the listener: the replica and the file.
+fn start_pushable(
+    t: &Topology,
+    plugin_config: &str,
+) -> (meshlimit_testbed::procs::Proc, std::path::PathBuf) {
+    let (bootstrap, listener) = split_listener(&t.replica_config_with(1, plugin_config));
+    let lds = t.dir.path().join("lds.yaml");
+    std::fs::write(&lds, &listener).unwrap();
+    let bootstrap = bootstrap.replace("LDS_PATH", lds.to_str().unwrap());
+    let replica = t.start_envoy("replica-1", &bootstrap, 2);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http::get(&t.replica_addr(1), "/health", &[]).is_err() {
+        assert!(Instant::now() < deadline, "the listener never came up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (replica, lds)
+}
+
+/// Pushes `plugin_config` to replica 1 (its listener file replaced whole,
+/// as a control plane replaces a resource) and waits until Envoy took it.
+fn push(t: &Topology, lds: &std::path::Path, plugin_config: &str) {
+    let updates = || {
+        http::envoy_stats(
+            &t.replica_admin(1),
+            "^listener_manager\\.lds\\.update_success$",
+        )
+        .first()
+        .map_or(0, |(_, v)| *v)
+    };
+    let before = updates();
+    let (_, listener) = split_listener(&t.replica_config_with(1, plugin_config));
+    let next = t.dir.path().join("lds.next.yaml");
+    std::fs::write(&next, listener).unwrap();
+    std::fs::rename(&next, lds).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while updates() == before {
+        assert!(
+            Instant::now() < deadline,
+            "Envoy never took the new listener"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+}
+
 /// Shared data outlives a configuration push under the same `vm_id`. The
 /// deny cache used to key its entries by the limit's name alone: raising a
 /// limit left denied clients denied until the cached deadline (up to the
@@ -62,11 +108,7 @@ fn a_raised_limit_ends_cached_denials_at_once() {
             .limits(json!([{"name": "per-hour", "requests": requests, "window": "1h"}]))
             .build()
     };
-    let (bootstrap, listener) = split_listener(&t.replica_config_with(1, &per_hour(1)));
-    let lds = t.dir.path().join("lds.yaml");
-    std::fs::write(&lds, &listener).unwrap();
-    let bootstrap = bootstrap.replace("LDS_PATH", lds.to_str().unwrap());
-    let mut replica = t.start_envoy("replica-1", &bootstrap, 2);
+    let (mut replica, lds) = start_pushable(&t, &per_hour(1));
     // Else the first requests may be fallbacks, which feed no deny cache.
     t.wait_sees_meshlimitd(1, &mut replica);
     let addr = t.replica_addr(1);
@@ -75,11 +117,6 @@ fn a_raised_limit_ends_cached_denials_at_once() {
             .unwrap()
             .status
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while http::get(&addr, "/health", &[]).is_err() {
-        assert!(Instant::now() < deadline, "the listener never came up");
-        std::thread::sleep(Duration::from_millis(100));
-    }
     // The limit is per hour: start well inside one.
     let into_hour = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -91,32 +128,72 @@ fn a_raised_limit_ends_cached_denials_at_once() {
     assert_eq!(get(), 429, "decided by meshlimitd, then cached");
     assert_eq!(get(), 429);
     assert!(t.stat(1, "meshlimit.deny_cache_hits") >= 1, "a cached deny");
-    let updates = || {
-        http::envoy_stats(
-            &t.replica_admin(1),
-            "^listener_manager\\.lds\\.update_success$",
-        )
-        .first()
-        .map_or(0, |(_, v)| *v)
-    };
-    let before = updates();
-    // The operator raises the limit: the listener file is replaced whole.
-    let (_, raised) = split_listener(&t.replica_config_with(1, &per_hour(100)));
-    let next = t.dir.path().join("lds.next.yaml");
-    std::fs::write(&next, raised).unwrap();
-    std::fs::rename(&next, &lds).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while updates() == before {
-        assert!(
-            Instant::now() < deadline,
-            "Envoy never took the new listener"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_millis(500));
+    // The operator raises the limit.
+    push(&t, &lds, &per_hour(100));
     let allowed_before = t.stat(1, "meshlimit.requests_allowed");
     assert_eq!(get(), 200, "decided by meshlimitd under the new limit");
     assert_eq!(t.stat(1, "meshlimit.requests_allowed"), allowed_before + 1);
     let log = t.logs("replica-1");
     assert!(!log.contains("panicked"), "{log}");
+}
+
+/// The decision log is turned on (and off) by a configuration push, with
+/// no restart: each line says where the decision came from and what each
+/// limit said.
+#[test]
+fn a_push_turns_the_decision_log_on_and_off() {
+    let t = Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        ..TopologyOptions::default()
+    });
+    let config = |log: Value| {
+        keyed("local")
+            .limits(json!([{"name": "per-minute", "requests": 3, "window": "60s"}]))
+            .set("decision_log", log)
+            .build()
+    };
+    let (mut replica, lds) = start_pushable(&t, &config(json!({})));
+    t.wait_sees_meshlimitd(1, &mut replica);
+    wait_for_fresh_window(Duration::from_secs(20));
+    let get = |key: &str| {
+        http::get(
+            &t.replica_addr(1),
+            "/api/x",
+            &[("x-api-key", key.as_bytes())],
+        )
+        .unwrap()
+        .status
+    };
+    let lines = || {
+        t.logs("replica-1")
+            .lines()
+            .filter(|l| l.contains("decision ") && l.contains("hdr:x-api-key:logged"))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(get("logged"), 200);
+    assert!(lines().is_empty(), "off by default: {:?}", lines());
+
+    push(&t, &lds, &config(json!({"sample": 1, "level": "info"})));
+    let statuses: Vec<u16> = (0..4).map(|_| get("logged")).collect();
+    assert_eq!(statuses, [200, 200, 429, 429]);
+    let logged = lines();
+    assert_eq!(logged.len(), 4, "{logged:#?}");
+    assert!(
+        logged[0].contains("decision allowed from call: "),
+        "{logged:#?}"
+    );
+    assert!(
+        logged[2].contains("decision denied from call: ") && logged[2].contains("remaining 0 of 3"),
+        "{logged:#?}"
+    );
+    assert!(
+        logged[3].contains("decision denied from cache: "),
+        "{logged:#?}"
+    );
+
+    push(&t, &lds, &config(json!({})));
+    assert_eq!(get("logged"), 429);
+    assert_eq!(lines().len(), 4, "off again: {:#?}", lines());
 }

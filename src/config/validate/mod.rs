@@ -9,10 +9,10 @@ use meshlimit_protocol::bounds::{self, LimitField};
 use super::duration;
 use super::raw::*;
 use super::{
-    err, Attribute, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, HeaderCondition,
-    HeaderTest, HostPattern, JwtSource, LeaseConfig, LimitConfig, LocalConfig, Match, PathMatch,
-    Reserve, ResponseConfig, Rule, Scope, ServiceConfig, StaticOverride, TokenCost, TokenMode,
-    UsageSource,
+    err, Attribute, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, DecisionLogConfig,
+    HeaderCondition, HeaderTest, HostPattern, JwtSource, LeaseConfig, LimitConfig, LocalConfig,
+    Match, PathMatch, Reserve, ResponseConfig, Rule, Scope, ServiceConfig, StaticOverride,
+    TokenCost, TokenMode, UsageSource,
 };
 
 mod cost;
@@ -104,6 +104,7 @@ pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
         leases: validate_leases(raw.leases, raw.local.expected_replicas)?,
         jwt: validate_jwt(raw.jwt)?,
         allow_on_headers_stop_iteration: raw.allow_on_headers_stop_iteration,
+        decision_log: validate_decision_log(raw.decision_log)?,
     })
 }
 

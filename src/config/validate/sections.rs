@@ -81,6 +81,24 @@ pub(super) fn validate_group_commit(
     }))
 }
 
+pub(super) fn validate_decision_log(
+    raw: RawDecisionLog,
+) -> Result<Option<DecisionLogConfig>, ConfigError> {
+    if !(0.0..=1.0).contains(&raw.sample) {
+        return Err(err(
+            "decision_log.sample",
+            "must be between 0 (off) and 1 (every decision)",
+        ));
+    }
+    // Rounded up: a small share is never 0, which would mean off.
+    let sample_ppm = (raw.sample * 1e6).ceil() as u32;
+    Ok((sample_ppm > 0).then_some(DecisionLogConfig {
+        sample_ppm,
+        denied_only: raw.denied_only,
+        level: raw.level,
+    }))
+}
+
 pub(super) fn validate_breaker(raw: RawBreaker) -> Result<BreakerConfig, ConfigError> {
     if raw.failures == 0 || raw.failures > 1000 {
         return Err(err("breaker.failures", "must be between 1 and 1000"));

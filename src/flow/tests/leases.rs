@@ -704,3 +704,14 @@ fn a_renewal_near_its_windows_end_asks_only_for_what_the_window_has_time_for() {
     assert!(fixed.is_some_and(|u| u > 3), "{fixed:?}");
     assert_eq!(bucket_harness().renewal_ask(30_000, 700), fixed);
 }
+
+#[test]
+fn a_lease_hit_says_so_in_the_decision_log() {
+    let mut h = harness(r#""decision_log": {"sample": 1, "level": "info"},"#);
+    h.lease_for_a(&granted(13, 5));
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue);
+    assert!(logged(&[
+        "INFO decision allowed from lease: api/per-minute subject \"hdr:x-api-key:a\" allowed remaining 4 of 20"
+    ]));
+}
