@@ -282,6 +282,25 @@ pub struct CheckResponse {
     /// One per [`CheckRequest::settlements`], in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub settled: Vec<SettleOutcome>,
+    /// The fleet-wide enforcement switch as meshlimitd last read it, when
+    /// it has one (its admin API is on): the filter's own decisions (a
+    /// cached deny, the fallback, `scope: local` rules) obey it too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<Enforcement>,
+}
+
+/// The fleet-wide enforcement switch (meshlimitd's admin API,
+/// `PUT /v1/enforcement`): in `shadow`, every limit is decided and
+/// counted but none refuses a request, everywhere, until it is switched
+/// back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Enforcement {
+    Enforce,
+    Shadow,
+    /// A value a newer meshlimitd may send: read as `enforce`.
+    #[serde(other)]
+    Unknown,
 }
 
 /// What became of one settlement.

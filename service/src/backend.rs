@@ -268,6 +268,23 @@ impl Backend {
         }
     }
 
+    /// A pipeline whose keys share one slot.
+    pub async fn query_pipe<T: FromRedisValue>(&self, pipe: &redis::Pipeline) -> RedisResult<T> {
+        match self {
+            Backend::Standalone(conn) => pipe.query_async(&mut conn.clone()).await,
+            Backend::Cluster(cluster) => {
+                let mut conn = cluster.connection().await?;
+                pipe.query_async(&mut conn).await
+            }
+            Backend::Sentinel(master) => {
+                let mut conn = master.connection().await?;
+                let result = pipe.query_async(&mut conn).await;
+                master.after(&result).await;
+                result
+            }
+        }
+    }
+
     /// A command (PING for readiness).
     pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         match self {

@@ -9,6 +9,7 @@ pub mod api;
 pub mod app;
 pub mod backend;
 pub mod cluster;
+pub mod fleet;
 pub mod keys;
 pub mod limiter;
 pub mod metrics;

@@ -62,10 +62,13 @@ struct Args {
     /// meshlimitd (see docs/security.md).
     #[arg(long, env = "MESHLIMITD_AUTH_TOKEN_FILE")]
     auth_token_file: Option<std::path::PathBuf>,
-    /// A file holding the admin API's secret (a different one from
-    /// --auth-token-file): turns on live overrides (`/v1/overrides/...`,
-    /// see docs/policies.md), read by every decision. Give every instance
-    /// the same setting. Off by default.
+    /// A file holding the admin API's credentials (secrets other than
+    /// --auth-token-file's): one secret, or one `<id> <secret>` a line so
+    /// that the log names who made each change. Turns on live overrides
+    /// (`/v1/overrides/...`, see docs/policies.md), the fleet-wide
+    /// enforcement switch (`/v1/enforcement`) and usage reads
+    /// (`/v1/usage/...`, docs/operators.md). Give every instance the same
+    /// setting. Off by default.
     #[arg(long, env = "MESHLIMITD_ADMIN_TOKEN_FILE")]
     admin_token_file: Option<std::path::PathBuf>,
     /// Test hook, never for production: the scripts' clock is Redis TIME
@@ -177,7 +180,12 @@ async fn main() {
             .with_env_filter(filter)
             .init();
     } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
+        // Colours only on a terminal: a log file or a pod's log would
+        // carry the escape codes.
+        tracing_subscriber::fmt()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
+            .with_env_filter(filter)
+            .init();
     }
     if let Err(e) = run(args).await {
         error!("{e}");
@@ -224,9 +232,13 @@ async fn run(args: Args) -> Result<(), String> {
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
     };
-    let (auth_token, admin_token) = tokens(&args)?;
-    if admin_token.is_some() {
-        info!("admin API on: live overrides are read by every decision");
+    let (auth_token, admin_tokens) = tokens(&args)?;
+    if let Some(admin) = &admin_tokens {
+        let ids: Vec<&str> = admin.iter().map(|t| t.id.as_str()).collect();
+        info!(
+            "admin API on (credentials: {}): live overrides and the enforcement switch are read by every decision",
+            ids.join(", ")
+        );
     }
     let traces = match &args.otlp_endpoint {
         Some(endpoint) => {
@@ -242,8 +254,15 @@ async fn run(args: Args) -> Result<(), String> {
     };
     let state = AppState::new(limiter, metrics, limits)
         .with_auth_token(auth_token)
-        .with_admin_token(admin_token)
+        .with_admin_tokens(admin_tokens)
         .with_traces(traces.clone());
+    // The fleet-wide switch, read from Redis (with the admin API on).
+    tokio::spawn(
+        state
+            .fleet
+            .clone()
+            .refresh_forever(state.limiter.clone(), state.metrics.clone()),
+    );
     let served = serve(&args, state).await;
     if let Some(traces) = traces {
         // Flushing blocks: off the runtime's workers, which the exporter's
@@ -286,20 +305,21 @@ fn backend_options(args: &Args) -> Result<backend::Options, String> {
     })
 }
 
-/// The proxies' shared token and the admin token, when their files are
-/// given; two different secrets.
-fn tokens(args: &Args) -> Result<(Option<String>, Option<String>), String> {
-    let token = |flag: &str, path: &Option<std::path::PathBuf>| -> Result<_, String> {
-        read_file(flag, path)?
-            .map(|bytes| app::auth_token(&bytes).map_err(|e| format!("{flag}: {e}")))
-            .transpose()
-    };
-    let auth_token = token("--auth-token-file", &args.auth_token_file)?;
-    let admin_token = token("--admin-token-file", &args.admin_token_file)?;
-    if admin_token.is_some() && admin_token == auth_token {
-        return Err("--admin-token-file must hold another secret than --auth-token-file".into());
+/// The proxies' shared token and the admin credentials, when their
+/// files are given; no admin secret may be the proxies' token.
+fn tokens(args: &Args) -> Result<(Option<String>, Option<Vec<app::AdminToken>>), String> {
+    let auth_token = read_file("--auth-token-file", &args.auth_token_file)?
+        .map(|bytes| app::auth_token(&bytes).map_err(|e| format!("--auth-token-file: {e}")))
+        .transpose()?;
+    let admin_tokens = read_file("--admin-token-file", &args.admin_token_file)?
+        .map(|bytes| app::admin_tokens(&bytes).map_err(|e| format!("--admin-token-file: {e}")))
+        .transpose()?;
+    if let (Some(auth), Some(admin)) = (&auth_token, &admin_tokens) {
+        if admin.iter().any(|t| t.has_secret(auth)) {
+            return Err("--admin-token-file must hold other secrets than --auth-token-file".into());
+        }
     }
-    Ok((auth_token, admin_token))
+    Ok((auth_token, admin_tokens))
 }
 
 /// Serves the HTTP API (and the gRPC service, when configured) until a

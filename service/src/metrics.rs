@@ -55,6 +55,7 @@ pub struct Metrics {
     abandoned_given_back: Counter,
     full_coverage_required: Gauge,
     redis_healthy: Gauge,
+    fleet_shadow: Gauge,
     /// Redis' used memory, maxmemory and evicted keys (`INFO`).
     redis_memory: [Gauge; 3],
     overloaded: Counter,
@@ -167,6 +168,12 @@ impl Metrics {
             "1 while Redis answers this meshlimitd's calls, 0 after consecutive failures (its checks answer 503: every caller falls back)",
             redis_healthy.clone(),
         );
+        let fleet_shadow = Gauge::default();
+        registry.register(
+            "enforcement_shadow",
+            "1 while the fleet-wide enforcement switch is in shadow (PUT /v1/enforcement): nothing is refused anywhere",
+            fleet_shadow.clone(),
+        );
         let full_coverage_required = Gauge::default();
         registry.register(
             "redis_cluster_full_coverage_required",
@@ -211,6 +218,7 @@ impl Metrics {
             abandoned_given_back,
             full_coverage_required,
             redis_healthy,
+            fleet_shadow,
             redis_memory,
             unauthorized,
             rls_responses,
@@ -285,6 +293,11 @@ impl Metrics {
 
     pub fn unauthorized(&self) {
         self.unauthorized.inc();
+    }
+
+    /// Whether the fleet-wide switch is in shadow.
+    pub fn fleet_shadow(&self, shadow: bool) {
+        self.fleet_shadow.set(i64::from(shadow));
     }
 
     /// Whether Redis answers this meshlimitd (read when scraped).

@@ -47,7 +47,9 @@ fn router(proxy_token: Option<&str>, admin_token: Option<&str>) -> Router {
     };
     let state = AppState::new(limiter, metrics, limits)
         .with_auth_token(proxy_token.map(String::from))
-        .with_admin_token(admin_token.map(String::from));
+        .with_admin_tokens(
+            admin_token.map(|t| meshlimitd::app::admin_tokens(t.as_bytes()).unwrap()),
+        );
     api::router(state, 64 * 1024)
 }
 

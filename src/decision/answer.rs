@@ -2,7 +2,9 @@
 //! [`CheckResult`]s or a [`ServiceError`]. Nothing here knows the host or
 //! the configuration: only the call's status and body.
 
-use meshlimit_protocol::{CheckOutcome, CheckResponse, CheckResult, ErrorBody, FailureKind};
+use meshlimit_protocol::{
+    CheckOutcome, CheckResponse, CheckResult, Enforcement, ErrorBody, FailureKind,
+};
 
 use crate::stats::Stat;
 
@@ -76,17 +78,38 @@ pub fn read_answer(
     expected_limits: usize,
     timed_out: bool,
 ) -> Result<CheckResult, ServiceError> {
-    let (mut results, _) = read_batch_answer(status, body, &[expected_limits], 0, timed_out)?;
-    results
-        .pop()
-        .ok_or_else(|| ServiceError::BadBody("expected exactly one result".into()))?
+    read_answer_heard(status, body, expected_limits, timed_out).0
+}
+
+/// As [`read_answer`], with the fleet-wide switch's state the answer
+/// reported, whatever became of the check.
+pub fn read_answer_heard(
+    status: Option<u32>,
+    body: Option<&[u8]>,
+    expected_limits: usize,
+    timed_out: bool,
+) -> (Result<CheckResult, ServiceError>, Option<Enforcement>) {
+    match read_batch_answer(status, body, &[expected_limits], 0, timed_out) {
+        Ok(mut answer) => (
+            answer
+                .results
+                .pop()
+                .ok_or_else(|| ServiceError::BadBody("expected exactly one result".into()))
+                .and_then(|r| r),
+            answer.enforcement,
+        ),
+        Err(e) => (Err(e), None),
+    }
 }
 
 /// The answer to each check of a batch call, and to each settlement.
-pub type BatchAnswer = (
-    Vec<Result<CheckResult, ServiceError>>,
-    Vec<meshlimit_protocol::SettleOutcome>,
-);
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchAnswer {
+    pub results: Vec<Result<CheckResult, ServiceError>>,
+    pub settled: Vec<meshlimit_protocol::SettleOutcome>,
+    /// The fleet-wide switch's state, when meshlimitd has one.
+    pub enforcement: Option<Enforcement>,
+}
 
 /// Reads the answer to a batch call: one outcome per check, in order, the
 /// i-th decided with `expected_limits[i]` limit statuses, or refused on its
@@ -179,5 +202,9 @@ pub fn read_batch_answer(
         }
         results.push(Ok(result));
     }
-    Ok((results, settled))
+    Ok(BatchAnswer {
+        results,
+        settled,
+        enforcement: answer.enforcement,
+    })
 }

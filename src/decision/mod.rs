@@ -16,7 +16,9 @@ mod tests;
 mod verdict;
 
 pub use crate::reply::DenyResponse;
-pub use answer::{read_answer, read_batch_answer, BatchAnswer, ServiceError, MAX_ANSWER_BYTES};
+pub use answer::{
+    read_answer, read_answer_heard, read_batch_answer, BatchAnswer, ServiceError, MAX_ANSWER_BYTES,
+};
 pub use plan::{plan, reserve_from_body, Plan, RejectReason};
 pub use verdict::{
     cached_deny, combine, failure_deny, remember_denials, shadow_denials, verdict, Verdict,

@@ -98,7 +98,10 @@ pub fn remember_denials<S: SharedStore>(
 ) -> usize {
     let mut evicted = 0;
     for (a, status) in check.global.iter().zip(&result.limits) {
+        // A shadow status is no deny: its limit is shadow, or the whole
+        // fleet is (the enforcement switch).
         if !a.shadow
+            && !status.shadow
             && (a.cost == 1 || a.tokens)
             && !status.allowed
             && status.remaining == 0

@@ -31,12 +31,13 @@ impl Worker {
         let (status, body) = read_call_response(host, headers, body_size, 1);
         let now = host.now_ms();
         let timed_out = self.timed_out(in_flight.started_ms, now);
-        let outcome = decision::read_answer(
+        let (outcome, enforcement) = decision::read_answer_heard(
             status,
             body.as_deref(),
             in_flight.check.global.len(),
             timed_out,
         );
+        self.fleet_switch.hear(host, now, enforcement);
         self.report_call(host, outcome.as_ref().err(), now);
         self.conclude(
             host,
@@ -86,6 +87,9 @@ impl Worker {
         let answers =
             decision::read_batch_answer(status, body.as_deref(), &expected, settlements, timed_out);
         self.report_call(host, answers.as_ref().err(), now);
+        if let Ok(answer) = &answers {
+            self.fleet_switch.hear(host, now, answer.enforcement);
+        }
         // The checks that queued meanwhile go out before this batch's
         // streams are resumed: meshlimitd and Redis work on the next batch
         // while this worker forwards the admitted requests, instead of
@@ -108,7 +112,8 @@ impl Worker {
         for queued in batch {
             if let Job::Settle { settlements } | Job::Return { settlements } = &queued.job {
                 let outcomes = match &answers {
-                    Ok((_, outcomes)) => Ok(outcomes
+                    Ok(answer) => Ok(answer
+                        .settled
                         .get(settled..settled + settlements.len())
                         .unwrap_or_default()
                         .to_vec()),
@@ -125,7 +130,8 @@ impl Worker {
             // Each check has its own outcome: one refused check (or one
             // on a Redis node that failed) changes no other's decision.
             let outcome = match &answers {
-                Ok((results, _)) => results
+                Ok(answer) => answer
+                    .results
                     .get(checks)
                     .cloned()
                     .unwrap_or_else(|| Err(ServiceError::BadBody("missing result".into()))),
@@ -249,14 +255,22 @@ impl Worker {
                 receipts: None,
                 leased: 0,
             }),
+            // The fleet is in shadow: nothing is refused, failing or not.
+            FailureMode::Deny if self.fleet_switch.shadow(host, now) => Ok(CheckResult {
+                allowed: true,
+                limits: Vec::new(),
+                receipts: None,
+                leased: 0,
+            }),
             FailureMode::Deny => Err(decision::failure_deny(config)),
             FailureMode::Local => {
                 // Each Envoy enforces its share of the global limit.
                 let scaled: Vec<Applied> = check.global.iter().map(Applied::for_fallback).collect();
-                let decided = self
+                let mut decided = self
                     .guard
                     .local_limiter(host, now)
                     .check(host, &scaled, now);
+                self.fleet_switch.obey(host, now, &mut decided.result);
                 if decided.degraded {
                     self.metrics.bump(host, Stat::FallbackUncounted);
                 }

@@ -131,6 +131,10 @@ impl Worker {
         now: u64,
         check: &Check,
     ) -> Outcome<()> {
+        if self.fleet_switch.shadow(host, now) {
+            // Nothing is refused fleet-wide: meshlimitd decides (in shadow).
+            return Outcome::Next(());
+        }
         let Some(cache) = self.guard.deny_cache(host, now) else {
             return Outcome::Next(());
         };

@@ -36,10 +36,11 @@ impl Worker {
         if let Some(applied) = local_draws::drawable(check) {
             return Outcome::Decided(self.local_draw(host, stream, (now, reused), check, applied));
         }
-        let decided = self
+        let mut decided = self
             .guard
             .local_limiter(host, now)
             .check(host, &check.local, now);
+        self.fleet_switch.obey(host, now, &mut decided.result);
         self.count_local(host, now, check, &decided.result);
         if decided.result.allowed && check.global.is_empty() && check.tokens.is_none() {
             if let Some(headers) = local_hit(check, &decided.result) {
@@ -108,15 +109,16 @@ impl Worker {
             // A miss counts in shared data: on a fresh read.
             now = self.hits.clock.read(host);
         }
-        let (decided, drawn) = limiter.check_drawing(host, &check.local, now, |left| {
+        let (mut decided, drawn) = limiter.check_drawing(host, &check.local, now, |left| {
             LocalDraws::draw_size(want, applied.cost, left)
         });
+        self.fleet_switch.obey(host, now, &mut decided.result);
         self.count_local(host, now, check, &decided.result);
         if let Some(status) = decided
             .result
             .limits
             .first()
-            .filter(|_| decided.result.allowed)
+            .filter(|s| decided.result.allowed && s.allowed)
         {
             let replaced =
                 self.local_draws

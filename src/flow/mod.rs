@@ -32,6 +32,7 @@ mod bulk;
 mod clock;
 mod decide;
 mod decision_log;
+mod fleet_switch;
 mod guard;
 mod hit;
 mod hold;
@@ -187,6 +188,8 @@ pub struct Worker {
     rule_stats: rule_stats::RuleStats,
     /// Why each (sampled) decision was made, when `decision_log` is on.
     decision_log: decision_log::DecisionLog,
+    /// The fleet-wide enforcement switch, as last heard.
+    fleet_switch: fleet_switch::FleetSwitch,
 }
 
 impl Worker {
@@ -209,7 +212,9 @@ impl Worker {
             }
         );
         let outbox = Outbox::new(host, &config, root_context_id);
-        let guard = Guard::new(&config, instance_keys(host, &config));
+        let keys = instance_keys(host, &config);
+        let fleet_switch = fleet_switch::FleetSwitch::new(keys.fleet_switch());
+        let guard = Guard::new(&config, keys);
         let metrics = Metrics::define(host);
         metrics.set(host, Stat::Version, crate::stats::version_number());
         // The root's tick gives leased and drawn units back, and checks
@@ -246,6 +251,7 @@ impl Worker {
             local_draws,
             rule_stats,
             decision_log,
+            fleet_switch,
         }
     }
 

@@ -191,7 +191,8 @@ impl RuleStats {
             if fallback {
                 self.count(host, applied, Event::Fallback);
             }
-            if applied.shadow {
+            // Shadow in the configuration, or by the fleet-wide switch.
+            if applied.shadow || status.is_some_and(|s| s.shadow) {
                 if refused {
                     self.count(host, applied, Event::ShadowDenied);
                 }

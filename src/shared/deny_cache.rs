@@ -5,7 +5,8 @@
 //! A cached deny is trusted for at most [`MAX_CACHED_DENY_MS`] after it
 //! was learnt, however far off T is (its `Retry-After` still says T):
 //! quota can come back before T (a live override raised in meshlimitd, a
-//! refund), and one call a second per denied subject costs little.
+//! refund, the fleet-wide switch to shadow), and two calls a second per
+//! denied subject cost little.
 //!
 //! Entries live in a fixed set of shared-data slots (`slots`), each holding
 //! one (fingerprint, until) pair; a new deny overwrites its slot. A lookup
@@ -17,8 +18,10 @@ use super::store::{self, le_word, le_words, Purpose, SharedStore};
 use crate::config::LimitConfig;
 
 /// The longest a deny is answered from the cache before meshlimitd is
-/// asked again: a raised override ends cached denials within this time.
-pub const MAX_CACHED_DENY_MS: u64 = 1_000;
+/// asked again: a raised override, or the fleet-wide switch to shadow
+/// (with meshlimitd's refresh of it, `fleet::REFRESH`, within a second),
+/// ends cached denials within this time.
+pub const MAX_CACHED_DENY_MS: u64 = 500;
 
 #[derive(Debug, Clone, Copy)]
 pub struct DenyCache<'a, S: SharedStore> {
@@ -124,10 +127,11 @@ mod tests {
     }
 
     /// Quota may come back before the deadline (a live override raised in
-    /// meshlimitd): a deny is trusted for a second, then meshlimitd is
-    /// asked again; the deadline it reports is still the true one.
+    /// meshlimitd, the fleet switched to shadow): a deny is trusted for
+    /// half a second, then meshlimitd is asked again; the deadline it
+    /// reports is still the true one.
     #[test]
-    fn a_deny_is_trusted_for_one_second_at_most() {
+    fn a_deny_is_trusted_for_half_a_second_at_most() {
         let s = FakeStore::default();
         let c = DenyCache {
             keys: &crate::shared::keys::Keys::new("test"),
@@ -136,12 +140,12 @@ mod tests {
             store: &s,
         };
         c.remember("a", &m(), 30_000, 1_000);
-        assert_eq!(c.denied_until("a", &m(), 1_999), Some(30_000));
-        assert_eq!(c.denied_until("a", &m(), 2_000), None);
+        assert_eq!(c.denied_until("a", &m(), 1_499), Some(30_000));
+        assert_eq!(c.denied_until("a", &m(), 1_500), None);
     }
 
     #[test]
-    fn it_is_quiet_a_second_after_the_last_deny() {
+    fn it_is_quiet_half_a_second_after_the_last_deny() {
         let s = FakeStore::default();
         let c = DenyCache {
             keys: &crate::shared::keys::Keys::new("test"),
@@ -151,8 +155,8 @@ mod tests {
         };
         assert!(c.quiet(5_000), "nothing learnt yet");
         c.remember("a", &m(), 30_000, 5_000);
-        assert!(!c.quiet(5_999));
-        assert!(c.quiet(6_000));
+        assert!(!c.quiet(5_499));
+        assert!(c.quiet(5_500));
         // A wall clock that stepped back a long way: not trusted.
         assert!(c.quiet(1_000));
     }

@@ -20,6 +20,7 @@ pub(crate) struct Keys {
     seed: String,
     breaker: String,
     deny_recent: String,
+    fleet_switch: String,
 }
 
 impl Keys {
@@ -30,6 +31,7 @@ impl Keys {
             seed: format!("{prefix}seed"),
             breaker: format!("{prefix}breaker"),
             deny_recent: format!("{prefix}denied-at"),
+            fleet_switch: format!("{prefix}fleet-switch"),
             prefix,
         }
     }
@@ -47,6 +49,12 @@ impl Keys {
     /// When the deny cache last learnt a deny (see `DenyCache::quiet`).
     pub(crate) fn deny_recent(&self) -> &str {
         &self.deny_recent
+    }
+
+    /// The fleet-wide enforcement switch as this Envoy's workers last
+    /// heard it (see `flow::fleet_switch`).
+    pub(crate) fn fleet_switch(&self) -> &str {
+        &self.fleet_switch
     }
 
     /// A slot of the fallback counters (and of `scope: local` rules).

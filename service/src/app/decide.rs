@@ -34,6 +34,7 @@ pub async fn decide_call(state: &AppState, request: &CheckRequest) -> Decided {
             Answer::Decided(results) => Decided::Answered(CheckResponse {
                 results,
                 settled: Vec::new(),
+                enforcement: state.fleet.reported(),
             }),
             Answer::Refused(reason) => Decided::Refused(reason),
             Answer::Unavailable(e) => Decided::Unavailable(e),
@@ -68,7 +69,11 @@ pub async fn decide_call(state: &AppState, request: &CheckRequest) -> Decided {
         Answer::Refused(reason) => failed(reason, FailureKind::Invalid),
         Answer::Unavailable(e) => failed(e, FailureKind::Unavailable),
     };
-    Decided::Answered(CheckResponse { results, settled })
+    Decided::Answered(CheckResponse {
+        results,
+        settled,
+        enforcement: state.fleet.reported(),
+    })
 }
 
 /// What became of a call's checks.
@@ -106,6 +111,14 @@ pub async fn settle_all(state: &AppState, settlements: &[Settlement]) -> Vec<Set
 }
 
 pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
+    // The fleet is in shadow: every limit decided, none refusing.
+    let shadowed;
+    let checks = if state.fleet.shadow() {
+        shadowed = crate::fleet::shadowed(checks);
+        &shadowed[..]
+    } else {
+        checks
+    };
     // One check's bad input must not cost the others their decision: an
     // invalid check gets its own error in the answer. Only a call with no
     // valid check at all is the caller's mistake as a whole.
@@ -171,6 +184,9 @@ pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
             }
             Ok(check) => match decided.next() {
                 Some(Ok(result)) => {
+                    if state.admin_tokens.is_some() {
+                        state.seen.note(check.limits.iter());
+                    }
                     state.metrics.decision(result.allowed);
                     let names = check.limits.iter().map(|l| l.name.as_str());
                     state

@@ -7,9 +7,10 @@
 
 pub mod auth;
 pub mod decide;
+pub mod seen;
 pub mod validate;
 
-pub use auth::{auth_token, Caller, Denied};
+pub use auth::{admin_tokens, auth_token, AdminToken, Caller, Denied};
 pub use validate::{validate, MAX_CHECKS, MAX_LIMITS_PER_CHECK, MAX_SUBJECT_BYTES};
 
 use crate::limiter::Limiter;
@@ -27,10 +28,14 @@ pub struct AppState {
     pub error_log: std::sync::Arc<LogEvery>,
     /// `Bearer <secret>` every check must carry, when configured.
     pub authorization: Option<std::sync::Arc<[u8]>>,
-    /// `Bearer <admin secret>` of the admin API; `None`: the API is off.
-    pub admin_authorization: Option<std::sync::Arc<[u8]>>,
+    /// The admin API's credentials; `None`: the API is off.
+    pub admin_tokens: Option<std::sync::Arc<[AdminToken]>>,
     /// Spans for decisions, when `--otlp-endpoint` is set.
     pub traces: Option<crate::traces::Traces>,
+    /// The fleet-wide enforcement switch (with the admin API on).
+    pub fleet: crate::fleet::FleetSwitch,
+    /// The limits decided, by name (for `GET /v1/usage`).
+    pub seen: seen::LimitsSeen,
 }
 
 /// Bounds on work in progress.
@@ -54,8 +59,10 @@ impl AppState {
             )),
             error_log: std::sync::Arc::new(LogEvery::default()),
             authorization: None,
-            admin_authorization: None,
+            admin_tokens: None,
             traces: None,
+            fleet: crate::fleet::FleetSwitch::new(false),
+            seen: seen::LimitsSeen::default(),
         }
     }
 
@@ -67,9 +74,10 @@ impl AppState {
 
     /// Turns the admin API (live overrides) on, behind `token`; the
     /// limiter then reads overrides in every decision.
-    pub fn with_admin_token(mut self, token: Option<String>) -> Self {
-        self.limiter = self.limiter.clone().with_overrides(token.is_some());
-        self.admin_authorization = token.map(|t| format!("Bearer {t}").into_bytes().into());
+    pub fn with_admin_tokens(mut self, tokens: Option<Vec<AdminToken>>) -> Self {
+        self.limiter = self.limiter.clone().with_overrides(tokens.is_some());
+        self.fleet = crate::fleet::FleetSwitch::new(tokens.is_some());
+        self.admin_tokens = tokens.map(Into::into);
         self
     }
 

@@ -15,8 +15,10 @@ use crate::script;
 use crate::throttle::AtMostEvery;
 
 mod health;
+pub use fleet::StoredSwitch;
 use health::Health;
 pub use health::RedisMemory;
+mod fleet;
 mod overrides;
 mod settle;
 mod slots;

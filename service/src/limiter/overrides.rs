@@ -38,6 +38,40 @@ impl Limiter {
         Ok(values.first().is_some_and(|&n| n > 0))
     }
 
+    /// Names (or, with `add` false, forgets) an override in the index
+    /// [`Limiter::indexed_overrides`] reads.
+    pub async fn index_override(
+        &self,
+        name: &str,
+        subject: &str,
+        add: bool,
+    ) -> Result<(), LimiterError> {
+        let member = serde_json::to_string(&(name, subject)).unwrap_or_default();
+        let mut pipe = redis::pipe();
+        pipe.cmd(if add { "SADD" } else { "SREM" })
+            .arg(self.override_index_key())
+            .arg(member);
+        let _: redis::Value = self.query_timed(&pipe).await?;
+        Ok(())
+    }
+
+    /// Every `(limit, subject)` the index names: the overrides set since
+    /// the index exists, some perhaps ended since.
+    pub async fn indexed_overrides(&self) -> Result<Vec<(String, String)>, LimiterError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SMEMBERS").arg(self.override_index_key());
+        let (members,): (Vec<String>,) = self.query_timed(&pipe).await?;
+        Ok(members
+            .iter()
+            .filter_map(|m| serde_json::from_str(m).ok())
+            .collect())
+    }
+
+    /// The index of live overrides: one key for the fleet.
+    fn override_index_key(&self) -> String {
+        format!("{}{{fleet}}:overrides", self.prefix)
+    }
+
     async fn override_op(
         &self,
         name: &str,

@@ -258,6 +258,23 @@ fn count_descriptors(metrics: &crate::metrics::Metrics, plan: &Plan, result: &Ch
 }
 
 /// The answer for a planned request and its check's result.
+impl Plan {
+    /// Every descriptor as if in `shadow_mode` (the fleet-wide switch is
+    /// in shadow): counted, never over the limit.
+    fn shadow_all(&mut self) {
+        for slot in &mut self.slots {
+            if let Slot::Blocked { shadow, .. } | Slot::Counted { shadow, .. } = slot {
+                *shadow = true;
+            }
+        }
+        if let Some(check) = &mut self.check {
+            for limit in &mut check.limits {
+                limit.shadow = true;
+            }
+        }
+    }
+}
+
 fn answer(plan: &Plan, result: Option<&CheckResult>) -> RateLimitResponse {
     let code = |over: bool| if over { Code::OverLimit } else { Code::Ok } as i32;
     let statuses: Vec<DescriptorStatus> = plan
@@ -345,6 +362,9 @@ impl RateLimitService for RlsService {
         };
         if let Some(check) = &mut plan.check {
             check.trace = trace;
+        }
+        if self.state.fleet.shadow() {
+            plan.shadow_all();
         }
         let Some(check) = &plan.check else {
             return respond(answer(&plan, None));

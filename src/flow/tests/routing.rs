@@ -65,7 +65,12 @@ impl FakeMeshlimitd {
                 SettleOutcome::Settled { remaining }
             })
             .collect();
-        serde_json::to_string(&CheckResponse { results, settled }).unwrap()
+        serde_json::to_string(&CheckResponse {
+            results,
+            settled,
+            enforcement: None,
+        })
+        .unwrap()
     }
 
     fn decide(&mut self, check: &meshlimit_protocol::Check) -> CheckResult {

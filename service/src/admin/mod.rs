@@ -1,37 +1,41 @@
-//! Admin API: live overrides of a limit for one subject.
+//! Admin API: live overrides, the fleet-wide enforcement switch, and a
+//! subject's usage, for operators in an incident.
 //!
 //! ```text
 //! PUT    /v1/overrides/{rule}/{limit}   {"subject": "...", "requests": 40, "ttl_seconds": 3600}
 //! GET    /v1/overrides/{rule}/{limit}?subject=...
 //! DELETE /v1/overrides/{rule}/{limit}?subject=...
+//! GET    /v1/overrides                  every live override
+//! GET    /v1/enforcement                the switch
+//! PUT    /v1/enforcement                {"enforcement": "shadow", "ttl_seconds": 3600}
+//! GET    /v1/usage/{rule}/{limit}?subject=...
 //! ```
 //!
 //! Off unless meshlimitd runs with `--admin-token-file`; every call must
-//! then carry `authorization: Bearer <admin token>` (a secret of its own,
-//! not the proxies' check token), or gets 401 and changes nothing. An
-//! override is stored in Redis beside the subject's counters (same hash
-//! slot) and read by the script that decides each check, so it applies at
-//! once on every replica, atomically with the decision. The subject is
-//! spelled as the filter sends it (`hdr:x-api-key:partner-a`, see
-//! docs/policies.md). Every change is logged.
+//! then carry `authorization: Bearer <secret>` of one of its credentials
+//! (secrets of their own, not the proxies' check token), or gets 401 and
+//! changes nothing. Every change is logged with the id of the credential
+//! that made it. The subject is spelled as the filter sends it
+//! (`hdr:x-api-key:partner-a`, see docs/policies.md).
 
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::{Json, Router};
+use axum::Router;
 use meshlimit_protocol::bounds;
 use serde::{Deserialize, Serialize};
-use tracing::info;
 
 use crate::api::error;
-use crate::app::{AppState, Caller, Denied, MAX_SUBJECT_BYTES};
+use crate::app::{AppState, Denied, MAX_SUBJECT_BYTES};
 use crate::limiter::LimiterError;
 use crate::limiter::Override;
+
+mod overrides;
+mod switch;
+mod usage;
 
 /// Where the override routes live.
 pub const OVERRIDES_PATH: &str = "/v1/overrides/{rule}/{limit}";
@@ -42,11 +46,23 @@ pub const MAX_OVERRIDE_REQUESTS: u64 = 1_000_000_000_000;
 pub const MAX_TTL_SECONDS: u64 = 366 * 86_400;
 
 pub fn routes() -> Router<AppState> {
-    Router::new().route(
-        OVERRIDES_PATH,
-        get(get_override).put(put_override).delete(delete_override),
-    )
+    Router::new()
+        .route(
+            OVERRIDES_PATH,
+            get(overrides::get_override)
+                .put(overrides::put_override)
+                .delete(overrides::delete_override),
+        )
+        .route("/v1/overrides", get(overrides::list_overrides))
+        .route(
+            "/v1/enforcement",
+            get(switch::get_switch).put(switch::put_switch),
+        )
+        .route(USAGE_PATH, get(usage::get_usage))
 }
+
+/// Where a subject's usage of a limit is read.
+pub const USAGE_PATH: &str = "/v1/usage/{rule}/{limit}";
 
 /// Body of a `PUT`.
 #[derive(Debug, Deserialize)]
@@ -110,10 +126,28 @@ impl From<LimiterError> for Refusal {
     }
 }
 
-/// Refuses a call without the admin token (or when the API is off).
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), Refusal> {
+/// The id of the admin credential a call carries; refuses a call without
+/// one (or when the API is off).
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<String, Refusal> {
     let presented = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
-    Ok(state.authorize(Caller::Admin, presented)?)
+    Ok(state.authorize_admin(presented)?.to_string())
+}
+
+/// Unix milliseconds, `ttl_seconds` from now (checked: 1 s to a year).
+fn expiry(ttl_seconds: Option<u64>) -> Result<Option<u64>, Refusal> {
+    match ttl_seconds {
+        None => Ok(None),
+        Some(ttl) if (1..=MAX_TTL_SECONDS).contains(&ttl) => {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            Ok(Some(now + ttl * 1000))
+        }
+        Some(_) => Err(refuse(
+            StatusCode::BAD_REQUEST,
+            format!("ttl_seconds: from 1 to {MAX_TTL_SECONDS}"),
+        )),
+    }
 }
 
 /// `rule/limit`, if both are valid names.
@@ -149,83 +183,4 @@ fn addressed(
 ) -> Result<(String, String), Refusal> {
     authorize(state, headers)?;
     Ok((limit_name(rule, limit)?, subject_of(query.get("subject"))?))
-}
-
-async fn get_override(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    Path((rule, limit)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
-) -> Result<Response, Refusal> {
-    let (name, subject) = addressed(&state, &headers, &rule, &limit, &query)?;
-    match state.limiter.get_override(&name, &subject).await? {
-        Some(o) => Ok(Json(OverrideView::new(name, subject, o)).into_response()),
-        None => Err(refuse(
-            StatusCode::NOT_FOUND,
-            "no override for this subject",
-        )),
-    }
-}
-
-async fn put_override(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    Path((rule, limit)): Path<(String, String)>,
-    body: Bytes,
-) -> Result<Response, Refusal> {
-    authorize(&state, &headers)?;
-    let name = limit_name(&rule, &limit)?;
-    let put: PutOverride = serde_json::from_slice(&body)
-        .map_err(|e| refuse(StatusCode::BAD_REQUEST, format!("malformed override: {e}")))?;
-    let subject = subject_of(Some(&put.subject))?;
-    if put.requests == 0 || put.requests > MAX_OVERRIDE_REQUESTS {
-        return Err(refuse(
-            StatusCode::BAD_REQUEST,
-            format!("requests: from 1 to {MAX_OVERRIDE_REQUESTS}"),
-        ));
-    }
-    let expires_at_ms = match put.ttl_seconds {
-        None => None,
-        Some(ttl) if (1..=MAX_TTL_SECONDS).contains(&ttl) => {
-            let now = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64);
-            Some(now + ttl * 1000)
-        }
-        Some(_) => {
-            return Err(refuse(
-                StatusCode::BAD_REQUEST,
-                format!("ttl_seconds: from 1 to {MAX_TTL_SECONDS}"),
-            ))
-        }
-    };
-    let stored = state
-        .limiter
-        .set_override(&name, &subject, put.requests, expires_at_ms)
-        .await?;
-    let Some(o) = stored else {
-        return Err(refuse(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "redis: the override was not stored",
-        ));
-    };
-    info!(limit = %name, subject = %subject, requests = o.requests, expires_at_ms = ?o.expires_at_ms, "override set");
-    Ok(Json(OverrideView::new(name, subject, o)).into_response())
-}
-
-async fn delete_override(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    Path((rule, limit)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
-) -> Result<Response, Refusal> {
-    let (name, subject) = addressed(&state, &headers, &rule, &limit, &query)?;
-    if !state.limiter.delete_override(&name, &subject).await? {
-        return Err(refuse(
-            StatusCode::NOT_FOUND,
-            "no override for this subject",
-        ));
-    }
-    info!(limit = %name, subject = %subject, "override deleted");
-    Ok((StatusCode::NO_CONTENT, "").into_response())
 }
