@@ -56,13 +56,13 @@ pub(crate) fn ab(others: Vec<std::path::PathBuf>) {
         }),
         ..target
     };
-    let builds = ab_builds(&others);
+    let builds = ab_builds(&others, &config);
     let runs: Vec<(Topology, Proc)> = builds
         .iter()
-        .map(|(_, wasm)| meshlimit_answering_with(&config, wasm.clone()))
+        .map(|(_, wasm, config)| meshlimit_answering_with(config, wasm.clone()))
         .collect();
     let names: Vec<&'static str> = std::iter::once("the do-nothing wasm filter")
-        .chain(builds.iter().map(|(n, _)| *n))
+        .chain(builds.iter().map(|(n, _, _)| *n))
         .collect();
     let noop_row = direct_row(names[0], &noop_addr, base.addr(19_906), noop.pid());
     let mut targets = vec![mixed(noop_row, &noop_addr)];
@@ -229,8 +229,35 @@ fn ab_config(zipf: bool) -> String {
     }
 }
 
-/// This build, then `others`, each with the name its rows print.
-fn ab_builds(others: &[std::path::PathBuf]) -> Vec<(&'static str, Option<std::path::PathBuf>)> {
+/// One build to run: the name its rows print, the wasm (`None`: this
+/// build), and its plugin config.
+type Build = (&'static str, Option<std::path::PathBuf>, String);
+
+/// This build, then `others`, each with the name its rows print; with
+/// `MESHLIMIT_BENCH_AB_RULES=<n>`, this build twice instead: with
+/// `config`, and with `n - 1` more rules the request does not match (the
+/// cost of the per-rule stats a configuration defines, five a limit, and
+/// of the rules the request is matched against).
+fn ab_builds(others: &[std::path::PathBuf], config: &str) -> Vec<Build> {
+    let rules: Option<usize> = std::env::var("MESHLIMIT_BENCH_AB_RULES")
+        .ok()
+        .and_then(|n| n.parse().ok());
+    if let Some(n) = rules {
+        let mut many: serde_json::Value =
+            serde_json::from_str(config).unwrap_or_else(|e| panic!("bench config: {e}"));
+        if let Some(rules) = many["rules"].as_array_mut() {
+            for i in 1..n {
+                rules.push(json!({"name": format!("other-{i}"),
+                    "match": {"path": {"prefix": format!("/other-{i}/")}},
+                    "limits": [{"name": "hour", "requests": 1_000_000_000u64, "window": "1h"}]}));
+            }
+        }
+        let name: &'static str = Box::leak(format!("this build, {n} rules").into_boxed_str());
+        return vec![
+            ("this build, 1 rule", None, config.to_string()),
+            (name, None, many.to_string()),
+        ];
+    }
     for other in others {
         assert!(
             other.exists(),
@@ -238,10 +265,10 @@ fn ab_builds(others: &[std::path::PathBuf]) -> Vec<(&'static str, Option<std::pa
             other.display()
         );
     }
-    std::iter::once(("this build", None))
+    std::iter::once(("this build", None, config.to_string()))
         .chain(others.iter().map(|p| {
             let name: &'static str = Box::leak(p.display().to_string().into_boxed_str());
-            (name, Some(p.clone()))
+            (name, Some(p.clone()), config.to_string())
         }))
         .collect()
 }
