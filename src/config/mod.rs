@@ -271,10 +271,11 @@ pub enum Reserve {
 /// Where a response reports the units it used.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UsageSource {
-    /// A dotted path into a JSON body (`usage.total_tokens`).
-    pub json: Option<Vec<String>>,
-    /// The same in a server-sent-events stream: the last event carrying it.
-    pub sse_json: Option<Vec<String>>,
+    /// Where a JSON body reports it (`usage.total_tokens`, or a sum).
+    pub json: Option<crate::tokens::usage::UsageExpr>,
+    /// The same in a server-sent-events stream: the last value each of its
+    /// paths had in an event.
+    pub sse_json: Option<crate::tokens::usage::UsageExpr>,
     /// A response header (lower-case), preferred when present.
     pub header: Option<String>,
 }

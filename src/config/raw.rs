@@ -247,9 +247,33 @@ fn yes() -> bool {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawUsage {
-    pub(super) json: Option<String>,
-    pub(super) sse_json: Option<String>,
+    pub(super) json: Option<RawUsagePaths>,
+    pub(super) sse_json: Option<RawUsagePaths>,
     pub(super) header: Option<String>,
+    pub(super) provider: Option<crate::tokens::usage::Provider>,
+}
+
+/// One dotted path, or a sum of paths, each with a weight or not.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawUsagePaths {
+    One(String),
+    Sum(Vec<RawTerm>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawTerm {
+    Path(String),
+    Weighted(RawWeighted),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWeighted {
+    pub(super) path: String,
+    #[serde(default = "one")]
+    pub(super) weight: u64,
 }
 
 #[derive(Deserialize)]

@@ -265,8 +265,10 @@ fn token_costs_are_read_and_each_mistake_named() {
     assert!(t.refund_on_error);
     assert_eq!(t.usage.header.as_deref(), Some("x-usage"));
     assert_eq!(
-        t.usage.json.as_deref(),
-        Some(&["usage".to_string(), "total_tokens".to_string()][..])
+        t.usage.json,
+        Some(crate::tokens::usage::UsageExpr::single(
+            "usage.total_tokens"
+        ))
     );
     assert_eq!(
         t.reserve,
@@ -280,6 +282,28 @@ fn token_costs_are_read_and_each_mistake_named() {
         r#"{"mode":"after","response":{"sse_json":"usage.total_tokens"}}"#,
     ));
     assert!(matches!(&after.unwrap().rules[0].cost, Cost::Tokens(t) if t.mode == TokenMode::After));
+    // A provider names both shapes; a path given as well wins.
+    let anthropic = parse_str(&rule(
+        r#"{"reserve":5,"response":{"provider":"anthropic","json":[{"path":"usage.input_tokens"},{"path":"usage.output_tokens","weight":5}]}}"#,
+    ))
+    .unwrap();
+    let Cost::Tokens(t) = &anthropic.rules[0].cost else {
+        panic!("a token cost")
+    };
+    let weights: Vec<u64> = t
+        .usage
+        .json
+        .as_ref()
+        .unwrap()
+        .terms
+        .iter()
+        .map(|t| t.weight)
+        .collect();
+    assert_eq!(weights, [1, 5]);
+    assert_eq!(
+        t.usage.sse_json,
+        Some(crate::tokens::usage::Provider::Anthropic.sse())
+    );
     for (cost, field, problem) in [
         (
             r#"{"response":{}}"#,
@@ -290,6 +314,26 @@ fn token_costs_are_read_and_each_mistake_named() {
             r#"{"response":{"json":"usage..total"},"reserve":5}"#,
             "rules[0].cost.response.json",
             "dotted JSON path",
+        ),
+        (
+            r#"{"response":{"json":["a.b", {"path":"a..c", "weight":2}]},"reserve":5}"#,
+            "rules[0].cost.response.json[1]",
+            "dotted JSON path",
+        ),
+        (
+            r#"{"response":{"json":[{"path":"a", "weight":0}]},"reserve":5}"#,
+            "rules[0].cost.response.json[0].weight",
+            "from 1 to 1000",
+        ),
+        (
+            r#"{"response":{"json":[]},"reserve":5}"#,
+            "rules[0].cost.response.json",
+            "1 to 8 paths",
+        ),
+        (
+            r#"{"response":{"provider":"mistral"},"reserve":5}"#,
+            "rules[0].cost.response.provider",
+            "unknown variant",
         ),
         (
             r#"{"response":{"json":"a"}}"#,

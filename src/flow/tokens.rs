@@ -23,7 +23,6 @@ use crate::headers::Headers;
 use crate::host::Host;
 use crate::stats::Stat;
 use crate::tokens::budget::{Ledger, Place, Reservation};
-use crate::tokens::json;
 use crate::tokens::sse::{SseGate, CUT_EVENTS};
 
 /// The fewest units a top-up asks for: a stream reserving 1 (mode
@@ -240,8 +239,8 @@ impl Worker {
         size: usize,
         end_of_stream: bool,
     ) -> bool {
-        let (max, path) = match b.cost() {
-            Some(c) => (c.max_body_bytes, c.usage.json.clone().unwrap_or_default()),
+        let (max, usage) = match b.cost() {
+            Some(c) => (c.max_body_bytes, c.usage.json.clone()),
             None => return true,
         };
         if let Some(read) = bytes.as_mut() {
@@ -258,7 +257,7 @@ impl Worker {
         }
         let actual = bytes
             .as_deref()
-            .and_then(|body| json::body_number(body, &path))
+            .and_then(|body| usage.as_ref()?.read_body(body))
             .unwrap_or_else(|| b.unreported(0));
         if self.settle(host, id, b, actual) {
             b.held = Held::End;

@@ -3,7 +3,8 @@
 //! forwarded and settles the difference once the response says what it
 //! used (see `docs/tokens.md`).
 //!
-//! Pure parts only: [`json`] reads a number at a dotted path, [`sse`]
+//! Pure parts only: [`json`] reads a number at a dotted path, [`usage`]
+//! what a response used in each provider's shape, [`sse`]
 //! passes a server-sent-events stream event by event within a budget, and
 //! [`budget`] holds one request's reservations and splits its usage into
 //! settlements. [`crate::flow::tokens`] drives them from the callbacks.
@@ -11,3 +12,4 @@
 pub mod budget;
 pub mod json;
 pub mod sse;
+pub mod usage;

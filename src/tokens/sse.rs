@@ -1,16 +1,17 @@
 //! A server-sent-events stream (OpenAI's chat completions with
 //! `"stream": true`), passed on event by event within a budget.
 //!
-//! Each `data:` event is JSON; each choice whose `delta.content` is a
-//! non-empty string counts as one token (a documented estimate: a delta
-//! is usually one token, sometimes a few). The last event that carries
-//! the usage path (`usage.total_tokens`, with `stream_options.include_usage`)
-//! gives the exact count. Only whole events are passed on, so the stream
-//! can be ended cleanly between two of them.
+//! Each `data:` event is JSON; each content delta counts as one token (a
+//! documented estimate: a delta is usually one token, sometimes a few): an
+//! OpenAI choice whose `delta` carries content, reasoning or tool-call
+//! arguments, an Anthropic `content_block_delta`, a Gemini candidate's
+//! text. The usage the events report ([`crate::tokens::usage`]: the last
+//! value of each of its paths) gives the exact count. Only whole events
+//! are passed on, so the stream can be ended cleanly between two of them.
 
 use serde_json::Value;
 
-use super::json;
+use super::usage::{StreamUsage, UsageExpr};
 
 /// The event that ends a stream cut at its budget, in the shape of an
 /// OpenAI chunk, and the terminator OpenAI clients wait for.
@@ -30,7 +31,9 @@ pub struct Passed {
 pub struct SseGate {
     /// Bytes not passed yet: an incomplete event, or events held back.
     pending: Vec<u8>,
-    usage_path: Option<Vec<String>>,
+    usage_expr: Option<UsageExpr>,
+    /// The usage's terms as the events reported them so far.
+    reported: StreamUsage,
     /// Above this many pending bytes without a whole event, the stream is
     /// not one we can read: its bytes pass uncounted.
     max_pending: usize,
@@ -41,10 +44,11 @@ pub struct SseGate {
 }
 
 impl SseGate {
-    pub fn new(usage_path: Option<Vec<String>>, max_pending: usize) -> Self {
+    pub fn new(usage_expr: Option<UsageExpr>, max_pending: usize) -> Self {
         SseGate {
             pending: Vec::new(),
-            usage_path,
+            usage_expr,
+            reported: StreamUsage::default(),
             max_pending,
             deltas: 0,
             usage: None,
@@ -60,7 +64,7 @@ impl SseGate {
         let mut start = 0;
         while let Some(end) = event_end(self.pending.get(start..).unwrap_or_default()) {
             let event = self.pending.get(start..start + end).unwrap_or_default();
-            let (deltas, usage) = self.read_event(event);
+            let (deltas, value) = read_event(event);
             if let Some(r) = room {
                 if deltas > r {
                     passed.blocked = true;
@@ -69,9 +73,7 @@ impl SseGate {
                 room = Some(r - deltas);
             }
             self.deltas += deltas;
-            if usage.is_some() {
-                self.usage = usage;
-            }
+            self.note_usage(value.as_ref());
             start += end;
         }
         if !passed.blocked && start == 0 && self.pending.len() > self.max_pending {
@@ -89,15 +91,13 @@ impl SseGate {
         if passed.blocked || self.pending.is_empty() {
             return passed;
         }
-        let (deltas, usage) = self.read_event(&self.pending);
+        let (deltas, value) = read_event(&self.pending);
         if room.is_some_and(|r| deltas > r) {
             passed.blocked = true;
             return passed;
         }
         self.deltas += deltas;
-        if usage.is_some() {
-            self.usage = usage;
-        }
+        self.note_usage(value.as_ref());
         passed.bytes.append(&mut self.pending);
         passed
     }
@@ -107,41 +107,73 @@ impl SseGate {
         self.pending.clear();
     }
 
-    /// An event's deltas and usage.
-    fn read_event(&self, event: &[u8]) -> (u64, Option<u64>) {
-        let mut data = Vec::new();
-        for line in event.split(|b| *b == b'\n') {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            if let Some(rest) = line.strip_prefix(b"data:") {
-                if !data.is_empty() {
-                    data.push(b'\n');
-                }
-                data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
+    /// Notes what an event says of the usage.
+    fn note_usage(&mut self, event: Option<&Value>) {
+        if let (Some(expr), Some(event)) = (&self.usage_expr, event) {
+            self.reported.see(expr, event);
+            if let Some(total) = self.reported.total(expr) {
+                self.usage = Some(total);
             }
         }
-        let Ok(value) = serde_json::from_slice::<Value>(&data) else {
-            return (0, None);
-        };
-        let deltas = value
-            .get("choices")
-            .and_then(Value::as_array)
-            .map_or(0, |choices| {
-                choices
-                    .iter()
-                    .filter(|c| {
-                        c.get("delta")
-                            .and_then(|d| d.get("content"))
-                            .and_then(Value::as_str)
-                            .is_some_and(|s| !s.is_empty())
-                    })
-                    .count() as u64
-            });
-        let usage = self
-            .usage_path
-            .as_deref()
-            .and_then(|p| json::number_at(&value, p));
-        (deltas, usage)
     }
+}
+
+/// An event's content deltas, and its JSON.
+fn read_event(event: &[u8]) -> (u64, Option<Value>) {
+    let mut data = Vec::new();
+    for line in event.split(|b| *b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(rest) = line.strip_prefix(b"data:") {
+            if !data.is_empty() {
+                data.push(b'\n');
+            }
+            data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
+        }
+    }
+    let Ok(value) = serde_json::from_slice::<Value>(&data) else {
+        return (0, None);
+    };
+    (deltas(&value), Some(value))
+}
+
+/// Content deltas in an event, in each provider's shape.
+fn deltas(value: &Value) -> u64 {
+    let text = |v: Option<&Value>| v.and_then(Value::as_str).is_some_and(|s| !s.is_empty());
+    // OpenAI: each choice with content, reasoning, or tool-call arguments.
+    let openai = value
+        .get("choices")
+        .and_then(Value::as_array)
+        .map_or(0, |choices| {
+            choices
+                .iter()
+                .filter(|c| {
+                    let delta = c.get("delta");
+                    let d = |k: &str| delta.and_then(|d| d.get(k));
+                    text(d("content"))
+                        || text(d("reasoning_content"))
+                        || d("tool_calls").is_some_and(|t| !t.is_null())
+                })
+                .count() as u64
+        });
+    // Anthropic: a content block's delta (text, thinking, tool input).
+    let anthropic =
+        u64::from(value.get("type").and_then(Value::as_str) == Some("content_block_delta"));
+    // Gemini: each candidate whose parts carry text.
+    let gemini = value
+        .get("candidates")
+        .and_then(Value::as_array)
+        .map_or(0, |candidates| {
+            candidates
+                .iter()
+                .filter(|c| {
+                    c.get("content")
+                        .and_then(|c| c.get("parts"))
+                        .and_then(Value::as_array)
+                        .is_some_and(|parts| parts.iter().any(|p| text(p.get("text"))))
+                })
+                .count() as u64
+        });
+    openai + anthropic + gemini
 }
 
 /// The length of the first whole event in `bytes`, its blank line
@@ -164,7 +196,7 @@ fn event_end(bytes: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokens::json::path;
+    use crate::tokens::usage::UsageExpr;
 
     fn delta(text: &str) -> String {
         format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}}}}]}}\n\n")
@@ -174,7 +206,7 @@ mod tests {
         "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"total_tokens\":9}}\n\n";
 
     fn gate() -> SseGate {
-        SseGate::new(Some(path("usage.total_tokens")), 1 << 16)
+        SseGate::new(Some(UsageExpr::single("usage.total_tokens")), 1 << 16)
     }
 
     #[test]

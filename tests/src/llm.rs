@@ -1,8 +1,12 @@
-//! A fake LLM upstream, OpenAI-shaped, for token-budget tests and the demo.
+//! A fake LLM upstream for token-budget tests and the demo, speaking the
+//! shapes of OpenAI's chat completions (the default), Anthropic's messages
+//! and Gemini's `generateContent` (`x-llm-shape`).
 //!
-//! `POST /v1/chat/completions` answers a chat completion: a JSON body, or
-//! with `"stream": true` in the request an event stream (one delta event
-//! per token, then, unless told not to, a usage event, then `[DONE]`).
+//! A request is answered with a JSON body, or with `"stream": true` in the
+//! request an event stream: one delta event per token; OpenAI's ends with a
+//! usage event (unless told not to) and `[DONE]`, Anthropic's reports the
+//! input tokens in `message_start` and the output tokens in
+//! `message_delta`, Gemini's carries the usage so far in every chunk.
 //! Each request says how it should behave through headers, so one
 //! upstream serves every case of a test:
 //!
@@ -13,6 +17,7 @@
 //! | `x-llm-usage` | `body` (JSON `usage` / last event), `header` (`x-usage-tokens`), `none` | `body` |
 //! | `x-llm-status` | answer this status with an error body | 200 |
 //! | `x-llm-delay-ms` | wait before the answer, and between events | 0 |
+//! | `x-llm-shape` | `openai`, `anthropic` or `gemini` | `openai` |
 //!
 //! It counts the completion tokens it actually wrote to the socket, so a
 //! test can compare what the budget settled with what was delivered.
@@ -97,6 +102,124 @@ fn serve(mut stream: TcpStream, written: &AtomicU64, begun: &AtomicU64) {
     }
 }
 
+/// A provider's response shapes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    OpenAi,
+    Anthropic,
+    Gemini,
+}
+
+impl Shape {
+    fn of(req: &Request) -> Shape {
+        match req.header("x-llm-shape") {
+            Some("anthropic") => Shape::Anthropic,
+            Some("gemini") => Shape::Gemini,
+            _ => Shape::OpenAi,
+        }
+    }
+
+    /// A whole JSON answer; `usage`: with its usage.
+    fn json(self, prompt: u64, tokens: u64, usage: bool) -> String {
+        let content = vec!["tok"; tokens as usize].join(" ");
+        let total = prompt + tokens;
+        match (self, usage) {
+            (Shape::OpenAi, _) => {
+                let usage = if usage {
+                    format!(
+                        r#","usage":{{"prompt_tokens":{prompt},"completion_tokens":{tokens},"total_tokens":{total}}}"#
+                    )
+                } else {
+                    String::new()
+                };
+                format!(
+                    r#"{{"id":"chatcmpl-fake","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"{content}"}},"finish_reason":"stop"}}]{usage}}}"#
+                )
+            }
+            (Shape::Anthropic, usage) => {
+                let usage = if usage {
+                    format!(r#","usage":{{"input_tokens":{prompt},"output_tokens":{tokens}}}"#)
+                } else {
+                    String::new()
+                };
+                format!(
+                    r#"{{"id":"msg_fake","type":"message","role":"assistant","content":[{{"type":"text","text":"{content}"}}],"stop_reason":"end_turn"{usage}}}"#
+                )
+            }
+            (Shape::Gemini, usage) => {
+                let usage = if usage {
+                    format!(
+                        r#","usageMetadata":{{"promptTokenCount":{prompt},"candidatesTokenCount":{tokens},"totalTokenCount":{total}}}"#
+                    )
+                } else {
+                    String::new()
+                };
+                format!(
+                    r#"{{"candidates":[{{"content":{{"parts":[{{"text":"{content}"}}],"role":"model"}},"finishReason":"STOP"}}]{usage}}}"#
+                )
+            }
+        }
+    }
+
+    /// Events before the first delta.
+    fn start(self, prompt: u64, usage: bool) -> Vec<String> {
+        match self {
+            Shape::Anthropic => {
+                let usage = if usage {
+                    format!(r#","usage":{{"input_tokens":{prompt},"output_tokens":1}}"#)
+                } else {
+                    String::new()
+                };
+                vec![format!("event: message_start\ndata: {{\"type\":\"message_start\",\"message\":{{\"id\":\"msg_fake\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[]{usage}}}}}\n\n")]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The event of token `i` (of a prompt of `prompt`).
+    fn delta(self, i: u64, prompt: u64, usage: bool) -> String {
+        match self {
+            Shape::OpenAi => format!("data: {{\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i} \"}},\"finish_reason\":null}}]}}\n\n"),
+            Shape::Anthropic => format!("event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\"delta\":{{\"type\":\"text_delta\",\"text\":\"t{i} \"}}}}\n\n"),
+            Shape::Gemini => {
+                let usage = if usage {
+                    format!(r#","usageMetadata":{{"promptTokenCount":{prompt},"candidatesTokenCount":{},"totalTokenCount":{}}}"#, i + 1, prompt + i + 1)
+                } else {
+                    String::new()
+                };
+                format!("data: {{\"candidates\":[{{\"content\":{{\"parts\":[{{\"text\":\"t{i} \"}}],\"role\":\"model\"}}}}]{usage}}}\n\n")
+            }
+        }
+    }
+
+    /// Events after the last delta.
+    fn end(self, prompt: u64, tokens: u64, usage: bool) -> Vec<String> {
+        let total = prompt + tokens;
+        match self {
+            Shape::OpenAi => {
+                let mut events = vec!["data: {\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n".to_string()];
+                if usage {
+                    events.push(format!("data: {{\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":{tokens},\"total_tokens\":{total}}}}}\n\n"));
+                }
+                events.push("data: [DONE]\n\n".to_string());
+                events
+            }
+            Shape::Anthropic => {
+                let usage = if usage {
+                    format!(r#","usage":{{"output_tokens":{tokens}}}"#)
+                } else {
+                    String::new()
+                };
+                vec![
+                    format!("event: message_delta\ndata: {{\"type\":\"message_delta\",\"delta\":{{\"stop_reason\":\"end_turn\"}}{usage}}}\n\n"),
+                    "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n".to_string(),
+                ]
+            }
+            Shape::Gemini => Vec::new(),
+        }
+    }
+}
+
 /// Answers one request; false when the connection is done.
 fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
     let tokens = number(req, "x-llm-tokens", 10);
@@ -104,6 +227,7 @@ fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
     let status = number(req, "x-llm-status", 200);
     let delay = Duration::from_millis(number(req, "x-llm-delay-ms", 0));
     let usage = req.header("x-llm-usage").unwrap_or("body").to_string();
+    let shape = Shape::of(req);
     let streamed = serde_json::from_slice::<serde_json::Value>(&req.body)
         .ok()
         .and_then(|v| v.get("stream")?.as_bool())
@@ -123,19 +247,9 @@ fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
     } else {
         String::new()
     };
-    let usage_json = format!(
-        r#"{{"prompt_tokens":{prompt},"completion_tokens":{tokens},"total_tokens":{total}}}"#
-    );
+    let in_body = usage == "body";
     if !streamed {
-        let content = vec!["tok"; tokens as usize].join(" ");
-        let usage_field = if usage == "body" {
-            format!(r#","usage":{usage_json}"#)
-        } else {
-            String::new()
-        };
-        let body = format!(
-            r#"{{"id":"chatcmpl-fake","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"{content}"}},"finish_reason":"stop"}}]{usage_field}}}"#
-        );
+        let body = shape.json(prompt, tokens, in_body);
         let answer = format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{usage_header}content-length: {}\r\n\r\n{body}",
             body.len()
@@ -158,11 +272,13 @@ fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
             .and_then(|_| stream.flush())
             .is_ok()
     };
-    for i in 0..tokens {
-        let event = format!(
-            "data: {{\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i} \"}},\"finish_reason\":null}}]}}\n\n"
-        );
+    for event in shape.start(prompt, in_body) {
         if !chunk(stream, &event) {
+            return false;
+        }
+    }
+    for i in 0..tokens {
+        if !chunk(stream, &shape.delta(i, prompt, in_body)) {
             return false;
         }
         written.fetch_add(1, Ordering::Relaxed);
@@ -170,19 +286,12 @@ fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
             std::thread::sleep(delay);
         }
     }
-    let finish = "data: {\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
-    if !chunk(stream, finish) {
-        return false;
-    }
-    if usage == "body" {
-        let event = format!(
-            "data: {{\"id\":\"chatcmpl-fake\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{usage_json}}}\n\n"
-        );
+    for event in shape.end(prompt, tokens, in_body) {
         if !chunk(stream, &event) {
             return false;
         }
     }
-    let _ = chunk(stream, "data: [DONE]\n\n") && stream.write_all(b"0\r\n\r\n").is_ok();
+    let _ = stream.write_all(b"0\r\n\r\n");
     // A stream's connection closes with it (its head said so).
     false
 }

@@ -609,3 +609,58 @@ fn a_hold_envoy_does_not_honour_costs_one_second_once_and_never_hangs() {
         started.elapsed()
     );
 }
+
+/// Each provider's shape (OpenAI's chat completions, Anthropic's messages,
+/// Gemini's generateContent), as JSON and as a stream, is charged the
+/// usage it reports, and a weighted sum prices output tokens apart: the
+/// counters in Redis hold exactly what the model reported.
+#[test]
+fn each_provider_is_charged_the_usage_it_reports() {
+    let rule = |name: &str, response: Value| {
+        json!({"name": name, "match": {"path_prefix": "/v1/", "headers": [{"name": "x-rule", "exact": name}]},
+               "cost": {"reserve": {"request_json": "max_tokens", "default": 100, "max": 10000},
+                        "response": response},
+               "limits": [{"name": "tokens", "requests": 100000, "window": "60s"}]})
+    };
+    let config = PluginConfig::new()
+        .rules(json!([
+            rule("openai", json!({"provider": "openai"})),
+            rule("anthropic", json!({"provider": "anthropic"})),
+            rule("gemini", json!({"provider": "gemini"})),
+            rule("priced", json!({"provider": "anthropic",
+                                  "json": ["usage.input_tokens", {"path": "usage.output_tokens", "weight": 4}],
+                                  "sse_json": ["message.usage.input_tokens", {"path": "usage.output_tokens", "weight": 4}]})),
+        ]))
+        .build();
+    let t = llm_topology(config, 1);
+    wait_for_fresh_window(Duration::from_secs(15));
+    for (rule, shape, per_request) in [
+        ("openai", "openai", 50),
+        ("anthropic", "anthropic", 50),
+        ("gemini", "gemini", 50),
+        ("priced", "anthropic", 30 + 4 * 20),
+    ] {
+        let headers = [
+            ("x-llm-shape", shape),
+            ("x-rule", rule),
+            ("x-llm-prompt", "30"),
+            ("x-llm-tokens", "20"),
+        ];
+        let r = chat(&t, 1, rule, 500, false, &headers);
+        assert_eq!(r.status, 200, "{rule}: {r:?}");
+        let limit = format!("{rule}/tokens");
+        assert_eq!(t.key_count(&limit, rule), per_request, "{rule} (JSON)");
+        let r = chat(&t, 1, rule, 500, true, &headers);
+        assert_eq!(r.status, 200, "{rule}: {r:?}");
+        let mut counted = 0;
+        for _ in 0..100 {
+            counted = t.key_count(&limit, rule);
+            if counted == 2 * per_request {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(counted, 2 * per_request, "{rule} (stream)");
+    }
+    assert_no_vm_panics(&t);
+}

@@ -2,6 +2,7 @@
 //! then settled from the response).
 
 use super::*;
+use crate::tokens::usage::{Provider, Term, UsageExpr};
 
 /// The most a token cost may reserve per request (a bound on what one
 /// request can hold of a budget).
@@ -119,19 +120,65 @@ fn json_path(
     Ok(parts)
 }
 
+/// Terms a usage may sum, at most.
+const MAX_USAGE_TERMS: usize = 8;
+/// The largest weight of a term.
+const MAX_USAGE_WEIGHT: u64 = 1000;
+
+/// A usage path, or a weighted sum of them.
+fn usage_expr(
+    at: &dyn Fn(&str) -> String,
+    field: &str,
+    raw: &RawUsagePaths,
+) -> Result<UsageExpr, ConfigError> {
+    let single = matches!(raw, RawUsagePaths::One(_));
+    let raw_terms: Vec<(&str, u64)> = match raw {
+        RawUsagePaths::One(p) => vec![(p.as_str(), 1)],
+        RawUsagePaths::Sum(terms) => terms
+            .iter()
+            .map(|t| match t {
+                RawTerm::Path(p) => (p.as_str(), 1),
+                RawTerm::Weighted(w) => (w.path.as_str(), w.weight),
+            })
+            .collect(),
+    };
+    if raw_terms.is_empty() || raw_terms.len() > MAX_USAGE_TERMS {
+        return Err(err(at(field), format!("1 to {MAX_USAGE_TERMS} paths")));
+    }
+    let mut terms = Vec::with_capacity(raw_terms.len());
+    for (i, (path, weight)) in raw_terms.into_iter().enumerate() {
+        let here = if single {
+            field.to_string()
+        } else {
+            format!("{field}[{i}]")
+        };
+        if !(1..=MAX_USAGE_WEIGHT).contains(&weight) {
+            return Err(err(
+                at(&format!("{here}.weight")),
+                format!("from 1 to {MAX_USAGE_WEIGHT}"),
+            ));
+        }
+        terms.push(Term {
+            path: json_path(at, &here, path)?,
+            weight,
+        });
+    }
+    Ok(UsageExpr { terms })
+}
+
 /// Where a response reports its usage: at least one place.
 fn validate_usage(raw: &RawUsage, at: &dyn Fn(&str) -> String) -> Result<UsageSource, ConfigError> {
+    let json = match &raw.json {
+        Some(paths) => Some(usage_expr(at, "response.json", paths)?),
+        None => raw.provider.map(Provider::json),
+    };
+    let sse_json = match &raw.sse_json {
+        Some(paths) => Some(usage_expr(at, "response.sse_json", paths)?),
+        None => raw.provider.map(Provider::sse),
+    };
     let usage = UsageSource {
-        json: raw
-            .json
-            .as_deref()
-            .map(|p| json_path(at, "response.json", p))
-            .transpose()?,
-        sse_json: raw
-            .sse_json
-            .as_deref()
-            .map(|p| json_path(at, "response.sse_json", p))
-            .transpose()?,
+        json,
+        sse_json,
         header: match &raw.header {
             None => None,
             Some(h) => {
@@ -149,7 +196,7 @@ fn validate_usage(raw: &RawUsage, at: &dyn Fn(&str) -> String) -> Result<UsageSo
     if usage.json.is_none() && usage.sse_json.is_none() && usage.header.is_none() {
         return Err(err(
             at("response"),
-            "name where the usage is: json, sse_json or header",
+            "name where the usage is: provider, json, sse_json or header",
         ));
     }
     Ok(usage)
