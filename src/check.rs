@@ -92,6 +92,11 @@ pub struct Check {
     /// How the token-priced limits reserve and settle (the first matching
     /// token-priced rule's settings), when any limit is.
     pub tokens: Option<Rc<TokenCost>>,
+    /// Token budgets: the part of the reservation that stands for the
+    /// prompt (estimated from the request body's size): a stream's
+    /// deltas have the rest, and a response that reports no usage is
+    /// charged at least the prompt and what it streamed.
+    pub prompt: u64,
     /// The lease this check asks for with its call, if any.
     pub lease: Option<LeaseTicket>,
     /// Where its lease lives, once looked up, and the seed that placed it
@@ -234,6 +239,7 @@ impl Check {
             global,
             skipped: 0,
             tokens: self.tokens.clone(),
+            prompt: 0,
             lease: None,
             place: Derived::default(),
             hit_policy: Derived::default(),

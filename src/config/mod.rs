@@ -265,6 +265,11 @@ pub enum Reserve {
         path: Vec<String>,
         default: u64,
         max: u64,
+        /// The prompt is reserved too: a token for this many bytes of the
+        /// request body (an upper bound: a token is about four bytes of
+        /// English, fewer of JSON's quoting, more of other scripts); 0
+        /// leaves the prompt out.
+        prompt_bytes_per_token: u64,
     },
 }
 

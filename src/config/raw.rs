@@ -289,6 +289,12 @@ pub(super) struct RawReserveRequest {
     pub(super) request_json: String,
     pub(super) default: u64,
     pub(super) max: u64,
+    #[serde(default = "four")]
+    pub(super) prompt_bytes_per_token: u64,
+}
+
+fn four() -> u64 {
+    4
 }
 
 pub(super) fn one() -> u64 {

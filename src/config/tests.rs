@@ -275,7 +275,8 @@ fn token_costs_are_read_and_each_mistake_named() {
         Reserve::RequestJson {
             path: vec!["max_tokens".into()],
             default: 100,
-            max: 4000
+            max: 4000,
+            prompt_bytes_per_token: 4,
         }
     );
     let after = parse_str(&rule(

@@ -117,6 +117,7 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         global,
         skipped,
         tokens,
+        prompt: 0,
         lease: None,
         place: Default::default(),
         hit_policy: Default::default(),
@@ -155,17 +156,34 @@ pub fn reserve_from_body(
     cfg: &Config,
     check: &mut Check,
     body: Option<&[u8]>,
+    body_size: usize,
 ) -> Result<(), DenyResponse> {
     let Some(TokenCost {
-        reserve: Reserve::RequestJson { path, default, max },
+        reserve:
+            Reserve::RequestJson {
+                path,
+                default,
+                max,
+                prompt_bytes_per_token,
+            },
         ..
     }) = check.reserves_from_body()
     else {
         return Ok(());
     };
-    let units = body
+    let completion = body
         .and_then(|b| tokens::json::body_number(b, path))
         .map_or(*default, |n| n.clamp(1, *max));
+    // The prompt, from the body's size (read or not): a client cannot
+    // make it smaller than what it sends.
+    let prompt = match *prompt_bytes_per_token {
+        0 => 0,
+        per => (body_size as u64).div_ceil(per),
+    };
+    let units = completion
+        .saturating_add(prompt)
+        .min(meshlimit_protocol::bounds::MAX_COST);
+    check.prompt = prompt.min(units);
     check.reserve(units);
     match check.token_limits().find_map(|a| above_capacity(cfg, a)) {
         Some(deny) => Err(deny),

@@ -56,18 +56,27 @@ impl Budget {
         self.check.tokens.as_deref()
     }
 
-    /// Deltas an event stream may still pass; `None` when unbounded.
+    /// Deltas an event stream may still pass; `None` when unbounded. The
+    /// prompt's part of the reservation is the prompt's.
     pub(super) fn room(&self, passed: u64) -> Option<u64> {
         let reserve = self.cost().is_some_and(|c| c.mode == TokenMode::Reserve);
-        (reserve && !self.unbounded).then(|| self.ledger.reserved().saturating_sub(passed))
+        (reserve && !self.unbounded).then(|| {
+            self.ledger
+                .reserved()
+                .saturating_sub(self.check.prompt)
+                .saturating_sub(passed)
+        })
     }
 
-    /// What a response that reports no usage settles at: the reservation
-    /// (mode `after`: what was seen of it, at least the unit it holds).
+    /// What a response that reports no usage settles at: the reservation,
+    /// or the prompt and the deltas `seen` when they are more (mode
+    /// `after`: those, at least the unit it holds). Never the deltas
+    /// alone: the prompt was sent.
     pub(super) fn unreported(&self, seen: u64) -> u64 {
+        let sent = self.check.prompt.saturating_add(seen);
         match self.cost().map(|c| c.mode) {
-            Some(TokenMode::After) => seen.max(1),
-            _ => self.ledger.reserved(),
+            Some(TokenMode::After) => sent.max(1),
+            _ => self.ledger.reserved().max(sent),
         }
     }
 }

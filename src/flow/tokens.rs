@@ -115,7 +115,9 @@ impl Worker {
             return Step::Continue;
         };
         let body = (size <= max).then(|| host.request_body(size)).flatten();
-        if let Err(deny) = decision::reserve_from_body(&self.config, &mut check, body.as_deref()) {
+        if let Err(deny) =
+            decision::reserve_from_body(&self.config, &mut check, body.as_deref(), size)
+        {
             self.metrics.bump(host, Stat::RejectedCostAboveCapacity);
             return Step::Reply(deny);
         }

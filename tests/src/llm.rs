@@ -306,8 +306,20 @@ pub fn chat(
     stream: bool,
     llm: &[(&str, &str)],
 ) -> std::io::Result<crate::http::Response> {
+    chat_with_prompt(addr, client, max_tokens, stream, "hi", llm)
+}
+
+/// As [`chat`], with `prompt` as the user's message.
+pub fn chat_with_prompt(
+    addr: &str,
+    client: &str,
+    max_tokens: u64,
+    stream: bool,
+    prompt: &str,
+    llm: &[(&str, &str)],
+) -> std::io::Result<crate::http::Response> {
     let body = serde_json::json!({"model": "fake", "max_tokens": max_tokens, "stream": stream,
-                                  "messages": [{"role": "user", "content": "hi"}]})
+                                  "messages": [{"role": "user", "content": prompt}]})
     .to_string();
     let mut headers: Vec<(&str, &[u8])> = vec![
         ("x-api-key", client.as_bytes()),

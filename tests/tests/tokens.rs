@@ -39,10 +39,13 @@ fn llm_config(cost: Value, limits: Value) -> String {
 }
 
 /// The usual token cost: reserve the request's max_tokens (default 100,
-/// at most 10,000), usage from the JSON body or the last event.
+/// at most 10,000), usage from the JSON body or the last event. The
+/// prompt is left out of the reservation here, so that these tests'
+/// numbers are max_tokens' (`the_prompt_is_reserved_...` has it).
 fn usual_cost() -> Value {
     json!({
-        "reserve": {"request_json": "max_tokens", "default": 100, "max": 10000},
+        "reserve": {"request_json": "max_tokens", "default": 100, "max": 10000,
+                    "prompt_bytes_per_token": 0},
         "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens",
                      "header": "x-usage-tokens"}
     })
@@ -662,5 +665,51 @@ fn each_provider_is_charged_the_usage_it_reports() {
         }
         assert_eq!(counted, 2 * per_request, "{rule} (stream)");
     }
+    assert_no_vm_panics(&t);
+}
+
+/// The overshoot: 20 concurrent streams with 5,000-token prompts
+/// (20,000 bytes each) and `max_tokens: 100`, on a budget of 10,000. With
+/// the prompt reserved (a token for four bytes, the default) each reserves
+/// about 5,100: one is admitted, the others refused, and the counter ends
+/// at the usage the model reported (5,000 + 100), within the budget.
+/// Before, all 20 were admitted (100 reserved each) and settled about
+/// 102,000.
+#[test]
+fn the_prompt_is_reserved_so_big_prompts_stay_within_the_budget() {
+    let cost = json!({
+        "reserve": {"request_json": "max_tokens", "default": 100, "max": 10000},
+        "response": {"provider": "openai"}
+    });
+    let t = llm_topology(llm_config(cost, budget(10_000)), 2);
+    wait_for_fresh_window(Duration::from_secs(15));
+    let prompt = "word ".repeat(4_000);
+    let statuses: Vec<u16> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..20)
+            .map(|i| {
+                let (t, prompt) = (&t, &prompt);
+                s.spawn(move || {
+                    llm::chat_with_prompt(
+                        &t.replica_addr(1 + i % 2),
+                        "prompted",
+                        100,
+                        true,
+                        prompt,
+                        &[("x-llm-prompt", "5000"), ("x-llm-tokens", "100")],
+                    )
+                    .map_or(0, |r| r.status)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let admitted = statuses.iter().filter(|s| **s == 200).count();
+    assert_eq!(admitted, 1, "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 429).count(),
+        19,
+        "{statuses:?}"
+    );
+    assert_eq!(counter_reaches(&t, "prompted", 5_100), 5_100);
     assert_no_vm_panics(&t);
 }

@@ -227,10 +227,17 @@ fn validate_reserve(
             if r.default == 0 || r.default > r.max {
                 return Err(err(at("reserve.default"), "must be between 1 and max"));
             }
+            if r.prompt_bytes_per_token > 64 {
+                return Err(err(
+                    at("reserve.prompt_bytes_per_token"),
+                    "must be between 0 (the prompt is not reserved) and 64",
+                ));
+            }
             Reserve::RequestJson {
                 path: json_path(at, "reserve.request_json", &r.request_json)?,
                 default: r.default,
                 max: r.max,
+                prompt_bytes_per_token: r.prompt_bytes_per_token,
             }
         }
     })

@@ -81,8 +81,9 @@ fn delta(i: u32) -> String {
 
 #[test]
 fn a_reservation_read_from_the_body_is_settled_in_the_next_batch() {
+    // The prompt is left out here (see the prompt's own test below).
     let mut h = harness_with(token_config(
-        r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#,
+        r#"{"request_json": "max_tokens", "default": 50, "max": 500, "prompt_bytes_per_token": 0}"#,
     ));
     let (mut s, step) = h.post("a");
     assert_eq!(step, Step::Continue, "headers go on; the body waits");
@@ -139,7 +140,7 @@ fn a_reservation_read_from_the_body_is_settled_in_the_next_batch() {
 #[test]
 fn a_body_with_no_reservation_reserves_the_default_and_one_above_the_capacity_is_refused() {
     let mut h = harness_with(token_config(
-        r#"{"request_json": "max_tokens", "default": 50, "max": 5000}"#,
+        r#"{"request_json": "max_tokens", "default": 50, "max": 5000, "prompt_bytes_per_token": 0}"#,
     ));
     let (mut s, _) = h.post("a");
     h.request_body(&mut s, b"not json", true);
@@ -421,4 +422,48 @@ fn a_usage_past_the_settlement_bound_is_charged_at_the_bound() {
     let settlement = &h.last_call_body()["settlements"][0];
     assert_eq!(settlement["actual"], json!([1_000_000]), "{settlement}");
     assert_eq!(settlement["limits"][0]["cost"], 40);
+}
+
+/// The reservation covers the prompt: a token for every four bytes of
+/// the body (by default), on top of `max_tokens`; a stream's deltas have
+/// only the rest, and a stream that reports no usage is charged the
+/// prompt and its deltas, never the deltas alone.
+#[test]
+fn the_prompt_is_reserved_and_charged_when_no_usage_comes() {
+    let mut h = harness_with(token_config(
+        r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#,
+    ));
+    let (mut s, _) = h.post("a");
+    // 20 tokens of completion, and 400 bytes of prompt: 100 tokens.
+    let body = format!(
+        r#"{{"max_tokens": 20, "stream": true, "messages": "{}"}}"#,
+        "x".repeat(400 - 50)
+    );
+    assert_eq!(body.len(), 400);
+    h.request_body(&mut s, body.as_bytes(), true);
+    h.wake();
+    assert_eq!(h.last_call_body()["checks"][0]["limits"][0]["cost"], 120);
+    h.answer_batch(1, Some(200), &answer(&[reserved(880)]));
+    assert!(h.response_headers(&mut s, "200", "text/event-stream"));
+    // Twenty-one deltas: the twentieth fills the completion's part (the
+    // prompt's is the prompt's), and the next waits for a top-up.
+    let events: String = (0..21).map(delta).collect();
+    let calls = h.calls();
+    let (passed, _) = h.response_body(&s, events.as_bytes(), false);
+    let passed = String::from_utf8_lossy(&passed).to_string();
+    assert_eq!(passed.matches("data:").count(), 20, "{passed}");
+    h.wake();
+    assert_eq!(h.calls(), calls + 1, "a top-up for the 21st");
+}
+
+#[test]
+fn a_huge_prompt_can_never_fit_a_small_budget_and_is_refused() {
+    let mut h = harness_with(token_config(
+        r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#,
+    ));
+    let (mut s, _) = h.post("a");
+    // 8,000 bytes of prompt: 2,000 tokens on a budget of 1,000.
+    let body = format!(r#"{{"max_tokens": 1, "messages": "{}"}}"#, "x".repeat(8000));
+    let step = h.request_body(&mut s, body.as_bytes(), true);
+    assert_eq!(reply_status(&step), Some(429));
 }

@@ -116,7 +116,8 @@ fn token_budget() -> bool {
         .rules(json!([{
             "name": "llm",
             "match": {"path_prefix": "/v1/"},
-            "cost": {"reserve": {"request_json": "max_tokens", "default": 100, "max": 10000},
+            "cost": {"reserve": {"request_json": "max_tokens", "default": 100, "max": 10000,
+                                 "prompt_bytes_per_token": 0},
                      "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens"}},
             "limits": [{"name": "tokens", "requests": TOKENS, "window": "60s"}]
         }]))
