@@ -137,3 +137,38 @@ fn receipts_in_batches_and_bad_settlements_alone() {
     let b = f.check(&json!({"checks": [{"subject": "b", "limits": [limit("fixed_window", 1)]}]}));
     assert_eq!(b["results"][0]["limits"][0]["remaining"], json!(995));
 }
+
+/// A fixed (or calendar) window's reservation settled after its window
+/// ended, above what it reserved: the debt is charged to the current
+/// window (it used to vanish with the ended one). The scripts' clock is
+/// moved a window ahead with meshlimitd's test hook.
+#[test]
+fn debt_settled_after_its_window_ended_is_carried_into_the_current_one() {
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &["--test-clock-offset-key", "ml:test:clock"],
+    );
+    for (name, calendar) in [("fixed", None), ("daily", Some("day"))] {
+        let mut limit = json!({"name": format!("llm/{name}"), "requests": 1000, "window_ms": 60_000,
+                               "algorithm": "fixed_window", "cost": 100});
+        if let Some(unit) = calendar {
+            limit["window_ms"] = json!(86_400_000);
+            limit["calendar"] = json!({"unit": unit, "utc_offset_minutes": 0});
+        }
+        let subject = format!("debtor-{name}");
+        f.redis.cli(&["SET", "ml:test:clock", "0"]);
+        let v = f.check(&json!({"checks": [{"subject": subject, "limits": [limit.clone()], "receipt": true}]}));
+        let receipts = v["results"][0]["receipts"].clone();
+        assert_eq!(v["results"][0]["limits"][0]["remaining"], json!(900), "{name}: {v}");
+        // A window (a day) later, the response settles: it used 400.
+        let ahead = if calendar.is_some() { "86400000" } else { "60000" };
+        f.redis.cli(&["SET", "ml:test:clock", ahead]);
+        let v = f.check(&json!({"checks": [], "settlements": [{"subject": subject, "limits": [limit.clone()],
+                                          "actual": [400], "receipts": receipts}]}));
+        assert_eq!(v["settled"][0]["remaining"][0], json!(700), "{name}: {v}");
+        let mut probe = limit.clone();
+        probe["cost"] = json!(1);
+        let v = f.check(&json!({"checks": [{"subject": subject, "limits": [probe]}]}));
+        assert_eq!(v["results"][0]["limits"][0]["remaining"], json!(699), "{name}: {v}");
+    }
+}

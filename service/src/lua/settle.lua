@@ -1,8 +1,11 @@
 -- Settles reservations (token budgets): the difference between the units a
 -- check reserved and those it used is charged, or given back, in the very
 -- counter and window the reservation was charged to, whatever the limit's
--- state now (the units were spent: a settlement is never refused). A
--- window that has ended since is left alone. Follows decide.lua.
+-- state now (the units were spent: a settlement is never refused). When
+-- the window a fixed (or calendar) window's reservation was charged to has
+-- ended since, what was used past the reservation is owed: it is charged
+-- to the current window (a refund of an ended window is moot). Follows
+-- decide.lua.
 --
 -- KEYS: one counter per limit, followed, when live overrides are on, by
 -- the limits' override keys (as decide.lua reads them). ARGV: the test
@@ -56,9 +59,24 @@ for i = 1, n do
     if cal ~= '' then reset = calendar_reset(at, cal) else reset = window - (at % window) end
     local used = tonumber(redis.call('GET', key) or '0')
     local slack = math.max(0, math.min(MOVED_SLACK_MS, math.floor((window - 1) / 2)))
-    if delta ~= 0 and math.abs(redis.call('PEXPIRETIME', key) - (at + reset - 1)) <= slack then
+    local deadline = redis.call('PEXPIRETIME', key)
+    local ended = at + reset - 1 < now
+    if delta ~= 0 and not ended and math.abs(deadline - (at + reset - 1)) <= slack then
       used = redis.call('INCRBY', key, delta)
       if used <= 0 then redis.call('DEL', key); used = 0 end
+    elseif delta > 0 and ended then
+      -- Its window has ended: the debt goes into the current one, whose
+      -- counter is made as decide.lua makes it when it is missing or of
+      -- an ended window.
+      local cur_reset
+      if cal ~= '' then cur_reset = calendar_reset(now, cal) else cur_reset = window - (now % window) end
+      local cur_deadline = now + cur_reset - 1
+      if used > 0 and math.abs(deadline - cur_deadline) <= slack then
+        used = redis.call('INCRBY', key, delta)
+      else
+        redis.call('SET', key, delta, 'PXAT', num(cur_deadline))
+        used = delta
+      end
     end
     remaining = limit - used
   elseif alg == 'swl' then
