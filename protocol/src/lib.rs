@@ -212,8 +212,10 @@ pub enum LeaseLife {
     /// Until the end of the window the run's clock is in: a sliding
     /// counter, whose current window holds them.
     UntilWindowEnd,
-    /// One lease interval from the grant: a token bucket, whose units
-    /// belong to no window.
+    /// One lease interval from the grant, and never past the time the
+    /// bucket is full again (the answer's `reset_after_ms`): a token
+    /// bucket, whose units belong to no window. Spent later, leased units
+    /// would come on top of a full bucket: more than `burst` at once.
     OneInterval,
     /// Never leased: a sliding log's members carry their times.
     NotLeased,

@@ -192,7 +192,7 @@ pub const FIELDS: &[Field] = &[
     Field {
         path: "leases.interval",
         default: "`\"2s\"`",
-        meaning: "100ms to 60s: how long a check's rate is observed to size its next lease; a token bucket's lease lives this long; a lease unused this long goes back",
+        meaning: "100ms to 60s: how long a check's rate is observed to size its next lease; a token bucket's lease lives this long at most (less when its bucket is full again sooner); a lease unused this long goes back",
         schema: r#"{"type": "string", "pattern": "^[0-9]+(ms|s|m|h|d)$"}"#,
     },
     Field {

@@ -522,7 +522,9 @@ fn lease_lifetime(
                 let window = a.limit.window_ms.max(1);
                 Some(window - clock_ms % window)
             }
-            LeaseLife::OneInterval => Some(interval_ms),
+            // Never past the bucket's being full again (its reset): units
+            // still held then would come on top of a whole burst.
+            LeaseLife::OneInterval => Some(interval_ms.min(status.reset_after_ms)),
             LeaseLife::NotLeased => None,
         })
         .try_fold(u64::MAX, |least, l| Some(least.min(l?)))

@@ -715,3 +715,17 @@ fn a_lease_hit_says_so_in_the_decision_log() {
         "INFO decision allowed from lease: api/per-minute subject \"hdr:x-api-key:a\" allowed remaining 4 of 20"
     ]));
 }
+
+/// A token bucket's leased units die when the bucket would be full again
+/// (its reset), even within the lease interval: spent after that, they
+/// would come on top of a whole burst (issue 35: 1.5 x burst).
+#[test]
+fn a_token_bucket_lease_ends_when_the_bucket_is_full_again() {
+    let mut h = bucket_harness();
+    // Granted 8 units; the bucket is full again in 300 ms.
+    h.lease_for_a(&granted_until(10, 8, 300));
+    assert_eq!(h.request("a").1, Step::Continue, "a hit");
+    h.advance(300);
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Pause, "past the bucket's reset, no unit is spent from the lease");
+}
