@@ -157,18 +157,34 @@ fn debt_settled_after_its_window_ended_is_carried_into_the_current_one() {
         }
         let subject = format!("debtor-{name}");
         f.redis.cli(&["SET", "ml:test:clock", "0"]);
-        let v = f.check(&json!({"checks": [{"subject": subject, "limits": [limit.clone()], "receipt": true}]}));
+        let v = f.check(
+            &json!({"checks": [{"subject": subject, "limits": [limit.clone()], "receipt": true}]}),
+        );
         let receipts = v["results"][0]["receipts"].clone();
-        assert_eq!(v["results"][0]["limits"][0]["remaining"], json!(900), "{name}: {v}");
+        assert_eq!(
+            v["results"][0]["limits"][0]["remaining"],
+            json!(900),
+            "{name}: {v}"
+        );
         // A window (a day) later, the response settles: it used 400.
-        let ahead = if calendar.is_some() { "86400000" } else { "60000" };
+        let ahead = if calendar.is_some() {
+            "86400000"
+        } else {
+            "60000"
+        };
         f.redis.cli(&["SET", "ml:test:clock", ahead]);
-        let v = f.check(&json!({"checks": [], "settlements": [{"subject": subject, "limits": [limit.clone()],
-                                          "actual": [400], "receipts": receipts}]}));
+        let v = f.check(
+            &json!({"checks": [], "settlements": [{"subject": subject, "limits": [limit.clone()],
+                                          "actual": [400], "receipts": receipts}]}),
+        );
         assert_eq!(v["settled"][0]["remaining"][0], json!(700), "{name}: {v}");
         let mut probe = limit.clone();
         probe["cost"] = json!(1);
         let v = f.check(&json!({"checks": [{"subject": subject, "limits": [probe]}]}));
-        assert_eq!(v["results"][0]["limits"][0]["remaining"], json!(699), "{name}: {v}");
+        assert_eq!(
+            v["results"][0]["limits"][0]["remaining"],
+            json!(699),
+            "{name}: {v}"
+        );
     }
 }

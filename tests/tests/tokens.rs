@@ -713,3 +713,92 @@ fn the_prompt_is_reserved_so_big_prompts_stay_within_the_budget() {
     assert_eq!(counter_reaches(&t, "prompted", 5_100), 5_100);
     assert_no_vm_panics(&t);
 }
+
+/// 64 concurrent requests mixing JSON and streams, with and without usage
+/// reported, in the three providers' shapes, through two replicas, on one
+/// budget (one rule whose usage sums each shape's paths: a shape has only
+/// its own). The counter never goes above the budget, and once everything
+/// settled it is exactly what the model reported for the admitted
+/// requests that reported, plus the reservation of those that did not.
+#[test]
+fn sixty_four_mixed_requests_keep_the_budget_and_settle_exactly() {
+    let cost = json!({
+        "reserve": {"request_json": "max_tokens", "default": 100, "max": 10000,
+                    "prompt_bytes_per_token": 0},
+        "response": {
+            "json": ["usage.total_tokens", "usage.input_tokens", "usage.output_tokens",
+                     "usageMetadata.totalTokenCount"],
+            "sse_json": ["usage.total_tokens", "message.usage.input_tokens", "usage.output_tokens",
+                         "usageMetadata.totalTokenCount"]
+        }
+    });
+    let t = llm_topology(llm_config(cost, budget(10_000)), 2);
+    wait_for_fresh_window(Duration::from_secs(20));
+    let shapes = ["openai", "anthropic", "gemini"];
+    // Request i: its shape, streamed or not, usage or not, and what the
+    // model uses (prompt + completion, within max_tokens).
+    let plan = |i: usize| {
+        let shape = shapes[i % 3];
+        let stream = i.is_multiple_of(2);
+        let usage = !i.is_multiple_of(5);
+        let (prompt, tokens) = (10 + (i as u64 % 7), 40 + 5 * (i as u64 % 11));
+        (shape, stream, usage, prompt, tokens)
+    };
+    let max_tokens = 400;
+    let outcomes: Vec<(usize, u16)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..64)
+            .map(|i| {
+                let t = &t;
+                s.spawn(move || {
+                    let (shape, stream, usage, prompt, tokens) = plan(i);
+                    let (prompt, tokens) = (prompt.to_string(), tokens.to_string());
+                    let headers = [
+                        ("x-llm-shape", shape),
+                        ("x-llm-usage", if usage { "body" } else { "none" }),
+                        ("x-llm-prompt", prompt.as_str()),
+                        ("x-llm-tokens", tokens.as_str()),
+                    ];
+                    let r = llm::chat(
+                        &t.replica_addr(1 + i % 2),
+                        "mixed",
+                        max_tokens,
+                        stream,
+                        &headers,
+                    )
+                    .unwrap_or_else(|e| panic!("request {i}: {e}"));
+                    (i, r.status)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let admitted: Vec<usize> = outcomes
+        .iter()
+        .filter(|(_, s)| *s == 200)
+        .map(|(i, _)| *i)
+        .collect();
+    assert!(
+        outcomes.iter().all(|(_, s)| *s == 200 || *s == 429),
+        "{outcomes:?}"
+    );
+    // 25 reservations of 400 fit in 10,000; more once some settle below.
+    assert!(admitted.len() >= 25, "{outcomes:?}");
+    let expected: u64 = admitted
+        .iter()
+        .map(|&i| {
+            let (_, _, usage, prompt, tokens) = plan(i);
+            if usage {
+                prompt + tokens
+            } else {
+                max_tokens
+            }
+        })
+        .sum();
+    assert!(expected <= 10_000, "{expected}");
+    assert_eq!(
+        counter_reaches(&t, "mixed", expected),
+        expected,
+        "{outcomes:?}"
+    );
+    assert_no_vm_panics(&t);
+}

@@ -727,5 +727,9 @@ fn a_token_bucket_lease_ends_when_the_bucket_is_full_again() {
     assert_eq!(h.request("a").1, Step::Continue, "a hit");
     h.advance(300);
     let (_, step) = h.request("a");
-    assert_eq!(step, Step::Pause, "past the bucket's reset, no unit is spent from the lease");
+    assert_eq!(
+        step,
+        Step::Pause,
+        "past the bucket's reset, no unit is spent from the lease"
+    );
 }
