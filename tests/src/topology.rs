@@ -47,6 +47,11 @@ pub struct TopologyOptions {
     /// A fake LLM ([`crate::llm`]) as the upstream instead of Envoy's
     /// direct response.
     pub llm: bool,
+    /// The replicas' Wasm PluginConfig sets
+    /// `allow_on_headers_stop_iteration` (so should the plugin
+    /// configuration): a request whose token reservation is in its body
+    /// holds its headers until decided.
+    pub hold_headers: bool,
     /// Serve Envoy's rate limit service (gRPC, on [`GRPC_PORT`]) with the
     /// envoyproxy/ratelimit configuration files of this directory.
     pub rls_config_dir: Option<PathBuf>,
@@ -69,6 +74,7 @@ impl Default for TopologyOptions {
             redis_cluster: false,
             wasm: None,
             llm: false,
+            hold_headers: false,
             rls_config_dir: None,
         }
     }
@@ -216,7 +222,15 @@ impl Topology {
             ("UPSTREAM_HOST", self.host.clone()),
             ("UPSTREAM_PORT", UPSTREAM_PORT.to_string()),
         ]);
-        render(&render::template("replica.yaml"), &vars)
+        let config = render(&render::template("replica.yaml"), &vars);
+        if self.options.hold_headers {
+            return config.replacen(
+                "failure_policy: FAIL_RELOAD\n",
+                "failure_policy: FAIL_RELOAD\n                allow_on_headers_stop_iteration: true\n",
+                1,
+            );
+        }
+        config
     }
 
     pub fn front_config(&self) -> String {

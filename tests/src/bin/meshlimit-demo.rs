@@ -121,11 +121,15 @@ fn token_budget() -> bool {
                      "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens"}},
             "limits": [{"name": "tokens", "requests": TOKENS, "window": "60s"}]
         }]))
+        // A refused request is refused at its headers: the model never
+        // sees it (Envoy's Wasm PluginConfig says the same).
+        .set("allow_on_headers_stop_iteration", json!(true))
         .build();
     let t = Topology::start(TopologyOptions {
         plugin_config: config,
         front: false,
         llm: true,
+        hold_headers: true,
         ..TopologyOptions::default()
     });
     println!("  (a fake OpenAI-shaped model answers; each request reserves its max_tokens,");
@@ -186,7 +190,17 @@ fn token_budget() -> bool {
         "400",
         (200, TOKENS),
     );
+    let model_requests = || {
+        t.llm.as_ref().map_or(0, |m| {
+            m.requests_begun.load(std::sync::atomic::Ordering::Relaxed)
+        })
+    };
+    let before = model_requests();
     step("one more token", 2, 1, false, "1", (429, TOKENS));
+    step("and another", 1, 1, true, "1", (429, TOKENS));
+    let after = model_requests();
+    println!("\n  requests the model saw: {before} before the two refusals, {after} after (refused at their headers)");
+    ok &= before == after;
     let last: Vec<String> = llm::events(&body).into_iter().rev().take(2).collect();
     println!("\n  the stream was topped up while the budget had room, then ended cleanly:");
     for line in last.iter().rev() {
@@ -201,7 +215,7 @@ fn token_budget() -> bool {
     ] {
         println!("    {}", stats_line(&t, name));
     }
-    println!("  expected: 150 + 700 + 150 streamed = {TOKENS} exactly, never more; the last request refused");
+    println!("  expected: 150 + 700 + 150 streamed = {TOKENS} exactly, never more; the last two requests refused, unseen by the model");
     ok
 }
 
