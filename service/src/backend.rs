@@ -268,7 +268,10 @@ impl Backend {
         }
     }
 
-    /// A pipeline whose keys share one slot.
+    /// A pipeline whose keys share one slot. (Not one code path with
+    /// [`Backend::query`]: on a Cluster, redis-rs routes a pipeline by its
+    /// first key, but a lone command by the command itself, and PING goes
+    /// to every master.)
     pub async fn query_pipe<T: FromRedisValue>(&self, pipe: &redis::Pipeline) -> RedisResult<T> {
         match self {
             Backend::Standalone(conn) => pipe.query_async(&mut conn.clone()).await,
