@@ -270,8 +270,8 @@ impl Backend {
 
     /// A pipeline whose keys share one slot. (Not one code path with
     /// [`Backend::query`]: on a Cluster, redis-rs routes a pipeline by its
-    /// first key, but a lone command by the command itself, and PING goes
-    /// to every master.)
+    /// first key, but a lone command by the command itself: PING must
+    /// succeed on every node.)
     pub async fn query_pipe<T: FromRedisValue>(&self, pipe: &redis::Pipeline) -> RedisResult<T> {
         match self {
             Backend::Standalone(conn) => pipe.query_async(&mut conn.clone()).await,
