@@ -138,6 +138,12 @@ impl Worker {
                 Err(e) => Err(e.clone()),
             };
             checks += 1;
+            if queued
+                .check()
+                .is_some_and(|c| c.lease.is_some_and(|t| t.want > 0))
+            {
+                self.lease_book.asks.answered(&outcome);
+            }
             match &queued.job {
                 Job::Admit { check, .. }
                     if !self.awaiting.borrow_mut().remove(&queued.context_id) =>

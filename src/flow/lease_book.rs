@@ -27,6 +27,8 @@ pub(super) struct LeaseBook {
     /// The root's tick runs (leases on, and the host took the period):
     /// renewals with time to spare may wait for it.
     pub(super) ticking: bool,
+    /// Asks shrink after lost answers (see `ask_backoff`).
+    pub(super) asks: super::ask_backoff::AskBackoff,
 }
 
 impl LeaseBook {
@@ -53,6 +55,7 @@ impl LeaseBook {
             hits: super::bulk::BulkCount::default(),
             observer: RefCell::new(Observer::new(observed)),
             ticking,
+            asks: super::ask_backoff::AskBackoff::default(),
         }
     }
 

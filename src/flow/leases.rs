@@ -215,9 +215,10 @@ impl Worker {
             window_bound_interval_ms: lease_ends_with_window(check).then_some(interval),
         };
         let (take, kept, decided_at) = leases.take(place, cost, now, want, ask_for, previous);
+        // Smaller after lost answers (see `ask_backoff`).
         let ticket = |want| LeaseTicket {
             place: decided_at,
-            want,
+            want: self.lease_book.asks.size(want),
             share: leases.config.share,
             asked_ms: now,
             renewal: false,
@@ -237,7 +238,7 @@ impl Worker {
                         renewal: true,
                         ..ticket(units)
                     };
-                    Some(Renewal { ticket, runway_ms })
+                    (ticket.want > 0).then_some(Renewal { ticket, runway_ms })
                 }
                 _ => None,
             };
@@ -247,7 +248,7 @@ impl Worker {
             observer.keep_draw(place.fingerprint, draw);
         }
         match take {
-            Take::Miss { want } if want > 0 => Err(Some(ticket(want))),
+            Take::Miss { want } if want > 0 => Err(Some(ticket(want)).filter(|t| t.want > 0)),
             _ => Err(None),
         }
     }

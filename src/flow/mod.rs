@@ -27,6 +27,7 @@
 //! from the root with group commit off too: see `outbox`.
 
 mod answer;
+mod ask_backoff;
 mod budget;
 mod bulk;
 mod clock;

@@ -733,3 +733,39 @@ fn a_token_bucket_lease_ends_when_the_bucket_is_full_again() {
         "past the bucket's reset, no unit is spent from the lease"
     );
 }
+
+/// A lease ask whose answer is lost (the call timed out: the script may
+/// have granted units nobody will use) halves the worker's next ask, and
+/// enough of them in a row stop asks until one is answered (issue 35).
+#[test]
+fn a_lost_answer_makes_the_next_ask_smaller() {
+    // The same requests at the same times; the ninth call's answer comes
+    // (no lease granted) or is lost. The ask of the tenth, in units.
+    let tenth_ask = |lost: bool| {
+        let mut h = harness("");
+        for token in 1..=8 {
+            h.request("a");
+            h.wake();
+            h.answer_batch(token, Some(200), &answer(&[result(true, 19)]));
+        }
+        h.advance(100);
+        h.request("a");
+        h.wake();
+        assert!(h.last_call_body()["checks"][0]["lease"]["units"].as_u64() > Some(0));
+        h.advance(20);
+        if lost {
+            h.answer_batch(9, None, "");
+        } else {
+            h.answer_batch(9, Some(200), &answer(&[result(true, 18)]));
+        }
+        h.advance(50);
+        h.request("a");
+        h.wake();
+        h.last_call_body()["checks"][0]["lease"]["units"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let (answered, lost) = (tenth_ask(false), tenth_ask(true));
+    assert!(answered >= 2, "{answered}");
+    assert_eq!(lost, answered / 2);
+}
