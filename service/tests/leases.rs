@@ -89,29 +89,61 @@ fn no_lease_from_a_limit_with_less_than_eight_units_a_share_left() {
     let f = start();
     for algorithm in ["fixed_window", "sliding_window_counter", "token_bucket"] {
         let subject = format!("tail-{algorithm}");
-        let l = limit(algorithm, 24);
-        // 23 left after the request: 11 a share, 5 asked.
-        let r = ask(&f, &subject, std::slice::from_ref(&l), 5, 2);
+        let l = limit(algorithm, 64);
+        // 63 left after the request: 15 a share, 5 asked.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 5, 4);
         assert_eq!(leased(&r), 5, "{algorithm}: {r}");
-        // 17 left: 8 a share.
-        let r = ask(&f, &subject, std::slice::from_ref(&l), 100, 2);
-        assert_eq!((leased(&r), remaining(&r, 0)), (8, 9), "{algorithm}: {r}");
-        // 8 left: 4 a share, none leased.
-        let r = ask(&f, &subject, std::slice::from_ref(&l), 100, 2);
-        assert_eq!((leased(&r), remaining(&r, 0)), (0, 8), "{algorithm}: {r}");
+        // 57 left: 14 a share.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 100, 4);
+        assert_eq!((leased(&r), remaining(&r, 0)), (14, 43), "{algorithm}: {r}");
+        // 42 left: 10 a share.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 100, 4);
+        assert_eq!((leased(&r), remaining(&r, 0)), (10, 32), "{algorithm}: {r}");
+        // 31 left: 7 a share, none leased.
+        let r = ask(&f, &subject, std::slice::from_ref(&l), 100, 4);
+        assert_eq!((leased(&r), remaining(&r, 0)), (0, 31), "{algorithm}: {r}");
+    }
+}
+
+/// A limit under 64 a window is never leased, however much of it is left:
+/// split between replicas, a client would see refusals while another
+/// replica held its units (issue 35: 17 of 20 through four replicas).
+#[test]
+fn a_limit_too_small_to_split_is_never_leased() {
+    let f = start();
+    for algorithm in ["fixed_window", "sliding_window_counter", "token_bucket"] {
+        let small = limit(algorithm, 63);
+        let r = ask(
+            &f,
+            &format!("small-{algorithm}"),
+            std::slice::from_ref(&small),
+            20,
+            1,
+        );
+        assert_eq!(leased(&r), 0, "{algorithm}: {r}");
+        assert!((61..=62).contains(&remaining(&r, 0)), "{algorithm}: {r}");
+        let enough = limit(algorithm, 64);
+        let r = ask(
+            &f,
+            &format!("enough-{algorithm}"),
+            std::slice::from_ref(&enough),
+            20,
+            1,
+        );
+        assert_eq!(leased(&r), 20, "{algorithm}: {r}");
     }
 }
 
 #[test]
 fn the_tightest_limit_sizes_the_lease_and_a_sliding_log_gets_none() {
     let f = start();
-    let tight = json!({"name": "hot/tight", "requests": 17, "window_ms": 60_000,
+    let tight = json!({"name": "hot/tight", "requests": 70, "window_ms": 60_000,
                        "algorithm": "fixed_window"});
     let wide = limit("sliding_window_counter", 1000);
     let r = ask(&f, "both", &[tight.clone(), wide.clone()], 100, 2);
-    // 16 left on the tight one: 8 leased on both.
-    assert_eq!(leased(&r), 8, "{r}");
-    assert_eq!((remaining(&r, 0), remaining(&r, 1)), (8, 991), "{r}");
+    // 69 left on the tight one: 34 leased on both.
+    assert_eq!(leased(&r), 34, "{r}");
+    assert_eq!((remaining(&r, 0), remaining(&r, 1)), (35, 965), "{r}");
     let log = limit("sliding_window_log", 1000);
     let r = ask(&f, "both", &[wide, log], 100, 1);
     assert_eq!(r["allowed"], json!(true), "{r}");
@@ -119,12 +151,12 @@ fn the_tightest_limit_sizes_the_lease_and_a_sliding_log_gets_none() {
     assert!(r.get("receipts").is_none(), "{r}");
     // A check that asks for no lease gets none, in a batch too.
     let v = f.check(
-        &json!({"checks": [{"subject": "plain", "limits": [limit("fixed_window", 10)]},
-                           leased_check("batched", &[limit("fixed_window", 10)], 3, 1)]}),
+        &json!({"checks": [{"subject": "plain", "limits": [limit("fixed_window", 100)]},
+                           leased_check("batched", &[limit("fixed_window", 100)], 3, 1)]}),
     );
     assert_eq!(leased(&v["results"][0]), 0, "{v}");
     assert_eq!(leased(&v["results"][1]), 3, "{v}");
-    assert_eq!(remaining(&v["results"][1], 0), 6, "{v}");
+    assert_eq!(remaining(&v["results"][1], 0), 96, "{v}");
 }
 
 #[test]

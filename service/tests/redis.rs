@@ -333,7 +333,7 @@ fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
         .unwrap();
     let limit = Limit {
         name: "api/minute".into(),
-        requests: 20,
+        requests: 100,
         window_ms: 60_000,
         algorithm: Algorithm::FixedWindow,
         cost: 1,
@@ -361,11 +361,11 @@ fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
         "{first:?}"
     );
     assert_eq!((first[0], first[1]), (1, 0));
-    // A lease of 5 over a share of 2 (9 a share left after the request): 5.
+    // A lease of 5 over a share of 2 (49 a share left after the request): 5.
     assert_eq!(&run(&mut con, 5, 2)[..2], &[1, 5]);
-    // 7 charged: 13 more, then none.
-    let admitted = (0..15).filter(|_| run(&mut con, 0, 1)[0] == 1).count();
-    assert_eq!(admitted, 13);
+    // 7 charged: 93 more, then none.
+    let admitted = (0..95).filter(|_| run(&mut con, 0, 1)[0] == 1).count();
+    assert_eq!(admitted, 93);
 }
 
 /// meshlimitd's decisions by limit, against a real Redis: the limit that

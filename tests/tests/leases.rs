@@ -311,3 +311,22 @@ fn a_busy_client_stays_leased_across_a_window_boundary() {
         t.key_count("per-10s", "hot")
     );
 }
+
+/// The first finding: with the default configuration (no
+/// `expected_replicas`), one client of 20 a minute through four replicas
+/// behind a round-robin front got 17 of its 20: a replica held leased
+/// units while the others refused. A limit under 64 is never leased now:
+/// exactly 20, one request after another and over 64 connections.
+#[test]
+fn a_small_limit_is_exact_through_four_replicas_without_configuration() {
+    let t = meshlimit_testbed::Topology::start(meshlimit_testbed::TopologyOptions {
+        plugin_config: PluginConfig::new().build(),
+        replicas: 4,
+        ..meshlimit_testbed::TopologyOptions::default()
+    });
+    wait_for_fresh_window(Duration::from_secs(20));
+    assert_eq!(burst(&t, &key("sequential"), 25), (20, 5));
+    assert_eq!(hammer(&t, "connections", 64, 2), (20, 108));
+    assert_eq!(t.stat_total("meshlimit.lease_grants"), 0);
+    assert_no_vm_panics(&t);
+}

@@ -22,6 +22,12 @@ local DAY = 86400000
 -- refused it until it comes back). The last units of a window are then
 -- decided one by one.
 local MIN_LEASE_SHARE = 8
+-- No lease on a limit under this many units a window, whatever is left of
+-- it: too small to split between replicas without a client seeing it (a
+-- replica holding units while another refuses its client; through four
+-- replicas a client of 20 a minute got 17). Its requests are decided one
+-- by one, as exact as without leases.
+local MIN_LEASED_LIMIT = 64
 
 -- Large numbers go to Redis through '%.0f': Lua's default conversion keeps
 -- 14 digits, which would silently round a microsecond timestamp.
@@ -175,8 +181,8 @@ for i = 1, n do
 end
 -- A lease: the same number of units on every limit, only what fits after
 -- the request on the tightest one, divided by `share`, and none when that
--- is under MIN_LEASE_SHARE; none on a sliding log (its members carry
--- times) or where a limit does not fit.
+-- is under MIN_LEASE_SHARE; none on a limit under MIN_LEASED_LIMIT, on a
+-- sliding log (its members carry times) or where a limit does not fit.
 local leased = 0
 if allowed == 1 and want > 0 then
   leased = want
@@ -188,7 +194,7 @@ if allowed == 1 and want > 0 then
       room = math.floor((s.T * s.burst - (s.tat + s.T * s.cost - now_us)) / s.T)
     end
     local fits = math.floor(math.max(0, room) / share)
-    if fits < MIN_LEASE_SHARE then fits = 0 end
+    if fits < MIN_LEASE_SHARE or s.limit < MIN_LEASED_LIMIT then fits = 0 end
     leased = math.min(leased, fits)
   end
 end
