@@ -283,28 +283,6 @@ fn token_costs_are_read_and_each_mistake_named() {
         r#"{"mode":"after","response":{"sse_json":"usage.total_tokens"}}"#,
     ));
     assert!(matches!(&after.unwrap().rules[0].cost, Cost::Tokens(t) if t.mode == TokenMode::After));
-    // A provider names both shapes; a path given as well wins.
-    let anthropic = parse_str(&rule(
-        r#"{"reserve":5,"response":{"provider":"anthropic","json":[{"path":"usage.input_tokens"},{"path":"usage.output_tokens","weight":5}]}}"#,
-    ))
-    .unwrap();
-    let Cost::Tokens(t) = &anthropic.rules[0].cost else {
-        panic!("a token cost")
-    };
-    let weights: Vec<u64> = t
-        .usage
-        .json
-        .as_ref()
-        .unwrap()
-        .terms
-        .iter()
-        .map(|t| t.weight)
-        .collect();
-    assert_eq!(weights, [1, 5]);
-    assert_eq!(
-        t.usage.sse_json,
-        Some(crate::tokens::usage::Provider::Anthropic.sse())
-    );
     for (cost, field, problem) in [
         (
             r#"{"response":{}}"#,
@@ -315,26 +293,6 @@ fn token_costs_are_read_and_each_mistake_named() {
             r#"{"response":{"json":"usage..total"},"reserve":5}"#,
             "rules[0].cost.response.json",
             "dotted JSON path",
-        ),
-        (
-            r#"{"response":{"json":["a.b", {"path":"a..c", "weight":2}]},"reserve":5}"#,
-            "rules[0].cost.response.json[1]",
-            "dotted JSON path",
-        ),
-        (
-            r#"{"response":{"json":[{"path":"a", "weight":0}]},"reserve":5}"#,
-            "rules[0].cost.response.json[0].weight",
-            "from 1 to 1000",
-        ),
-        (
-            r#"{"response":{"json":[]},"reserve":5}"#,
-            "rules[0].cost.response.json",
-            "1 to 8 paths",
-        ),
-        (
-            r#"{"response":{"provider":"mistral"},"reserve":5}"#,
-            "rules[0].cost.response.provider",
-            "unknown variant",
         ),
         (
             r#"{"response":{"json":"a"}}"#,
@@ -384,6 +342,61 @@ fn token_costs_are_read_and_each_mistake_named() {
         "rules[0].scope",
         "must be global",
     );
+}
+
+#[test]
+fn usage_providers_and_weighted_sums_are_read_and_checked() {
+    let rule = |cost: &str| {
+        format!(
+            r#"{{"rules":[{{"name":"llm","cost":{cost},"limits":[{{"name":"t","requests":1000,"window":"60s"}}]}}]}}"#
+        )
+    };
+    // A provider names both shapes; a path given as well wins.
+    let anthropic = parse_str(&rule(
+        r#"{"reserve":5,"response":{"provider":"anthropic","json":[{"path":"usage.input_tokens"},{"path":"usage.output_tokens","weight":5}]}}"#,
+    ))
+    .unwrap();
+    let Cost::Tokens(t) = &anthropic.rules[0].cost else {
+        panic!("a token cost")
+    };
+    let weights: Vec<u64> = t
+        .usage
+        .json
+        .as_ref()
+        .unwrap()
+        .terms
+        .iter()
+        .map(|t| t.weight)
+        .collect();
+    assert_eq!(weights, [1, 5]);
+    assert_eq!(
+        t.usage.sse_json,
+        Some(crate::tokens::usage::Provider::Anthropic.sse())
+    );
+    for (cost, field, problem) in [
+        (
+            r#"{"response":{"json":["a.b", {"path":"a..c", "weight":2}]},"reserve":5}"#,
+            "rules[0].cost.response.json[1]",
+            "dotted JSON path",
+        ),
+        (
+            r#"{"response":{"json":[{"path":"a", "weight":0}]},"reserve":5}"#,
+            "rules[0].cost.response.json[0].weight",
+            "from 1 to 1000",
+        ),
+        (
+            r#"{"response":{"json":[]},"reserve":5}"#,
+            "rules[0].cost.response.json",
+            "1 to 8 paths",
+        ),
+        (
+            r#"{"response":{"provider":"mistral"},"reserve":5}"#,
+            "rules[0].cost.response.provider",
+            "unknown variant",
+        ),
+    ] {
+        rejects(&rule(cost), field, problem);
+    }
 }
 
 #[test]

@@ -119,32 +119,24 @@ fn the_fleet_goes_shadow_within_a_second_and_back() {
     );
 
     // Usage: what the client has used of its limit, charged or not.
-    let r = admin(
-        &t,
-        LEAD,
-        "GET",
-        "/v1/usage/api/per-minute?subject=hdr%3Ax-api-key%3Aspent",
-        "",
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-    let usage: Value = serde_json::from_str(&r.body).unwrap();
+    let usage = |client: &str| -> Value {
+        let path = format!("/v1/usage/api/per-minute?subject=hdr%3Ax-api-key%3A{client}");
+        let r = admin(&t, LEAD, "GET", &path, "");
+        assert_eq!(r.status, 200, "{}", r.body);
+        serde_json::from_str(&r.body).unwrap()
+    };
+    let spent = usage("spent");
+    let read = |u: &Value, k: &str| u[k].as_u64().unwrap_or_default();
     assert_eq!(
-        (usage["requests"].as_u64(), usage["remaining"].as_u64()),
-        (Some(20), Some(0)),
-        "{usage}"
+        (read(&spent, "requests"), read(&spent, "remaining")),
+        (20, 0),
+        "{spent}"
     );
-    assert!(usage["used"].as_u64() >= Some(20), "{usage}");
-    let fresh = admin(
-        &t,
-        LEAD,
-        "GET",
-        "/v1/usage/api/per-minute?subject=hdr%3Ax-api-key%3Anobody",
-        "",
-    );
-    let fresh: Value = serde_json::from_str(&fresh.body).unwrap();
+    assert!(read(&spent, "used") >= 20, "{spent}");
+    let fresh = usage("nobody");
     assert_eq!(
-        (fresh["used"].as_u64(), fresh["remaining"].as_u64()),
-        (Some(0), Some(20)),
+        (read(&fresh, "used"), read(&fresh, "remaining")),
+        (0, 20),
         "{fresh}"
     );
 

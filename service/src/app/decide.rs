@@ -172,44 +172,8 @@ pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
     for check in checked {
         let decided_check = check.as_ref().ok().copied();
         let outcome = match check {
-            Err(reason) => {
-                state.metrics.check_failure("invalid");
-                if let Some(suppressed) = state.error_log.allow() {
-                    warn!(%reason, suppressed, "refused one check of a batch; the others are decided");
-                }
-                CheckOutcome::Failed(CheckFailure {
-                    error: reason,
-                    kind: FailureKind::Invalid,
-                })
-            }
-            Ok(check) => match decided.next() {
-                Some(Ok(result)) => {
-                    if state.admin_tokens.is_some() {
-                        state.seen.note(check.limits.iter());
-                    }
-                    state.metrics.decision(result.allowed);
-                    let names = check.limits.iter().map(|l| l.name.as_str());
-                    state
-                        .metrics
-                        .limit_decisions(names.zip(&result.limits), result.allowed);
-                    CheckOutcome::Decided(result)
-                }
-                Some(Err(e)) => {
-                    // Its Redis node failed; the others were decided.
-                    state.metrics.check_failure("unavailable");
-                    if let Some(suppressed) = state.error_log.allow() {
-                        warn!(error = %e, suppressed, "cannot decide some checks of a batch: answering an error for them alone");
-                    }
-                    CheckOutcome::Failed(CheckFailure {
-                        error: e.to_string(),
-                        kind: FailureKind::Unavailable,
-                    })
-                }
-                None => CheckOutcome::Failed(CheckFailure {
-                    error: "not decided".into(),
-                    kind: FailureKind::Unavailable,
-                }),
-            },
+            Err(reason) => refused(state, reason),
+            Ok(check) => decided_outcome(state, check, decided.next()),
         };
         if let (Some(traces), Some(check)) = (&state.traces, decided_check) {
             traces.record(&CheckSpan {
@@ -224,6 +188,54 @@ pub async fn decide_checks(state: &AppState, checks: &[Check]) -> Answer {
     }
     debug!(checks = results.len(), "decided");
     Answer::Decided(results)
+}
+
+/// A check of a batch refused on its own (the others are decided).
+fn refused(state: &AppState, reason: String) -> CheckOutcome {
+    state.metrics.check_failure("invalid");
+    if let Some(suppressed) = state.error_log.allow() {
+        warn!(%reason, suppressed, "refused one check of a batch; the others are decided");
+    }
+    CheckOutcome::Failed(CheckFailure {
+        error: reason,
+        kind: FailureKind::Invalid,
+    })
+}
+
+/// What a valid check comes to, from its script run's result, counted.
+fn decided_outcome(
+    state: &AppState,
+    check: &Check,
+    decided: Option<Result<CheckResult, LimiterError>>,
+) -> CheckOutcome {
+    match decided {
+        Some(Ok(result)) => {
+            if state.admin_tokens.is_some() {
+                state.seen.note(check.limits.iter());
+            }
+            state.metrics.decision(result.allowed);
+            let names = check.limits.iter().map(|l| l.name.as_str());
+            state
+                .metrics
+                .limit_decisions(names.zip(&result.limits), result.allowed);
+            CheckOutcome::Decided(result)
+        }
+        Some(Err(e)) => {
+            // Its Redis node failed; the others were decided.
+            state.metrics.check_failure("unavailable");
+            if let Some(suppressed) = state.error_log.allow() {
+                warn!(error = %e, suppressed, "cannot decide some checks of a batch: answering an error for them alone");
+            }
+            CheckOutcome::Failed(CheckFailure {
+                error: e.to_string(),
+                kind: FailureKind::Unavailable,
+            })
+        }
+        None => CheckOutcome::Failed(CheckFailure {
+            error: "not decided".into(),
+            kind: FailureKind::Unavailable,
+        }),
+    }
 }
 
 /// Gives back what a call's admitted checks were granted or reserved once

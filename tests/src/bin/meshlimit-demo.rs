@@ -112,26 +112,7 @@ fn token_budget() -> bool {
     println!(
         "\n4. A token budget for an LLM route: {TOKENS} tokens a minute per key, on two replicas."
     );
-    let config = PluginConfig::new()
-        .rules(json!([{
-            "name": "llm",
-            "match": {"path_prefix": "/v1/"},
-            "cost": {"reserve": {"request_json": "max_tokens", "default": 100, "max": 10000,
-                                 "prompt_bytes_per_token": 0},
-                     "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens"}},
-            "limits": [{"name": "tokens", "requests": TOKENS, "window": "60s"}]
-        }]))
-        // A refused request is refused at its headers: the model never
-        // sees it (Envoy's Wasm PluginConfig says the same).
-        .set("allow_on_headers_stop_iteration", json!(true))
-        .build();
-    let t = Topology::start(TopologyOptions {
-        plugin_config: config,
-        front: false,
-        llm: true,
-        hold_headers: true,
-        ..TopologyOptions::default()
-    });
+    let t = token_topology();
     println!("  (a fake OpenAI-shaped model answers; each request reserves its max_tokens,");
     println!("   and settles at the usage the model reports)");
     fresh_window(10);
@@ -206,6 +187,36 @@ fn token_budget() -> bool {
     for line in last.iter().rev() {
         println!("    data: {line}");
     }
+    print_token_stats(&t);
+    ok
+}
+
+/// Two replicas before the fake model, with act 4's token budget.
+fn token_topology() -> Topology {
+    let config = PluginConfig::new()
+        .rules(json!([{
+            "name": "llm",
+            "match": {"path_prefix": "/v1/"},
+            "cost": {"reserve": {"request_json": "max_tokens", "default": 100, "max": 10000,
+                                 "prompt_bytes_per_token": 0},
+                     "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens"}},
+            "limits": [{"name": "tokens", "requests": TOKENS, "window": "60s"}]
+        }]))
+        // A refused request is refused at its headers: the model never
+        // sees it (Envoy's Wasm PluginConfig says the same).
+        .set("allow_on_headers_stop_iteration", json!(true))
+        .build();
+    Topology::start(TopologyOptions {
+        plugin_config: config,
+        front: false,
+        llm: true,
+        hold_headers: true,
+        ..TopologyOptions::default()
+    })
+}
+
+/// The token budget's stats on each replica, and what was expected.
+fn print_token_stats(t: &Topology) {
     println!("  Envoy stats (wasmcustom.*):");
     for name in [
         "meshlimit.tokens_reserved",
@@ -213,10 +224,9 @@ fn token_budget() -> bool {
         "meshlimit.tokens_refunded",
         "meshlimit.streams_cut",
     ] {
-        println!("    {}", stats_line(&t, name));
+        println!("    {}", stats_line(t, name));
     }
     println!("  expected: 150 + 700 + 150 streamed = {TOKENS} exactly, never more; the last two requests refused, unseen by the model");
-    ok
 }
 
 fn fallback_total(t: &Topology) -> u64 {
