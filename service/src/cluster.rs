@@ -104,13 +104,19 @@ impl Cluster {
         if let Some((addr, mut conn)) = self.direct_for(slot).await {
             match invocation.invoke_async(&mut conn).await {
                 Ok(value) => return Ok(value),
-                Err(e) if !settled_elsewhere(&e) => return Err(e),
-                Err(e) => {
-                    if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() {
-                        self.pause(&addr).await;
-                    }
+                // The node refused before running it: the cluster
+                // connection follows the redirect.
+                Err(e) if refused_before_running(&e) => self.refresh_soon(),
+                // No answer: it may have run. Sending it again could run
+                // it twice (one check charged twice), so the check fails
+                // (its caller falls back), and the next runs for this
+                // node go through the cluster connection meanwhile.
+                Err(e) if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() => {
+                    self.pause(&addr).await;
                     self.refresh_soon();
+                    return Err(e);
                 }
+                Err(e) => return Err(e),
             }
         }
         let mut conn = self.connection().await?;
@@ -277,16 +283,15 @@ impl Cluster {
 
 /// Whether a failed direct run should go through the cluster connection:
 /// a redirect or a slot in transition (the cluster connection follows
-/// them), or a node that did not answer (after a failover, its slots have
-/// another master). Not CLUSTERDOWN: the cluster connection would only
-/// wait and retry past the caller's deadline; the check fails now and the
-/// caller decides it by its fallback (with `cluster-require-full-coverage
-/// no`, the live masters never answer it).
-fn settled_elsewhere(e: &RedisError) -> bool {
-    e.is_io_error()
-        || e.is_connection_dropped()
-        || e.is_timeout()
-        || e.redirect_node().is_some()
+/// them), a replica or a loading node: refusals Redis gives before it runs
+/// a script, so the run cannot happen twice. Not a node that did not
+/// answer (it may have run the script; issue 35, item 8:
+/// `service/tests/cluster_retry.rs`). Not CLUSTERDOWN: the cluster
+/// connection would only wait and retry past the caller's deadline; the
+/// check fails now and the caller decides it by its fallback (with
+/// `cluster-require-full-coverage no`, the live masters never answer it).
+fn refused_before_running(e: &RedisError) -> bool {
+    e.redirect_node().is_some()
         || matches!(
             e.code(),
             Some("MOVED" | "ASK" | "TRYAGAIN" | "READONLY" | "LOADING")
