@@ -245,13 +245,16 @@ fn cost_is_fixed_or_from_a_bounded_header() {
 
 /// A token cost: where the usage is, what is reserved, and each mistake
 /// named by its field.
+/// A configuration of one rule, `llm`, priced by `cost`.
+fn token_rule(cost: &str) -> String {
+    format!(
+        r#"{{"rules":[{{"name":"llm","cost":{cost},"limits":[{{"name":"t","requests":1000,"window":"60s"}}]}}]}}"#
+    )
+}
+
 #[test]
 fn token_costs_are_read_and_each_mistake_named() {
-    let rule = |cost: &str| {
-        format!(
-            r#"{{"rules":[{{"name":"llm","cost":{cost},"limits":[{{"name":"t","requests":1000,"window":"60s"}}]}}]}}"#
-        )
-    };
+    let rule = token_rule;
     let c = parse_str(&rule(
         r#"{"reserve":{"request_json":"max_tokens","default":100,"max":4000},
             "response":{"json":"usage.total_tokens","header":"X-Usage"}}"#,
@@ -346,11 +349,7 @@ fn token_costs_are_read_and_each_mistake_named() {
 
 #[test]
 fn usage_providers_and_weighted_sums_are_read_and_checked() {
-    let rule = |cost: &str| {
-        format!(
-            r#"{{"rules":[{{"name":"llm","cost":{cost},"limits":[{{"name":"t","requests":1000,"window":"60s"}}]}}]}}"#
-        )
-    };
+    let rule = token_rule;
     // A provider names both shapes; a path given as well wins.
     let anthropic = parse_str(&rule(
         r#"{"reserve":5,"response":{"provider":"anthropic","json":[{"path":"usage.input_tokens"},{"path":"usage.output_tokens","weight":5}]}}"#,
