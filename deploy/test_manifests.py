@@ -424,3 +424,59 @@ def test_the_monitors_scrape_meshlimitd_and_the_gateway():
     pm = kinds["PodMonitor"]
     assert pm["spec"]["selector"]["matchLabels"] == gateway["spec"]["selector"]["matchLabels"]
     assert pm["spec"]["podMetricsEndpoints"][0]["path"] == "/stats/prometheus"
+
+
+def test_meshlimitd_requires_the_shared_token():
+    """Secure by default: meshlimitd reads the token from the Secret
+    deploy/shared-token.sh creates, and does not start without it."""
+    for rendered in (BASE, PRODUCTION):
+        (dep,) = [d for _, d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == "meshlimitd"]
+        pod = dep["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        path = env["MESHLIMITD_AUTH_TOKEN_FILE"]["value"]
+        (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "meshlimit-token"
+        assert volume["secret"]["optional"] is False
+        assert path.rsplit("/", 1)[1] == "token"
+
+
+FAKE_KUBECTL = """#!/usr/bin/env bash
+# Records each call; keeps one Secret's token in $STATE.
+echo "$*" >> "$STATE/calls"
+case "$*" in
+  *"get secret meshlimit-token"*)
+    [ -f "$STATE/token" ] && printf '%s' "$(base64 -w0 < "$STATE/token")" || exit 1 ;;
+  *"create secret generic meshlimit-token --from-literal=token="*)
+    all="$*"; printf '%s' "${all##*--from-literal=token=}" > "$STATE/token" ;;
+esac
+"""
+
+
+def test_shared_token_script_creates_the_token_once_and_gives_it_to_the_wasmplugins():
+    with tempfile.TemporaryDirectory() as state:
+        kubectl = os.path.join(state, "kubectl")
+        with open(kubectl, "w") as f:
+            f.write(FAKE_KUBECTL)
+        os.chmod(kubectl, 0o755)
+        env = dict(os.environ, KUBECTL=kubectl, STATE=state)
+        script = os.path.join(ROOT, "deploy/shared-token.sh")
+        first = subprocess.run([script], env=env, capture_output=True, text=True, check=True)
+        assert "created the Secret meshlimit/meshlimit-token" in first.stdout
+        with open(os.path.join(state, "token")) as f:
+            token = f.read()
+        assert re.fullmatch(r"[0-9a-f]{64}", token), token
+        second = subprocess.run(
+            [script, "istio-system/meshlimit", "shop/meshlimit-sidecar"], env=env, capture_output=True, text=True, check=True
+        )
+        assert "kept the token" in second.stdout
+        with open(os.path.join(state, "calls")) as f:
+            calls = f.read().splitlines()
+        patches = [c for c in calls if " patch wasmplugin " in c]
+        assert [c.split(" patch wasmplugin ")[0] for c in patches] == ["-n istio-system"] * 2 + ["-n shop"]
+        for c in patches:
+            assert json.loads(c.split(" -p ", 1)[1]) == {"spec": {"pluginConfig": {"service": {"auth_token": token}}}}
+        assert sum("create secret" in c for c in calls) == 1
+        bad = subprocess.run([script, "meshlimit"], env=env, capture_output=True, text=True)
+        assert bad.returncode == 2 and "NAMESPACE/NAME" in bad.stderr

@@ -77,11 +77,24 @@ pub struct Settlement {
 /// Where one limit of an admitted check was charged: the run's clock, its
 /// nonce and the limit's place in the run. A settlement finds the window,
 /// or the sliding log's members, from it.
+///
+/// When meshlimitd has a shared secret (`--auth-token-file`), a receipt
+/// also says how many units it covers and carries a MAC over all of it,
+/// the subject and the limit: a settlement can then give back only what a
+/// real check of that very subject and limit was charged. Callers keep
+/// receipts as they came; older peers ignore the two fields.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Receipt {
     pub clock_us: u64,
     pub nonce: String,
     pub place: u32,
+    /// Units charged on the limit by that run (its cost and its lease):
+    /// a settlement of this receipt reserves at most these.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub units: u64,
+    /// The MAC meshlimitd put on the receipt (hex), empty without a secret.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub mac: String,
 }
 
 /// One HTTP request's worth of limits.

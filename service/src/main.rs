@@ -233,6 +233,13 @@ async fn run(args: Args) -> Result<(), String> {
         request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
     };
     let (auth_token, admin_tokens) = tokens(&args)?;
+    if auth_token.is_some() {
+        info!("checks require the shared token; receipts are signed, and settlements verified");
+    } else {
+        warn!(
+            "the check API is open (no --auth-token-file): whoever reaches this port can spend, give back or read any client's quota; the shipped manifests set a token"
+        );
+    }
     if let Some(admin) = &admin_tokens {
         let ids: Vec<&str> = admin.iter().map(|t| t.id.as_str()).collect();
         info!(

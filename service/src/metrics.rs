@@ -133,10 +133,10 @@ impl Metrics {
         let check_failures = Family::<KindLabel, Counter>::default();
         registry.register(
             "check_failures",
-            "Checks of a batch answered with an error of their own, by kind (invalid, unavailable); the batch's other checks were decided",
+            "Checks and settlements of a batch answered with an error of their own, by kind (invalid, unavailable, forged: a settlement's receipts not signed by this fleet); the batch's others were decided",
             check_failures.clone(),
         );
-        for kind in ["invalid", "unavailable"] {
+        for kind in ["invalid", "unavailable", "forged"] {
             let _ = check_failures.get_or_create(&KindLabel { kind });
         }
         let overloaded = Counter::default();

@@ -337,3 +337,118 @@ fn checks_without_the_shared_token_are_refused_and_counted() {
     );
     assert!(said.contains("--auth-token-file: the token must be 16 to 256"));
 }
+
+/// With a shared token, receipts carry a MAC over their subject, limit,
+/// place and units: a caller cannot give back another subject's units
+/// with receipts it was given for its own, nor claim more than a receipt
+/// covers, nor probe a subject's remaining without the token. Before,
+/// bob's counter went from 50 to 10 on alice's receipts.
+#[test]
+fn receipts_cannot_be_forged_or_moved_to_another_subject() {
+    let dir = meshlimit_testbed::procs::TempDir::new("receipts");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "correct-horse-battery\n").unwrap();
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &["--auth-token-file", token_file.to_str().unwrap()],
+    );
+    let addr = f.service.addr.clone();
+    let call = |body: &Value, auth: bool| {
+        let mut headers: Vec<(&str, &[u8])> = vec![("content-type", b"application/json")];
+        if auth {
+            headers.push(("authorization", b"Bearer correct-horse-battery"));
+        }
+        let r = http::request(
+            &addr,
+            "POST",
+            "/v1/check",
+            &headers,
+            &serde_json::to_vec(body).unwrap(),
+        )
+        .unwrap();
+        (
+            r.status,
+            serde_json::from_str::<Value>(&r.body).unwrap_or(Value::Null),
+        )
+    };
+    let limit = |cost: u64| {
+        let mut l = fixed(100, 60_000);
+        l["cost"] = json!(cost);
+        l
+    };
+    let counter = |subject: &str| {
+        f.redis
+            .cli(&["GET", &format!("ml:{{e:{subject}}}:api/m:fw:60000")])
+            .trim()
+            .to_string()
+    };
+    // Alice is granted a lease of 40 with her request; bob spends 50.
+    let (status, alice) = call(
+        &json!({"checks": [{"subject": "alice", "limits": [limit(1)], "lease": {"units": 40, "share": 1}}]}),
+        true,
+    );
+    assert_eq!(status, 200);
+    let result = &alice["results"][0];
+    assert_eq!(result["leased"], 40, "{alice}");
+    let receipts = result["receipts"].clone();
+    assert_eq!(receipts[0]["units"], 41, "{receipts}");
+    assert_eq!(receipts[0]["mac"].as_str().unwrap().len(), 32);
+    let (status, _) = call(
+        &json!({"checks": [{"subject": "bob", "limits": [limit(50)]}]}),
+        true,
+    );
+    assert_eq!(status, 200);
+    assert_eq!(
+        (counter("alice"), counter("bob")),
+        ("41".into(), "50".into())
+    );
+    let settle = |subject: &str, cost: u64, receipts: &Value| {
+        let (status, answer) = call(
+            &json!({"checks": [], "settlements": [{"subject": subject, "limits": [limit(cost)], "actual": [0], "receipts": receipts}]}),
+            true,
+        );
+        assert_eq!(status, 200, "{answer}");
+        answer["settled"][0].clone()
+    };
+    // Alice's receipts, sent for bob: refused, bob's counter untouched.
+    let forged = settle("bob", 40, &receipts);
+    assert!(
+        forged["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("not signed by this fleet")),
+        "{forged}"
+    );
+    // More than they cover, or with the units edited: refused.
+    let more = settle("alice", 42, &receipts);
+    assert!(
+        more["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("more than")),
+        "{more}"
+    );
+    let mut edited = receipts.clone();
+    edited[0]["units"] = json!(1000);
+    let edited = settle("alice", 500, &edited);
+    assert!(
+        edited["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("not signed")),
+        "{edited}"
+    );
+    assert_eq!(
+        (counter("alice"), counter("bob")),
+        ("41".into(), "50".into())
+    );
+    // Alice's own return of the lease is applied.
+    let returned = settle("alice", 40, &receipts);
+    assert_eq!(returned["remaining"], json!([99]), "{returned}");
+    assert_eq!(counter("alice"), "1");
+    // A cost-0 lease probe reads a subject's remaining: only with the token.
+    let probe = json!({"checks": [{"subject": "bob", "limits": [limit(0)], "lease": {"units": 8, "share": 1000}}]});
+    assert_eq!(call(&probe, false).0, 401);
+    let metrics = http::get(&addr, "/metrics", &[]).unwrap().body;
+    assert!(
+        metrics.contains("meshlimitd_check_failures_total{kind=\"forged\"} 3"),
+        "{metrics}"
+    );
+}

@@ -55,7 +55,15 @@ pub struct TopologyOptions {
     /// Serve Envoy's rate limit service (gRPC, on [`GRPC_PORT`]) with the
     /// envoyproxy/ratelimit configuration files of this directory.
     pub rls_config_dir: Option<PathBuf>,
+    /// meshlimitd requires the shared token ([`SHARED_TOKEN`], by
+    /// `--auth-token-file`) and every replica's plugin configuration
+    /// carries it (`service.auth_token`), as the shipped manifests do:
+    /// receipts are then signed, and settlements verified.
+    pub shared_token: bool,
 }
+
+/// The shared token of topologies with [`TopologyOptions::shared_token`].
+pub const SHARED_TOKEN: &str = "meshlimit-testbed-shared-token";
 
 /// meshlimitd's gRPC port (the rate limit service), when it serves one.
 pub const GRPC_PORT: u16 = 18081;
@@ -76,6 +84,7 @@ impl Default for TopologyOptions {
             llm: false,
             hold_headers: false,
             rls_config_dir: None,
+            shared_token: false,
         }
     }
 }
@@ -213,7 +222,7 @@ impl Topology {
             ),
             (
                 "PLUGIN_CONFIG",
-                indent_block(plugin_config, PLUGIN_CONFIG_INDENT),
+                indent_block(&self.with_token(plugin_config), PLUGIN_CONFIG_INDENT),
             ),
             ("MESHLIMITD_DISCOVERY", "STATIC".into()),
             ("MESHLIMITD_HOST", self.host.clone()),
@@ -298,6 +307,22 @@ impl Topology {
         );
     }
 
+    /// `plugin_config` with the shared token in `service.auth_token`, when
+    /// the topology has one (a configuration that is no JSON object is
+    /// left as it is: the test is about that).
+    fn with_token(&self, plugin_config: &str) -> String {
+        if !self.options.shared_token {
+            return plugin_config.to_string();
+        }
+        match serde_json::from_str::<serde_json::Value>(plugin_config) {
+            Ok(mut config) if config.is_object() => {
+                config["service"]["auth_token"] = SHARED_TOKEN.into();
+                serde_json::to_string_pretty(&config).unwrap_or_default()
+            }
+            _ => plugin_config.to_string(),
+        }
+    }
+
     pub fn start_redis(&mut self) {
         self.redis = Some(RedisServer::start(&self.host, self.dir.path()));
     }
@@ -312,6 +337,13 @@ impl Topology {
             None => (format!("redis://{}", self.addr(REDIS_PORT)), Vec::new()),
         };
         extra.extend(self.options.meshlimitd_args.iter().map(String::as_str));
+        let token_file = self.dir.path().join("shared-token");
+        let token_file = token_file.display().to_string();
+        if self.options.shared_token {
+            std::fs::write(&token_file, SHARED_TOKEN)
+                .unwrap_or_else(|e| panic!("{token_file}: {e}"));
+            extra.extend(["--auth-token-file", token_file.as_str()]);
+        }
         let grpc = self.options.rls_config_dir.as_ref().map(|dir| {
             [
                 "--grpc-listen".to_string(),

@@ -20,6 +20,22 @@ use meshlimit_testbed::{Topology, TopologyOptions};
 
 /// Where the compose Envoys find the wasm (mounted by docker-compose.yml).
 const COMPOSE_WASM: &str = "/etc/meshlimit/meshlimit.wasm";
+/// What the compose replicas replace with the generated shared token when
+/// they start (docker-compose.yml).
+const COMPOSE_TOKEN_PLACEHOLDER: &str = "@MESHLIMIT_SHARED_TOKEN@";
+
+/// The usual plugin configuration with the shared token's placeholder
+/// (put in as text, so the file stays as written).
+fn compose_plugin_config() -> String {
+    let usual = default_plugin_config();
+    let service = r#""authority": "meshlimitd","#;
+    assert!(usual.contains(service), "{usual}");
+    usual.replacen(
+        service,
+        &format!(r#"{service} "auth_token": "{COMPOSE_TOKEN_PLACEHOLDER}","#),
+        1,
+    )
+}
 
 fn compose_configs() -> BTreeMap<String, String> {
     let base = |admin: &str, listen: &str| {
@@ -42,7 +58,7 @@ fn compose_configs() -> BTreeMap<String, String> {
             ("WASM_PATH", COMPOSE_WASM.to_string()),
             (
                 "PLUGIN_CONFIG",
-                indent_block(&default_plugin_config(), PLUGIN_CONFIG_INDENT),
+                indent_block(&compose_plugin_config(), PLUGIN_CONFIG_INDENT),
             ),
             ("MESHLIMITD_DISCOVERY", "STRICT_DNS".into()),
             ("MESHLIMITD_HOST", "meshlimitd".into()),
@@ -153,10 +169,11 @@ fn docker_compose_file_is_valid() {
     let normalized = config(&[]);
     let services = config(&["--services"]);
     let count = services.lines().count();
-    assert_eq!(count, 6, "{services}");
+    assert_eq!(count, 7, "{services}");
+    // Every long-running service; the one-shot `secret` job has none.
     assert_eq!(
         normalized.matches("healthcheck:").count(),
-        count,
+        count - 1,
         "every service has a healthcheck:\n{normalized}"
     );
     let text = std::fs::read_to_string(&compose).unwrap();
@@ -175,6 +192,11 @@ fn docker_compose_file_is_valid() {
         "target: envoy",
         "build: .",
         "docker compose up --build",
+        // Secure by default: a generated shared token, required by
+        // meshlimitd and put in the replicas' plugin configuration.
+        "MESHLIMITD_AUTH_TOKEN_FILE: /run/meshlimit/token",
+        "condition: service_completed_successfully",
+        COMPOSE_TOKEN_PLACEHOLDER,
     ] {
         assert!(
             text.contains(needle),

@@ -146,7 +146,16 @@ fn every_leasable_algorithm_holds_exactly_across_two_replicas_with_64_connection
 
 #[test]
 fn a_client_that_goes_idle_gives_its_units_back() {
-    let t = leased(json!([{"name": "per-hour", "requests": 1000, "window": "1h"}]));
+    // With the shared token, as shipped: the returns' receipts are signed
+    // by meshlimitd and verified when they come back.
+    let t = Topology::start(meshlimit_testbed::TopologyOptions {
+        plugin_config: PluginConfig::new()
+            .limits(json!([{"name": "per-hour", "requests": 1000, "window": "1h"}]))
+            .set_in("local", "expected_replicas", json!(2))
+            .build(),
+        shared_token: true,
+        ..meshlimit_testbed::TopologyOptions::default()
+    });
     let (ok, _) = hammer(&t, "sleeper", 8, 25);
     assert_eq!(ok, 200);
     assert!(t.stat_total("meshlimit.lease_grants") > 0);

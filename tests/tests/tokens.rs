@@ -732,7 +732,15 @@ fn sixty_four_mixed_requests_keep_the_budget_and_settle_exactly() {
                          "usageMetadata.totalTokenCount"]
         }
     });
-    let t = llm_topology(llm_config(cost, budget(10_000)), 2);
+    // With the shared token, as shipped: every settlement's receipts are
+    // signed and verified.
+    let t = Topology::start(TopologyOptions {
+        plugin_config: llm_config(cost, budget(10_000)),
+        front: false,
+        llm: true,
+        shared_token: true,
+        ..TopologyOptions::default()
+    });
     wait_for_fresh_window(Duration::from_secs(20));
     let shapes = ["openai", "anthropic", "gemini"];
     // Request i: its shape, streamed or not, usage or not, and what the
@@ -800,5 +808,17 @@ fn sixty_four_mixed_requests_keep_the_budget_and_settle_exactly() {
         expected,
         "{outcomes:?}"
     );
+    // Every call carried the token, and every settlement's receipts
+    // verified.
+    let metrics = meshlimit_testbed::http::get(&t.meshlimitd_addr(), "/metrics", &[])
+        .unwrap()
+        .body;
+    for line in [
+        "meshlimitd_unauthorized_total 0",
+        "meshlimitd_check_failures_total{kind=\"forged\"} 0",
+        "meshlimitd_check_failures_total{kind=\"invalid\"} 0",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
     assert_no_vm_panics(&t);
 }

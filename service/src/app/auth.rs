@@ -163,7 +163,7 @@ pub fn auth_token(bytes: &[u8]) -> Result<String, String> {
 
 /// Whether `presented` equals `expected`, in time that does not depend on
 /// where they differ.
-fn same_secret(presented: &[u8], expected: &[u8]) -> bool {
+pub(super) fn same_secret(presented: &[u8], expected: &[u8]) -> bool {
     presented.len() == expected.len()
         && presented
             .iter()

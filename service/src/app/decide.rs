@@ -96,6 +96,16 @@ pub async fn settle_all(state: &AppState, settlements: &[Settlement]) -> Vec<Set
                 kind: FailureKind::Invalid,
             });
         }
+        if let Some(Err(forged)) = state.receipt_key.as_ref().map(|k| k.verify(s)) {
+            state.metrics.check_failure("forged");
+            if let Some(suppressed) = state.error_log.allow() {
+                warn!(%forged, suppressed, "refused a settlement whose receipts this fleet did not sign");
+            }
+            return SettleOutcome::Failed(CheckFailure {
+                error: format!("settlements[{i}].{forged}"),
+                kind: FailureKind::Invalid,
+            });
+        }
         match state.limiter.settle(s).await {
             Ok(remaining) => SettleOutcome::Settled { remaining },
             Err(e) => {
@@ -209,7 +219,10 @@ fn decided_outcome(
     decided: Option<Result<CheckResult, LimiterError>>,
 ) -> CheckOutcome {
     match decided {
-        Some(Ok(result)) => {
+        Some(Ok(mut result)) => {
+            if let Some(key) = &state.receipt_key {
+                key.sign(check, &mut result);
+            }
             if state.admin_tokens.is_some() {
                 state.seen.note(check.limits.iter());
             }

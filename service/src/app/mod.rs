@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod decide;
+pub mod receipts;
 pub mod seen;
 pub mod validate;
 
@@ -28,6 +29,8 @@ pub struct AppState {
     pub error_log: std::sync::Arc<LogEvery>,
     /// `Bearer <secret>` every check must carry, when configured.
     pub authorization: Option<std::sync::Arc<[u8]>>,
+    /// Signs receipts and verifies settlements' (derived from the token).
+    pub receipt_key: Option<receipts::ReceiptKey>,
     /// The admin API's credentials; `None`: the API is off.
     pub admin_tokens: Option<std::sync::Arc<[AdminToken]>>,
     /// Spans for decisions, when `--otlp-endpoint` is set.
@@ -59,6 +62,7 @@ impl AppState {
             )),
             error_log: std::sync::Arc::new(LogEvery::default()),
             authorization: None,
+            receipt_key: None,
             admin_tokens: None,
             traces: None,
             fleet: crate::fleet::FleetSwitch::new(false),
@@ -81,8 +85,12 @@ impl AppState {
         self
     }
 
-    /// Requires checks to carry `authorization: Bearer <token>`.
+    /// Requires checks to carry `authorization: Bearer <token>`, and
+    /// signs receipts with a key derived from it (see [`receipts`]).
     pub fn with_auth_token(mut self, token: Option<String>) -> Self {
+        self.receipt_key = token
+            .as_deref()
+            .and_then(|t| receipts::ReceiptKey::from_token(t).ok());
         self.authorization = token.map(|t| format!("Bearer {t}").into_bytes().into());
         self
     }

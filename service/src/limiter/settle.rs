@@ -106,6 +106,8 @@ pub(super) fn receipts(result: &CheckResult, clock: i64, nonce: &str) -> Option<
                 clock_us: clock.max(0) as u64,
                 nonce: nonce.to_string(),
                 place: place as u32,
+                units: 0,
+                mac: String::new(),
             })
             .collect()
     })

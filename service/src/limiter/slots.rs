@@ -144,6 +144,8 @@ impl Limiter {
                 clock_us: clock.max(0) as u64,
                 nonce: nonce.to_string(),
                 place: place as u32 + 1,
+                units: 0,
+                mac: String::new(),
             });
         }
         self.settle(&refund).await.map(drop)
