@@ -97,6 +97,10 @@ pub struct Check {
     /// deltas have the rest, and a response that reports no usage is
     /// charged at least the prompt and what it streamed.
     pub prompt: u64,
+    /// The filter made the streamed request ask for its usage, which the
+    /// client had not: the model's usage event is for the budget alone,
+    /// and does not reach a client that did not ask for it.
+    pub usage_asked_for_client: bool,
     /// The lease this check asks for with its call, if any.
     pub lease: Option<LeaseTicket>,
     /// Where its lease lives, once looked up, and the seed that placed it
@@ -240,6 +244,7 @@ impl Check {
             skipped: 0,
             tokens: self.tokens.clone(),
             prompt: 0,
+            usage_asked_for_client: false,
             lease: None,
             place: Derived::default(),
             hit_policy: Derived::default(),

@@ -53,6 +53,7 @@ pub enum Stat {
     TokensSettled,
     TokensRefunded,
     StreamsCut,
+    StreamUsageAsked,
     SettlementsFailed,
     LeaseGrants,
     LeaseUnits,
@@ -64,7 +65,7 @@ pub enum Stat {
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 37] = [
+    pub const ALL: [Stat; 38] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -95,6 +96,7 @@ impl Stat {
         Stat::TokensSettled,
         Stat::TokensRefunded,
         Stat::StreamsCut,
+        Stat::StreamUsageAsked,
         Stat::SettlementsFailed,
         Stat::LeaseGrants,
         Stat::LeaseUnits,
@@ -257,6 +259,11 @@ impl Stat {
                 "meshlimit.streams_cut",
                 Counter,
                 "event streams ended at their budget with a final rate_limited event and [DONE]",
+            ),
+            Stat::StreamUsageAsked => (
+                "meshlimit.stream_usage_asked",
+                Counter,
+                "streamed requests whose body was made to ask for their usage (`stream_options.include_usage`), which the client had not",
             ),
             Stat::SettlementsFailed => (
                 "meshlimit.settlements_failed",

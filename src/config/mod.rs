@@ -255,6 +255,20 @@ pub struct TokenCost {
     pub refund_on_error: bool,
 }
 
+impl TokenCost {
+    /// Whether a streamed request is made to ask for its usage (see
+    /// [`Reserve::RequestJson`]'s `ask_stream_usage`).
+    pub fn asks_stream_usage(&self) -> bool {
+        matches!(
+            self.reserve,
+            Reserve::RequestJson {
+                ask_stream_usage: true,
+                ..
+            }
+        )
+    }
+}
+
 /// What a request reserves before it is forwarded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reserve {
@@ -270,6 +284,11 @@ pub enum Reserve {
         /// English, fewer of JSON's quoting, more of other scripts); 0
         /// leaves the prompt out.
         prompt_bytes_per_token: u64,
+        /// A streamed request that does not ask for its usage
+        /// (`stream_options.include_usage: true`, OpenAI's chat
+        /// completions) has it added to its body: without it the model
+        /// reports none, and the stream would be charged an estimate.
+        ask_stream_usage: bool,
     },
 }
 

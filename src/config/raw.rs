@@ -291,6 +291,9 @@ pub(super) struct RawReserveRequest {
     pub(super) max: u64,
     #[serde(default = "four")]
     pub(super) prompt_bytes_per_token: u64,
+    /// Default: on for `response.provider: openai`, off otherwise.
+    #[serde(default)]
+    pub(super) ask_stream_usage: Option<bool>,
 }
 
 fn four() -> u64 {

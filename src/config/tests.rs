@@ -280,8 +280,35 @@ fn token_costs_are_read_and_each_mistake_named() {
             default: 100,
             max: 4000,
             prompt_bytes_per_token: 4,
+            ask_stream_usage: false,
         }
     );
+    // Streams are made to ask for their usage on OpenAI's routes by
+    // default, elsewhere when told.
+    for (cost, asks) in [
+        (
+            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9},"response":{"provider":"openai"}}"#,
+            true,
+        ),
+        (
+            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9,"ask_stream_usage":false},"response":{"provider":"openai"}}"#,
+            false,
+        ),
+        (
+            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9},"response":{"provider":"anthropic"}}"#,
+            false,
+        ),
+        (
+            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9,"ask_stream_usage":true},"response":{"sse_json":"usage.total_tokens"}}"#,
+            true,
+        ),
+    ] {
+        let c = parse_str(&rule(cost)).unwrap();
+        let Cost::Tokens(t) = &c.rules[0].cost else {
+            panic!("a token cost")
+        };
+        assert_eq!(t.asks_stream_usage(), asks, "{cost}");
+    }
     let after = parse_str(&rule(
         r#"{"mode":"after","response":{"sse_json":"usage.total_tokens"}}"#,
     ));

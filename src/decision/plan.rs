@@ -118,6 +118,7 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         skipped,
         tokens,
         prompt: 0,
+        usage_asked_for_client: false,
         lease: None,
         place: Default::default(),
         hit_policy: Default::default(),
@@ -165,6 +166,7 @@ pub fn reserve_from_body(
                 default,
                 max,
                 prompt_bytes_per_token,
+                ..
             },
         ..
     }) = check.reserves_from_body()

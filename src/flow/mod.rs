@@ -326,7 +326,13 @@ impl Worker {
         if profile::SKIP_DECIDE {
             return Step::Continue;
         }
-        if check.reserves_from_body().is_some() && !end_of_stream {
+        if let (Some(cost), false) = (check.reserves_from_body(), end_of_stream) {
+            if cost.asks_stream_usage() {
+                // The body may grow when it is read (a stream made to ask
+                // for its usage): the length it had must not go upstream.
+                // Envoy then frames the body itself (chunked over HTTP/1.1).
+                host.remove_request_header("content-length");
+            }
             // The reservation is in the body: decide once it is in. The
             // headers wait too where Envoy allows it (see `hold`): a denied
             // request then never reaches the upstream. Else they go on (a

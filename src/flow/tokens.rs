@@ -121,6 +121,19 @@ impl Worker {
             self.metrics.bump(host, Stat::RejectedCostAboveCapacity);
             return Step::Reply(deny);
         }
+        if let Some(asked) = check
+            .reserves_from_body()
+            .filter(|t| t.asks_stream_usage())
+            .and(body.as_deref())
+            .and_then(crate::tokens::json::asking_stream_usage)
+        {
+            // Without it the model reports no usage for the stream, and
+            // the stream would be charged an estimate.
+            if host.replace_request_body(size, &asked) {
+                check.usage_asked_for_client = true;
+                self.metrics.bump(host, Stat::StreamUsageAsked);
+            }
+        }
         self.decide(host, stream, std::rc::Rc::new(check))
     }
 
@@ -185,7 +198,9 @@ impl Worker {
             .unwrap_or_default()
             .to_ascii_lowercase();
         b.response = if content_type.starts_with(b"text/event-stream") {
-            SseGate::new(cost.usage.sse_json.clone(), cost.max_body_bytes).into()
+            SseGate::new(cost.usage.sse_json.clone(), cost.max_body_bytes)
+                .hiding_usage_event(b.check.usage_asked_for_client)
+                .into()
         } else if cost.usage.json.is_some() {
             Response::Json(Some(Vec::new()))
         } else {

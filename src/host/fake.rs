@@ -495,6 +495,23 @@ impl Host for FakeHost {
         )
     }
 
+    fn remove_request_header(&self, name: &str) -> bool {
+        self.hostcall("remove_header_map_value");
+        self.request
+            .borrow_mut()
+            .headers
+            .retain(|(k, _)| !k.eq_ignore_ascii_case(name));
+        true
+    }
+
+    fn replace_request_body(&self, size: usize, bytes: &[u8]) -> bool {
+        self.hostcall("set_buffer_bytes");
+        let mut body = self.request_body.borrow_mut();
+        let size = size.min(body.len());
+        body.splice(..size, bytes.iter().copied());
+        true
+    }
+
     fn replace_response_body(&self, size: usize, bytes: &[u8]) -> bool {
         self.hostcall("set_buffer_bytes");
         let mut body = self.response_body.borrow_mut();

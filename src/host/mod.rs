@@ -214,6 +214,12 @@ pub trait Host: SharedStore {
     fn request_body(&self, size: usize) -> Option<Vec<u8>>;
     /// The same for the response body.
     fn response_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Removes a header of the current request (before it goes upstream:
+    /// in its headers callback).
+    fn remove_request_header(&self, name: &str) -> bool;
+    /// Replaces the first `size` bytes of the request body Envoy holds
+    /// with `bytes` (in a body callback, the body buffered whole).
+    fn replace_request_body(&self, size: usize, bytes: &[u8]) -> bool;
     /// Replaces the first `size` bytes of the response body with `bytes`.
     fn replace_response_body(&self, size: usize, bytes: &[u8]) -> bool;
     /// Adds `bytes` after the response body Envoy holds (buffered).

@@ -41,6 +41,10 @@ pub struct SseGate {
     pub deltas: u64,
     /// The usage the last event carrying it reported.
     pub usage: Option<u64>,
+    /// OpenAI's usage event (no choices, a `usage`) is read, not passed:
+    /// the filter asked for it, the client did not, and a client that did
+    /// not ask may expect every chunk to have a choice.
+    hide_usage_event: bool,
 }
 
 impl SseGate {
@@ -52,7 +56,25 @@ impl SseGate {
             max_pending,
             deltas: 0,
             usage: None,
+            hide_usage_event: false,
         }
+    }
+
+    /// Hides OpenAI's usage event when `hide` (see `hide_usage_event`).
+    pub fn hiding_usage_event(mut self, hide: bool) -> Self {
+        self.hide_usage_event = hide;
+        self
+    }
+
+    /// Whether an event is OpenAI's usage event, to be hidden.
+    fn hidden(&self, value: Option<&Value>) -> bool {
+        self.hide_usage_event
+            && value.is_some_and(|v| {
+                v.get("usage").is_some_and(Value::is_object)
+                    && v.get("choices")
+                        .and_then(Value::as_array)
+                        .is_some_and(Vec::is_empty)
+            })
     }
 
     /// Adds `chunk` and passes every whole event that fits in `room` more
@@ -62,6 +84,8 @@ impl SseGate {
         let mut passed = Passed::default();
         let mut room = room;
         let mut start = 0;
+        // Hidden events' places in what is passed (usually none).
+        let mut hidden = Vec::new();
         while let Some(end) = event_end(self.pending.get(start..).unwrap_or_default()) {
             let event = self.pending.get(start..start + end).unwrap_or_default();
             let (deltas, value) = read_event(event);
@@ -74,6 +98,9 @@ impl SseGate {
             }
             self.deltas += deltas;
             self.note_usage(value.as_ref());
+            if self.hidden(value.as_ref()) {
+                hidden.push(start..start + end);
+            }
             start += end;
         }
         if !passed.blocked && start == 0 && self.pending.len() > self.max_pending {
@@ -81,6 +108,11 @@ impl SseGate {
             start = self.pending.len();
         }
         passed.bytes = self.pending.drain(..start).collect();
+        for range in hidden.into_iter().rev() {
+            if range.end <= passed.bytes.len() {
+                passed.bytes.drain(range);
+            }
+        }
         passed
     }
 
@@ -98,6 +130,9 @@ impl SseGate {
         }
         self.deltas += deltas;
         self.note_usage(value.as_ref());
+        if self.hidden(value.as_ref()) {
+            self.pending.clear();
+        }
         passed.bytes.append(&mut self.pending);
         passed
     }
@@ -204,6 +239,29 @@ mod tests {
 
     const USAGE: &str =
         "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"total_tokens\":9}}\n\n";
+
+    #[test]
+    fn a_usage_event_the_client_did_not_ask_for_is_read_and_not_passed() {
+        let usage = "data: {\"choices\":[],\"usage\":{\"total_tokens\":42}}\n\n";
+        let stream = format!("{}{usage}data: [DONE]\n\n", delta("a"));
+        for hide in [true, false] {
+            let mut g = gate().hiding_usage_event(hide);
+            // In one chunk, and with the usage event as the stream's end.
+            let passed = g.push(stream.as_bytes(), None);
+            assert_eq!(g.usage, Some(42));
+            let text = String::from_utf8(passed.bytes).unwrap();
+            assert_eq!(text.contains("usage"), !hide, "{text}");
+            assert!(text.ends_with("data: [DONE]\n\n"));
+            let mut g = gate().hiding_usage_event(hide);
+            let first = g.push(delta("a").as_bytes(), None);
+            // The last event without its blank line, as a stream may end.
+            g.push(usage.trim_end().as_bytes(), None);
+            let last = g.finish(None);
+            assert_eq!(g.usage, Some(42));
+            assert!(!first.bytes.is_empty());
+            assert_eq!(last.bytes.is_empty(), hide);
+        }
+    }
 
     fn gate() -> SseGate {
         SseGate::new(Some(UsageExpr::single("usage.total_tokens")), 1 << 16)

@@ -207,6 +207,14 @@ impl Host for WasmHost {
             .flatten()
     }
 
+    fn remove_request_header(&self, name: &str) -> bool {
+        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None).is_ok()
+    }
+
+    fn replace_request_body(&self, size: usize, bytes: &[u8]) -> bool {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, bytes).is_ok()
+    }
+
     fn replace_response_body(&self, size: usize, bytes: &[u8]) -> bool {
         hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, bytes).is_ok()
     }

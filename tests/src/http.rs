@@ -250,6 +250,26 @@ pub fn read_request(stream: &mut TcpStream) -> Option<ServerRequest> {
             .filter_map(|l| l.split_once(':'))
             .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
             .collect();
+        let chunked = headers
+            .iter()
+            .any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
+        if chunked {
+            // A body Envoy frames itself (no content-length: a filter may
+            // have changed its length), read to its last chunk.
+            while !buf[end + 4..].windows(5).any(|w| w == b"0\r\n\r\n") {
+                let n = stream.read(&mut chunk).ok()?;
+                if n == 0 {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            let body = dechunk(&buf[end + 4..]);
+            return Some(ServerRequest {
+                path,
+                headers,
+                body,
+            });
+        }
         let len: usize = headers
             .iter()
             .find(|(k, _)| k == "content-length")

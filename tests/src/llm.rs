@@ -4,7 +4,8 @@
 //!
 //! A request is answered with a JSON body, or with `"stream": true` in the
 //! request an event stream: one delta event per token; OpenAI's ends with a
-//! usage event (unless told not to) and `[DONE]`, Anthropic's reports the
+//! usage event and `[DONE]`, as OpenAI's own does, only when the request
+//! asked (`"stream_options": {"include_usage": true}`), Anthropic's reports the
 //! input tokens in `message_start` and the output tokens in
 //! `message_delta`, Gemini's carries the usage so far in every chunk.
 //! Each request says how it should behave through headers, so one
@@ -228,9 +229,15 @@ fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
     let delay = Duration::from_millis(number(req, "x-llm-delay-ms", 0));
     let usage = req.header("x-llm-usage").unwrap_or("body").to_string();
     let shape = Shape::of(req);
-    let streamed = serde_json::from_slice::<serde_json::Value>(&req.body)
-        .ok()
+    let body = serde_json::from_slice::<serde_json::Value>(&req.body).ok();
+    let streamed = body
+        .as_ref()
         .and_then(|v| v.get("stream")?.as_bool())
+        .unwrap_or(false);
+    // OpenAI reports a stream's usage only to a request that asks for it.
+    let asked_usage = body
+        .as_ref()
+        .and_then(|v| v.pointer("/stream_options/include_usage")?.as_bool())
         .unwrap_or(false);
     std::thread::sleep(delay);
     let total = prompt + tokens;
@@ -286,7 +293,8 @@ fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
             std::thread::sleep(delay);
         }
     }
-    for event in shape.end(prompt, tokens, in_body) {
+    let in_end = in_body && (shape != Shape::OpenAi || asked_usage);
+    for event in shape.end(prompt, tokens, in_end) {
         if !chunk(stream, &event) {
             return false;
         }

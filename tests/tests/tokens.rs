@@ -45,7 +45,7 @@ fn llm_config(cost: Value, limits: Value) -> String {
 fn usual_cost() -> Value {
     json!({
         "reserve": {"request_json": "max_tokens", "default": 100, "max": 10000,
-                    "prompt_bytes_per_token": 0},
+                    "prompt_bytes_per_token": 0, "ask_stream_usage": true},
         "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens",
                      "header": "x-usage-tokens"}
     })
@@ -232,7 +232,9 @@ fn streams_settle_at_their_usage_event_or_their_reservation() {
     assert_eq!(r.status, 200);
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
     let data = events(&r);
-    assert_eq!(data.len(), 50 + 3, "50 deltas, finish, usage, [DONE]");
+    // The client did not ask for the usage: the filter did, and reads the
+    // usage event without passing it on.
+    assert_eq!(data.len(), 50 + 2, "50 deltas, finish, [DONE]");
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
     assert_eq!(counter(&t, "sse"), 55, "charged the reported usage exactly");
 
@@ -724,7 +726,7 @@ fn the_prompt_is_reserved_so_big_prompts_stay_within_the_budget() {
 fn sixty_four_mixed_requests_keep_the_budget_and_settle_exactly() {
     let cost = json!({
         "reserve": {"request_json": "max_tokens", "default": 100, "max": 10000,
-                    "prompt_bytes_per_token": 0},
+                    "prompt_bytes_per_token": 0, "ask_stream_usage": true},
         "response": {
             "json": ["usage.total_tokens", "usage.input_tokens", "usage.output_tokens",
                      "usageMetadata.totalTokenCount"],
@@ -821,4 +823,63 @@ fn sixty_four_mixed_requests_keep_the_budget_and_settle_exactly() {
         assert!(metrics.contains(line), "{line}: {metrics}");
     }
     assert_no_vm_panics(&t);
+}
+
+/// A streamed chat request through curl (HTTP/1.1, or HTTP/2 with prior
+/// knowledge), as the OpenAI SDKs send one by default: no
+/// `stream_options`. The model uses 30 prompt and 12 completion tokens.
+/// Its status and body.
+fn stream_curl(t: &Topology, version: &str, client: &str) -> (String, String) {
+    let flag = if version == "2" {
+        "--http2-prior-knowledge"
+    } else {
+        "--http1.1"
+    };
+    let out = std::process::Command::new("curl")
+        .args(["-s", flag, "-w", "\n%{http_code}"])
+        .args(["-H", &format!("x-api-key: {client}")])
+        .args(["-H", "x-llm-prompt: 30", "-H", "x-llm-tokens: 12"])
+        .args(["-H", "content-type: application/json", "--data-binary"])
+        .arg(r#"{"model":"fake","max_tokens":100,"stream":true,"messages":[{"role":"user","content":"hi"}]}"#)
+        .arg(format!("http://{}/v1/chat/completions", t.replica_addr(1)))
+        .output()
+        .expect("curl runs (scripts/setup.sh installs it)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, status) = text.rsplit_once('\n').unwrap_or((&text, ""));
+    (status.to_string(), body.to_string())
+}
+
+/// A streamed request that does not ask for its usage (the OpenAI SDKs'
+/// default; the fake model, as OpenAI, then reports none) is made to ask:
+/// the budget is charged what the model reports, and the client does not
+/// see the usage event it did not ask for. Over HTTP/1.1 (the body's
+/// length changes: Envoy frames it anew) and HTTP/2, headers held or not.
+/// Before, such a stream was charged its reservation (100 here, not 42).
+#[test]
+fn a_stream_that_does_not_ask_for_its_usage_is_charged_what_the_model_reports() {
+    for held in [true, false] {
+        let (t, _replica) = hold_topology(held, held);
+        let client = if held { "asker-held" } else { "asker" };
+        let mut expected = 0;
+        for version in ["1.1", "2"] {
+            let (status, body) = stream_curl(&t, version, client);
+            assert_eq!(status, "200", "held {held}, HTTP/{version}: {body}");
+            let events = llm::events(&body);
+            assert_eq!(
+                events.iter().filter(|e| e.contains("\"content\"")).count(),
+                12,
+                "{body}"
+            );
+            assert!(events.last().is_some_and(|e| e == "[DONE]"), "{body}");
+            assert!(!body.contains("usage"), "not asked for, not shown: {body}");
+            expected += 42;
+            assert_eq!(
+                counter_reaches(&t, client, expected),
+                expected,
+                "held {held}, HTTP/{version}"
+            );
+        }
+        assert_eq!(t.stat(1, "meshlimit.stream_usage_asked"), 2);
+        assert_no_vm_panics(&t);
+    }
 }

@@ -88,7 +88,10 @@ pub(super) fn validate_token_cost(
         }
         _ => {}
     }
-    let reserve = validate_reserve(raw.reserve, at)?;
+    // OpenAI's chat completions report a stream's usage only when asked;
+    // other providers' requests would be refused with the field added.
+    let openai = raw.response.provider == Some(crate::tokens::usage::Provider::Openai);
+    let reserve = validate_reserve(raw.reserve, openai, at)?;
     if !(1024..=16 << 20).contains(&raw.max_body_bytes) {
         return Err(err(
             at("max_body_bytes"),
@@ -206,6 +209,7 @@ fn validate_usage(raw: &RawUsage, at: &dyn Fn(&str) -> String) -> Result<UsageSo
 /// or a number read from its body within bounds.
 fn validate_reserve(
     raw: Option<RawReserve>,
+    openai: bool,
     at: &dyn Fn(&str) -> String,
 ) -> Result<Reserve, ConfigError> {
     Ok(match raw {
@@ -238,6 +242,7 @@ fn validate_reserve(
                 default: r.default,
                 max: r.max,
                 prompt_bytes_per_token: r.prompt_bytes_per_token,
+                ask_stream_usage: r.ask_stream_usage.unwrap_or(openai),
             }
         }
     })

@@ -467,3 +467,71 @@ fn a_huge_prompt_can_never_fit_a_small_budget_and_is_refused() {
     let step = h.request_body(&mut s, body.as_bytes(), true);
     assert_eq!(reply_status(&step), Some(429));
 }
+
+/// Headers of a chat request with a `content-length`, through the flow.
+fn post_with_length(h: &mut Harness, length: usize) -> Stream {
+    h.next_context += 1;
+    let mut stream = h.worker.stream(h.next_context);
+    *h.host.request.borrow_mut() = FakeRequest::default()
+        .with_header(":path", b"/v1/chat")
+        .with_header(":method", b"POST")
+        .with_header("content-length", length.to_string().as_bytes())
+        .with_header("x-api-key", b"a");
+    h.host.enter(stream.context_id);
+    let step = h.worker.on_request_headers(&h.host, &mut stream, false);
+    assert_eq!(step, Step::Continue);
+    stream
+}
+
+#[test]
+fn a_stream_that_does_not_ask_for_its_usage_is_made_to() {
+    let mut h = harness_with(token_config(
+        r#"{"request_json": "max_tokens", "default": 50, "max": 500, "ask_stream_usage": true}"#,
+    ));
+    let body = br#"{"max_tokens": 20, "stream": true, "messages": []}"#;
+    let mut s = post_with_length(&mut h, body.len());
+    // The body will grow: its length does not go upstream.
+    assert!(h
+        .host
+        .request
+        .borrow()
+        .headers
+        .iter()
+        .all(|(k, _)| k != "content-length"));
+    h.request_body(&mut s, body, true);
+    assert_eq!(
+        h.host.request_body.borrow().as_slice(),
+        br#"{"stream_options":{"include_usage":true},"max_tokens": 20, "stream": true, "messages": []}"#
+    );
+    assert_eq!(h.stat("stream_usage_asked"), 1);
+    // The reservation is the client's body's, not the grown one's.
+    h.wake();
+    assert_eq!(
+        h.last_call_body()["checks"][0]["limits"][0]["cost"],
+        20 + 13
+    );
+    // A request that is no stream is left as it came.
+    let plain = br#"{"max_tokens": 20, "messages": []}"#;
+    let mut s = post_with_length(&mut h, plain.len());
+    h.request_body(&mut s, plain, true);
+    assert_eq!(h.host.request_body.borrow().as_slice(), plain);
+    assert_eq!(h.stat("stream_usage_asked"), 1);
+}
+
+#[test]
+fn without_ask_stream_usage_the_request_is_left_as_it_came() {
+    let mut h = harness_with(token_config(
+        r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#,
+    ));
+    let body = br#"{"max_tokens": 20, "stream": true, "messages": []}"#;
+    let mut s = post_with_length(&mut h, body.len());
+    assert!(h
+        .host
+        .request
+        .borrow()
+        .headers
+        .iter()
+        .any(|(k, _)| k == "content-length"));
+    h.request_body(&mut s, body, true);
+    assert_eq!(h.host.request_body.borrow().as_slice(), body);
+}

@@ -198,7 +198,7 @@ fn token_topology() -> Topology {
             "name": "llm",
             "match": {"path_prefix": "/v1/"},
             "cost": {"reserve": {"request_json": "max_tokens", "default": 100, "max": 10000,
-                                 "prompt_bytes_per_token": 0},
+                                 "prompt_bytes_per_token": 0, "ask_stream_usage": true},
                      "response": {"json": "usage.total_tokens", "sse_json": "usage.total_tokens"}},
             "limits": [{"name": "tokens", "requests": TOKENS, "window": "60s"}]
         }]))
