@@ -339,3 +339,73 @@ fn a_small_limit_is_exact_through_four_replicas_without_configuration() {
     assert_eq!(t.stat_total("meshlimit.lease_grants"), 0);
     assert_no_vm_panics(&t);
 }
+
+/// Requests of `id` over `connections` kept-alive connections to the
+/// entry, each connection asking until a refusal was seen `after` ago (or
+/// 3,000 requests in all): the requests admitted.
+fn keep_asking(t: &Topology, id: &str, connections: usize, after: Duration) -> usize {
+    let entry = t.entry();
+    let (ok, sent) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let refused_at = std::sync::Mutex::new(None::<std::time::Instant>);
+    std::thread::scope(|s| {
+        for _ in 0..connections {
+            s.spawn(|| {
+                let mut conn = meshlimit_testbed::http::Conn::new(&entry);
+                let headers = [("x-api-key", id.as_bytes())];
+                loop {
+                    let done = refused_at
+                        .lock()
+                        .unwrap()
+                        .is_some_and(|at| at.elapsed() > after);
+                    if done || sent.fetch_add(1, Ordering::Relaxed) >= 3_000 {
+                        return;
+                    }
+                    let r = conn.get("/api/items", &headers).unwrap();
+                    match r.status {
+                        200 => {
+                            ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                        429 => {
+                            refused_at
+                                .lock()
+                                .unwrap()
+                                .get_or_insert_with(std::time::Instant::now);
+                        }
+                        other => panic!("unexpected status {other}: {}", r.body),
+                    }
+                }
+            });
+        }
+    });
+    ok.into_inner()
+}
+
+/// Exact both ways without configuration: a client of 300 a minute (large
+/// enough to be leased) that keeps asking gets exactly 300 through one,
+/// two and four replicas behind a round-robin front, one request after
+/// another and over 64 connections, at most a lease tick (250 ms) after
+/// its first refusal; `local.expected_replicas` is left at its default.
+#[test]
+fn a_leased_limit_is_exact_through_one_two_and_four_replicas_without_configuration() {
+    for replicas in [1, 2, 4] {
+        let t = meshlimit_testbed::Topology::start(meshlimit_testbed::TopologyOptions {
+            plugin_config: PluginConfig::new()
+                .limits(json!([{"name": "per-minute", "requests": 300, "window": "60s"}]))
+                .build(),
+            replicas,
+            front: replicas > 1,
+            ..meshlimit_testbed::TopologyOptions::default()
+        });
+        wait_for_fresh_window(Duration::from_secs(20));
+        let tick = Duration::from_millis(250);
+        let sequential = keep_asking(&t, "sequential", 1, tick);
+        let connections = keep_asking(&t, "connections", 64, tick);
+        eprintln!(
+            "{replicas} replicas: {sequential} and {connections} of 300, {} lease grants",
+            t.stat_total("meshlimit.lease_grants")
+        );
+        assert_eq!((sequential, connections), (300, 300), "{replicas} replicas");
+        assert!(t.stat_total("meshlimit.lease_grants") > 0, "leased");
+        assert_no_vm_panics(&t);
+    }
+}
