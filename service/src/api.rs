@@ -16,7 +16,7 @@ use meshlimit_protocol::{CheckRequest, ErrorBody, CHECK_PATH, TIMEOUT_HEADER};
 use std::time::{Duration, Instant};
 use tracing::debug;
 
-use crate::app::decide::{decide_call, give_back, Decided};
+use crate::app::decide::{apply_returns, decide_call, give_back, withhold_leases, Decided};
 use crate::app::{permit, AppState, Caller, OVERLOADED};
 
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
@@ -122,7 +122,22 @@ async fn decide_within(state: &AppState, request: CheckRequest, budget: Duration
     };
     let left = deadline.saturating_duration_since(Instant::now());
     match tokio::time::timeout(left, &mut work).await {
-        Ok(Ok(decided)) => answer(decided),
+        Ok(Ok(mut decided)) => {
+            let spent = budget.saturating_sub(deadline.saturating_duration_since(Instant::now()));
+            if spent > budget / 2 {
+                // Decided late: its leases are given back, not sent (see
+                // `withhold_leases`).
+                let returns = withhold_leases(&request, &mut decided);
+                if !returns.is_empty() {
+                    let state = state.clone();
+                    tokio::spawn(async move {
+                        let units = apply_returns(&state, &returns).await;
+                        state.metrics.late_leases_withheld(units);
+                    });
+                }
+            }
+            answer(decided)
+        }
         Ok(Err(_)) => error(StatusCode::SERVICE_UNAVAILABLE, "not decided"),
         Err(_) => {
             let state = state.clone();

@@ -53,6 +53,7 @@ pub struct Metrics {
     responses: Family<StatusLabel, Counter>,
     check_failures: Family<KindLabel, Counter>,
     abandoned_given_back: Counter,
+    late_leases_withheld: Counter,
     full_coverage_required: Gauge,
     redis_healthy: Gauge,
     fleet_shadow: Gauge,
@@ -186,6 +187,12 @@ impl Metrics {
             "Units given back because their decision finished after its caller gave up (leases, reservations)",
             abandoned_given_back.clone(),
         );
+        let late_leases_withheld = Counter::default();
+        registry.register(
+            "late_lease_units_withheld",
+            "Leased units given back instead of sent: their decision took over half the caller's budget, and its answer could arrive after the caller gave up",
+            late_leases_withheld.clone(),
+        );
         let unauthorized = Counter::default();
         registry.register(
             "unauthorized",
@@ -216,6 +223,7 @@ impl Metrics {
         Metrics {
             overloaded,
             abandoned_given_back,
+            late_leases_withheld,
             full_coverage_required,
             redis_healthy,
             fleet_shadow,
@@ -319,6 +327,10 @@ impl Metrics {
     }
 
     /// Units given back for a decision its caller no longer waited for.
+    pub fn late_leases_withheld(&self, units: u64) {
+        self.late_leases_withheld.inc_by(units);
+    }
+
     pub fn abandoned_given_back(&self, units: u64) {
         self.abandoned_given_back.inc_by(units);
     }

@@ -303,3 +303,54 @@ fn what_a_decision_leased_after_its_caller_gave_up_goes_back() {
         metrics.body
     );
 }
+
+/// A decision that took over half its caller's budget is answered without
+/// its lease: the answer may reach the caller after the caller's own
+/// timeout (which began before meshlimitd read the call), and a grant in
+/// a lost answer would be charged to nobody. The leased units go back at
+/// once; the request's own unit stays charged.
+#[test]
+fn a_late_decision_sends_no_lease_and_gives_it_back() {
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &["--redis-timeout-ms", "5000", "--request-timeout-ms", "2000"],
+    );
+    let l = limit("fixed_window", 1000);
+    let body = json!({"checks": [leased_check("late", std::slice::from_ref(&l), 200, 1)]});
+    ask(&f, "warm", std::slice::from_ref(&l), 0, 1);
+    // A budget of 900 ms (90% of 1 s), Redis paused for 600 ms of it.
+    f.redis.cli(&["CLIENT", "PAUSE", "600", "WRITE"]);
+    let r = meshlimit_testbed::http::request(
+        &f.service.addr,
+        "POST",
+        "/v1/check",
+        &[("x-meshlimit-timeout-ms", b"1000")],
+        body.to_string().as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let answer: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    let result = &answer["results"][0];
+    assert_eq!(result["allowed"], true, "{answer}");
+    assert!(result.get("leased").is_none(), "no lease: {answer}");
+    assert!(result.get("receipts").is_none(), "{answer}");
+    assert_eq!(result["limits"][0]["remaining"], 999, "{answer}");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let after = ask(&f, "late", std::slice::from_ref(&l), 0, 1);
+    assert_eq!(
+        remaining(&after, 0),
+        998,
+        "the request's unit and this one: {after}"
+    );
+    let metrics = meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[]).unwrap();
+    assert!(
+        metrics
+            .body
+            .contains("meshlimitd_late_lease_units_withheld_total 200"),
+        "{}",
+        metrics.body
+    );
+    // Decided in time, the lease is sent as before.
+    let quick = ask(&f, "quick", std::slice::from_ref(&l), 200, 1);
+    assert_eq!(quick["leased"], 200, "{quick}");
+}
