@@ -144,6 +144,9 @@ pub struct LeaseTicket {
     /// Asked before the check's lease ran out (a renewal, for no request):
     /// its grant replaces the lease, whose units left go back.
     pub renewal: bool,
+    /// The ask's id (see `LeaseAsk::id`): named in a later call if the
+    /// answer is lost, so that its grant goes back.
+    pub id: u64,
 }
 
 /// What makes a check's lease: for each global limit, what its counter in
@@ -194,6 +197,7 @@ impl Check {
             lease: self.lease.filter(|t| t.want > 0).map(|t| LeaseAsk {
                 units: t.want,
                 share: t.share,
+                id: t.id,
             }),
             trace: None,
         }
@@ -313,6 +317,7 @@ impl Check {
         CheckRequest {
             checks: vec![self.to_wire()],
             settlements: Vec::new(),
+            lost: Vec::new(),
         }
     }
 

@@ -58,6 +58,8 @@ pub enum Stat {
     LeaseGrants,
     LeaseUnits,
     LeaseReturns,
+    AnswersLost,
+    LeaseAsksLost,
     LeaseHits,
     LeaseRenewals,
     Version,
@@ -65,7 +67,7 @@ pub enum Stat {
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 38] = [
+    pub const ALL: [Stat; 40] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -101,6 +103,8 @@ impl Stat {
         Stat::LeaseGrants,
         Stat::LeaseUnits,
         Stat::LeaseReturns,
+        Stat::AnswersLost,
+        Stat::LeaseAsksLost,
         Stat::LeaseHits,
         Stat::LeaseRenewals,
         Stat::Version,
@@ -294,6 +298,16 @@ impl Stat {
                 "meshlimit.lease_returns",
                 Counter,
                 "leased units given back unused (a lease that expired early or went idle)",
+            ),
+            Stat::AnswersLost => (
+                "meshlimit.answers_lost",
+                Counter,
+                "checks whose call's answer was lost (a timeout, a 503, a failed connection): decided by failure_mode, and perhaps charged in Redis all the same (a unit each; a lease asked with one is given back, see lease_asks_lost)",
+            ),
+            Stat::LeaseAsksLost => (
+                "meshlimit.lease_asks_lost",
+                Counter,
+                "lease asks whose answer was lost (a timeout, a 503, a failed connection), named in a later call so that their grants go back",
             ),
             Stat::LeaseHits => (
                 "meshlimit.lease_hits",

@@ -48,12 +48,27 @@ pub const TIMEOUT_HEADER: &str = "x-meshlimit-timeout-ms";
 /// settlements of earlier reservations.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckRequest {
+    #[serde(default)]
     pub checks: Vec<Check>,
     /// Settlements of earlier checks whose cost was a reservation (token
     /// budgets: the cost is known only after the response). They travel in
     /// the same calls as checks; answered in [`CheckResponse::settled`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub settlements: Vec<Settlement>,
+    /// Lease asks whose answers never came (the call timed out, or failed
+    /// while its scripts may have run): what they were granted goes back,
+    /// once (see [`LeaseAsk::id`]). Nothing is answered for them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost: Vec<LostAsk>,
+}
+
+/// A lease ask whose answer was lost: the check it came with (its subject
+/// and limits, as sent) and the ask's id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LostAsk {
+    pub subject: String,
+    pub limits: Vec<Limit>,
+    pub id: u64,
 }
 
 /// The actual cost of a check admitted earlier with a reserved one: the
@@ -136,6 +151,14 @@ pub struct Check {
 pub struct LeaseAsk {
     pub units: u64,
     pub share: u64,
+    /// The ask's id (random, per caller), 0 for none. With an id, the
+    /// script that grants the lease also records the grant, for a short
+    /// while, under the id: if its answer is lost, the caller names the
+    /// ask in [`CheckRequest::lost`] and the grant goes back, exactly once
+    /// (a record given back is marked, and an ask named lost before its
+    /// script ran is granted nothing).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub id: u64,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -16,7 +16,8 @@ use meshlimit_protocol::{CheckRequest, ErrorBody, CHECK_PATH, TIMEOUT_HEADER};
 use std::time::{Duration, Instant};
 use tracing::debug;
 
-use crate::app::decide::{apply_returns, decide_call, give_back, withhold_leases, Decided};
+use crate::app::decide::{decide_call, Decided};
+use crate::app::give_back::{self, give_back, withhold_leases};
 use crate::app::{permit, AppState, Caller, OVERLOADED};
 
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
@@ -131,7 +132,7 @@ async fn decide_within(state: &AppState, request: CheckRequest, budget: Duration
                 if !returns.is_empty() {
                     let state = state.clone();
                     tokio::spawn(async move {
-                        let units = apply_returns(&state, &returns).await;
+                        let units = give_back::apply(&state, &returns).await;
                         state.metrics.late_leases_withheld(units);
                     });
                 }

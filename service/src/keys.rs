@@ -64,6 +64,12 @@ pub fn tag_slot(tag: &str) -> u16 {
     crc % 16384
 }
 
+/// The key of a lease grant's record (see `LeaseAsk::id`), for the
+/// subject of tag `tag`: `ml:{e:alice}:grant:00000000000004d2`.
+pub fn grant_key(prefix: &str, tag: &str, id: u64) -> String {
+    format!("{prefix}{{{tag}}}:grant:{id:016x}")
+}
+
 /// The key of one limit's counter for the subject of tag `tag`.
 pub fn limit_key(prefix: &str, tag: &str, limit: &Limit) -> String {
     match &limit.calendar {

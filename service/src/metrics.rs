@@ -54,6 +54,7 @@ pub struct Metrics {
     check_failures: Family<KindLabel, Counter>,
     abandoned_given_back: Counter,
     late_leases_withheld: Counter,
+    lost_asks_given_back: Counter,
     full_coverage_required: Gauge,
     redis_healthy: Gauge,
     fleet_shadow: Gauge,
@@ -193,6 +194,12 @@ impl Metrics {
             "Leased units given back instead of sent: their decision took over half the caller's budget, and its answer could arrive after the caller gave up",
             late_leases_withheld.clone(),
         );
+        let lost_asks_given_back = Counter::default();
+        registry.register(
+            "lost_ask_units_given_back",
+            "Units given back for lease asks whose answers were lost, as their callers named them (or as meshlimitd gave them up itself)",
+            lost_asks_given_back.clone(),
+        );
         let unauthorized = Counter::default();
         registry.register(
             "unauthorized",
@@ -224,6 +231,7 @@ impl Metrics {
             overloaded,
             abandoned_given_back,
             late_leases_withheld,
+            lost_asks_given_back,
             full_coverage_required,
             redis_healthy,
             fleet_shadow,
@@ -329,6 +337,10 @@ impl Metrics {
     /// Units given back for a decision its caller no longer waited for.
     pub fn late_leases_withheld(&self, units: u64) {
         self.late_leases_withheld.inc_by(units);
+    }
+
+    pub fn lost_asks_given_back(&self, units: u64) {
+        self.lost_asks_given_back.inc_by(units);
     }
 
     pub fn abandoned_given_back(&self, units: u64) {

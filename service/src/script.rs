@@ -44,9 +44,11 @@
 //! read in the same run, so an override applies atomically with the
 //! decision and fleet-wide at once.
 //!
-//! KEYS: one counter per limit; with overrides, then one override per limit.
+//! KEYS: one counter per limit; with overrides, then one override per
+//!       limit; then, for a lease ask with an id, its grant record.
 //! ARGV: nonce, overrides (0/1), test clock key ('' in production), lease
-//!       units wanted and share, then per limit: algorithm, requests,
+//!       units wanted and share, whether a grant record's key follows
+//!       (0/1), then per limit: algorithm, requests,
 //!       window_ms, cost, burst, shadow (0/1), calendar ('' or
 //!       `month:120`). Laid out by [`check_args`] and [`limit_args`]
 //!       (meshlimitd and the bench's redis-benchmark row alike).
@@ -68,19 +70,22 @@ pub const SETTLE_ARGS: usize = 10;
 
 /// [`CHECK`]'s arguments before its limits': the run's nonce, whether live
 /// overrides are read, the test clock key ('' in production), the lease
-/// units wanted and their share (`(0, 1)`: no lease).
+/// units wanted and their share (`(0, 1)`: no lease), and whether a grant
+/// record's key follows the check's keys.
 pub fn check_args(
     nonce: &str,
     overrides: bool,
     clock_key: &str,
     (want, share): (u64, u64),
-) -> [String; 5] {
+    grant: bool,
+) -> [String; 6] {
     [
         nonce.to_string(),
         u8::from(overrides).to_string(),
         clock_key.to_string(),
         want.to_string(),
         share.to_string(),
+        u8::from(grant).to_string(),
     ]
 }
 
@@ -114,7 +119,8 @@ pub const CHECK: &str = concat!(
 /// and all or nothing exactly as [`CHECK`] decides it; one `TIME` for all.
 ///
 /// ARGV: nonce, overrides, test clock key, number of checks, then per
-/// check: its number of limits and their arguments as for [`CHECK`]. KEYS:
+/// check: its number of limits, lease units wanted and share, whether a
+/// grant record's key follows, and its limits' arguments as for [`CHECK`]. KEYS:
 /// every check's keys, in order. Returns every check's reply, concatenated
 /// in order, then the run's clock (a reservation's receipt; check `c` of
 /// the run used nonce `<nonce>.<c>`).

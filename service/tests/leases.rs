@@ -354,3 +354,98 @@ fn a_late_decision_sends_no_lease_and_gives_it_back() {
     let quick = ask(&f, "quick", std::slice::from_ref(&l), 200, 1);
     assert_eq!(quick["leased"], 200, "{quick}");
 }
+
+fn ask_with_id(f: &Standalone, subject: &str, l: &Value, units: u64, id: u64) -> Value {
+    let check =
+        json!({"subject": subject, "limits": [l], "lease": {"units": units, "share": 1, "id": id}});
+    f.check(&json!({"checks": [check]}))["results"][0].clone()
+}
+
+fn name_lost(f: &Standalone, subject: &str, l: &Value, id: u64) {
+    let lost = json!({"lost": [{"subject": subject, "limits": [l], "id": id}]});
+    let r = meshlimit_testbed::http::request(
+        &f.service.addr,
+        "POST",
+        "/v1/check",
+        &[("content-type", b"application/json")],
+        lost.to_string().as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// A lease asked with an id and granted, whose answer the caller says it
+/// lost: the grant goes back (request and lease alike: the caller decided
+/// that request without meshlimitd), once however often it is named; an
+/// ask named lost before its script ran is granted nothing; and an ask
+/// meshlimitd itself gave back (its caller's deadline passed) is not given
+/// back a second time when its caller names it.
+#[test]
+fn a_lost_grant_goes_back_exactly_once() {
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &["--redis-timeout-ms", "5000"],
+    );
+    let l = limit("fixed_window", 1000);
+    let granted = ask_with_id(&f, "lost", &l, 200, 7);
+    assert_eq!(leased(&granted), 200, "{granted}");
+    assert_eq!(
+        f.redis
+            .cli(&["GET", "ml:{e:lost}:hot/fixed_window:fw:60000"])
+            .trim(),
+        "201"
+    );
+    for _ in 0..3 {
+        name_lost(&f, "lost", &l, 7);
+    }
+    let metrics = || {
+        meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[])
+            .unwrap()
+            .body
+    };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(
+        f.redis
+            .cli(&["GET", "ml:{e:lost}:hot/fixed_window:fw:60000"])
+            .trim(),
+        "",
+        "given back whole, once"
+    );
+    assert!(
+        metrics().contains("meshlimitd_lost_ask_units_given_back_total 201"),
+        "{}",
+        metrics()
+    );
+    // Named lost before it ran: it runs, decides its request, leases nothing.
+    name_lost(&f, "early", &l, 8);
+    let early = ask_with_id(&f, "early", &l, 200, 8);
+    assert_eq!(
+        (early["allowed"].clone(), leased(&early)),
+        (json!(true), 0),
+        "{early}"
+    );
+    // Given back by meshlimitd when its caller gave up, then named lost.
+    ask(&f, "warm", std::slice::from_ref(&l), 0, 1);
+    f.redis.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
+    let check =
+        json!({"subject": "both", "limits": [&l], "lease": {"units": 200, "share": 1, "id": 9}});
+    let r = meshlimit_testbed::http::request(
+        &f.service.addr,
+        "POST",
+        "/v1/check",
+        &[("x-meshlimit-timeout-ms", b"50")],
+        json!({"checks": [check]}).to_string().as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    name_lost(&f, "both", &l, 9);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let after = ask(&f, "both", std::slice::from_ref(&l), 0, 1);
+    assert_eq!(remaining(&after, 0), 999, "given back once: {after}");
+    assert!(
+        metrics().contains("meshlimitd_lost_ask_units_given_back_total 402"),
+        "{}",
+        metrics()
+    );
+}

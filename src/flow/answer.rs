@@ -13,6 +13,17 @@ use crate::check::{Applied, Check};
 use crate::config::FailureMode;
 use crate::decision::{self, BatchAnswer, ServiceError, Verdict};
 use crate::host::Host;
+
+/// Whether a call that carried a lease ask may have had it granted with
+/// no answer to show for it: it timed out, meshlimitd answered 503 (its
+/// script may still run), or the connection failed (perhaps after the
+/// call went out).
+fn asked_and_lost<T>(outcome: &Result<T, ServiceError>) -> bool {
+    matches!(
+        outcome,
+        Err(ServiceError::Timeout | ServiceError::Unavailable | ServiceError::Connection)
+    )
+}
 use crate::stats::Stat;
 
 impl Worker {
@@ -39,6 +50,10 @@ impl Worker {
         );
         self.fleet_switch.hear(host, now, enforcement);
         self.report_call(host, outcome.as_ref().err(), now);
+        self.heard(host, &in_flight.check, &outcome, now);
+        if outcome.is_ok() {
+            self.send_lost(host, stream.context_id, now);
+        }
         self.conclude(
             host,
             stream,
@@ -89,6 +104,7 @@ impl Worker {
         self.report_call(host, answers.as_ref().err(), now);
         if let Ok(answer) = &answers {
             self.fleet_switch.hear(host, now, answer.enforcement);
+            self.send_lost(host, self.root_context_id, now);
         }
         // The checks that queued meanwhile go out before this batch's
         // streams are resumed: meshlimitd and Redis work on the next batch
@@ -110,6 +126,14 @@ impl Worker {
         let mut tally = Tally::new(&self.metrics, host);
         let (mut checks, mut settled) = (0, 0);
         for queued in batch {
+            if let Job::Lost { asks } = &queued.job {
+                // Nothing is answered for them; a call that failed names
+                // them again once one succeeds.
+                if answers.is_err() {
+                    self.lease_book.note_lost(asks.iter().cloned(), now);
+                }
+                continue;
+            }
             if let Job::Settle { settlements } | Job::Return { settlements } = &queued.job {
                 let outcomes = match &answers {
                     Ok(answer) => Ok(answer
@@ -138,11 +162,8 @@ impl Worker {
                 Err(e) => Err(e.clone()),
             };
             checks += 1;
-            if queued
-                .check()
-                .is_some_and(|c| c.lease.is_some_and(|t| t.want > 0))
-            {
-                self.lease_book.asks.answered(&outcome);
+            if let Some(check) = queued.check() {
+                self.heard(host, check, &outcome, now);
             }
             match &queued.job {
                 Job::Admit { check, .. }
@@ -179,7 +200,30 @@ impl Worker {
                         self.install_lease(host, now, self.root_context_id, check, &mut result);
                     }
                 }
-                Job::Settle { .. } | Job::Return { .. } => {}
+                Job::Settle { .. } | Job::Return { .. } | Job::Lost { .. } => {}
+            }
+        }
+    }
+
+    /// What a check's call came to, for what it asked: a lost answer is
+    /// counted (the check may have been charged while its request was
+    /// decided without meshlimitd), and a lease ask in it is named lost
+    /// later; asks shrink after lost answers.
+    fn heard<T>(
+        &self,
+        host: &impl Host,
+        check: &Check,
+        outcome: &Result<T, ServiceError>,
+        now: u64,
+    ) {
+        let asked = check.lease.is_some_and(|t| t.want > 0);
+        if asked {
+            self.lease_book.asks.answered(outcome);
+        }
+        if asked_and_lost(outcome) {
+            self.metrics.bump(host, Stat::AnswersLost);
+            if asked {
+                self.ask_lost(host, check, now);
             }
         }
     }

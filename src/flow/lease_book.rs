@@ -9,6 +9,8 @@ use std::cell::{Cell, RefCell};
 
 use log::warn;
 
+use meshlimit_protocol::LostAsk;
+
 use super::leases::LeaseRecord;
 use super::observer::Observer;
 use crate::config::LeaseConfig;
@@ -29,7 +31,17 @@ pub(super) struct LeaseBook {
     pub(super) ticking: bool,
     /// Asks shrink after lost answers (see `ask_backoff`).
     pub(super) asks: super::ask_backoff::AskBackoff,
+    /// Asks whose answers were lost, with when: named in a call once one
+    /// succeeds (see `LeaseAsk::id`; never a call of their own while
+    /// meshlimitd fails), until meshlimitd's record of them is gone.
+    lost: RefCell<std::collections::VecDeque<(u64, LostAsk)>>,
 }
+
+/// Lost asks kept at most (the oldest go first).
+const MAX_LOST: usize = 256;
+/// How long meshlimitd keeps a grant's record (`GRANT_RECORD_MS` in
+/// `decide.lua`): a lost ask older than this has nothing left to name.
+const LOST_FOR_MS: u64 = 10_000;
 
 impl LeaseBook {
     /// The book of a worker with `leases` (off: `None`); asks the host for
@@ -56,7 +68,29 @@ impl LeaseBook {
             observer: RefCell::new(Observer::new(observed)),
             ticking,
             asks: super::ask_backoff::AskBackoff::default(),
+            lost: RefCell::new(std::collections::VecDeque::new()),
         }
+    }
+
+    /// Keeps `asks`, lost at `now`, to be named in a call.
+    pub(super) fn note_lost(&self, asks: impl IntoIterator<Item = LostAsk>, now: u64) {
+        let mut lost = self.lost.borrow_mut();
+        for ask in asks {
+            if lost.len() >= MAX_LOST {
+                lost.pop_front();
+            }
+            lost.push_back((now, ask));
+        }
+    }
+
+    /// The lost asks still worth naming at `now`, taken.
+    pub(super) fn take_lost(&self, now: u64) -> Vec<LostAsk> {
+        self.lost
+            .borrow_mut()
+            .drain(..)
+            .filter(|(at, _)| now.saturating_sub(*at) < LOST_FOR_MS)
+            .map(|(_, ask)| ask)
+            .collect()
     }
 
     /// A new lease id (never 0).

@@ -222,6 +222,7 @@ impl Worker {
             share: leases.config.share,
             asked_ms: now,
             renewal: false,
+            id: self.lease_book.next_lease_id(),
         };
         if let Take::Hit(draw) | Take::Renew(draw, _) = take {
             if let Some(other) = kept {
@@ -436,6 +437,47 @@ impl Worker {
         self.flush_deferred(host, now);
     }
 
+    /// An ask whose answer was lost (a timeout, a 503, a failed
+    /// connection: its script may have run): kept, and named in a call
+    /// once one succeeds, so that what it was granted goes back (see
+    /// `LeaseAsk::id`).
+    pub(super) fn ask_lost(&self, host: &impl Host, check: &Check, now: u64) {
+        let wire = check.to_wire();
+        let Some(id) = wire.lease.map(|a| a.id).filter(|id| *id != 0) else {
+            return;
+        };
+        let lost = meshlimit_protocol::LostAsk {
+            subject: wire.subject,
+            limits: wire.limits,
+            id,
+        };
+        self.metrics.bump(host, Stat::LeaseAsksLost);
+        self.lease_book.note_lost([lost], now);
+    }
+
+    /// A call succeeded: the lost asks kept are named in the worker's next
+    /// call. `context_id` is the context whose callback runs now.
+    pub(super) fn send_lost(&self, host: &impl Host, context_id: u32, now: u64) {
+        let asks = self.lease_book.take_lost(now);
+        if asks.is_empty() {
+            return;
+        }
+        if let Err(Refused(asks)) = self.send_lost_job(host, context_id, asks) {
+            self.lease_book.note_lost(asks, now);
+        }
+    }
+
+    fn send_lost_job(
+        &self,
+        host: &impl Host,
+        context_id: u32,
+        asks: Vec<meshlimit_protocol::LostAsk>,
+    ) -> Result<(), Refused> {
+        let kept = asks.clone();
+        self.send_job(host, context_id, Job::Lost { asks })
+            .map_err(|_| Refused(kept))
+    }
+
     /// Sends returns in the worker's next batch (or a call of their own);
     /// `context_id` is the context current now (it is current again after).
     fn send_returns(&self, host: &impl Host, context_id: u32, settlements: Vec<Settlement>) {
@@ -474,6 +516,9 @@ impl Worker {
         }
     }
 }
+
+/// Lost asks whose job could not be queued, kept for the next call.
+struct Refused(Vec<meshlimit_protocol::LostAsk>);
 
 /// The result of a request admitted from a lease: `left` units remain
 /// for it in this worker's draw (a floor: the slot and meshlimitd may

@@ -76,6 +76,10 @@ pub(super) enum Job {
     Renew { check: Check },
     /// Give back leased units left unused (settlements at 0).
     Return { settlements: Vec<Settlement> },
+    /// Name lease asks whose answers were lost: their grants go back.
+    Lost {
+        asks: Vec<meshlimit_protocol::LostAsk>,
+    },
 }
 
 impl Queued {
@@ -83,7 +87,7 @@ impl Queued {
     pub(super) fn check(&self) -> Option<&Check> {
         match &self.job {
             Job::Admit { check, .. } | Job::TopUp { check } | Job::Renew { check } => Some(check),
-            Job::Settle { .. } | Job::Return { .. } => None,
+            Job::Settle { .. } | Job::Return { .. } | Job::Lost { .. } => None,
         }
     }
 
@@ -105,6 +109,14 @@ impl Queued {
     pub(super) fn settlements(&self) -> &[Settlement] {
         match &self.job {
             Job::Settle { settlements } | Job::Return { settlements } => settlements,
+            _ => &[],
+        }
+    }
+
+    /// The lost asks it names, if any.
+    pub(super) fn lost(&self) -> &[meshlimit_protocol::LostAsk] {
+        match &self.job {
+            Job::Lost { asks, .. } => asks,
             _ => &[],
         }
     }
@@ -326,6 +338,7 @@ impl Outbox {
                 .iter()
                 .flat_map(|q| q.settlements().iter().cloned())
                 .collect(),
+            lost: jobs.iter().flat_map(|q| q.lost().iter().cloned()).collect(),
         };
         serde_json::to_vec(&request)
             .map_err(|e| ServiceError::BadBody(e.to_string()))

@@ -460,8 +460,15 @@ fn an_open_breaker_costs_no_call_and_one_probe_closes_it() {
     assert_eq!(h.calls(), calls + 1);
     h.answer_check(&mut probe, Some(200), &answer(&[result(true, 10)]));
     assert_eq!(h.stat("breaker_open"), 0, "closed again");
-    assert_eq!(h.request("c").1, Step::Pause);
+    // The lease asks of the failed calls are named lost, in one call, once
+    // a call succeeds (never while meshlimitd fails).
+    h.wake();
     assert_eq!(h.calls(), calls + 2);
+    let lost = h.last_call_body()["lost"].as_array().map_or(0, Vec::len);
+    assert_eq!(lost as u64, h.stat("lease_asks_lost"));
+    assert!(lost > 0);
+    assert_eq!(h.request("c").1, Step::Pause);
+    assert_eq!(h.calls(), calls + 3);
 }
 
 // ---- failure modes on each kind of failure ----

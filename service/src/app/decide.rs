@@ -29,6 +29,18 @@ pub async fn decide_call(state: &AppState, request: &CheckRequest) -> Decided {
     if let Err(reason) = validate_batch(request) {
         return Decided::Refused(reason);
     }
+    if !request.lost.is_empty() {
+        // Nothing is answered for them: they go back beside the call.
+        let (state, lost) = (state.clone(), request.lost.clone());
+        tokio::spawn(async move { super::give_back::forget_all(&state, &lost).await });
+    }
+    if request.checks.is_empty() && request.settlements.is_empty() {
+        return Decided::Answered(CheckResponse {
+            results: Vec::new(),
+            settled: Vec::new(),
+            enforcement: state.fleet.reported(),
+        });
+    }
     if request.settlements.is_empty() {
         return match decide_checks(state, &request.checks).await {
             Answer::Decided(results) => Decided::Answered(CheckResponse {
@@ -249,111 +261,4 @@ fn decided_outcome(
             kind: FailureKind::Unavailable,
         }),
     }
-}
-
-/// Takes back the leases of a call decided late (after half the caller's
-/// budget): its answer may well reach the caller after the caller's own
-/// timeout (which began before meshlimitd read the call, and ends when
-/// Envoy says so), and a grant in a lost answer is charged to nobody. So
-/// a late answer carries no lease: each admitted check's `leased` is 0
-/// (its statuses' `remaining` counts those units again), and a check that
-/// asked no receipt of its own loses the lease's receipts. Returns the
-/// settlements that give the leased units back, to be applied after the
-/// answer has gone (the request's own cost stays charged).
-pub fn withhold_leases(request: &CheckRequest, decided: &mut Decided) -> Vec<Settlement> {
-    let Decided::Answered(response) = decided else {
-        return Vec::new();
-    };
-    let mut returns = Vec::new();
-    for (check, outcome) in request.checks.iter().zip(response.results.iter_mut()) {
-        let CheckOutcome::Decided(result) = outcome else {
-            continue;
-        };
-        if !result.allowed || result.leased == 0 {
-            continue;
-        }
-        let Some(receipts) = result.receipts.clone() else {
-            continue;
-        };
-        let leased = std::mem::take(&mut result.leased);
-        returns.push(Settlement {
-            subject: check.subject.clone(),
-            limits: check
-                .limits
-                .iter()
-                .map(|l| meshlimit_protocol::Limit {
-                    cost: l.cost + leased,
-                    ..l.clone()
-                })
-                .collect(),
-            actual: check.limits.iter().map(|l| l.cost).collect(),
-            receipts,
-        });
-        for status in &mut result.limits {
-            status.remaining = status.remaining.saturating_add(leased).min(status.limit);
-        }
-        if !check.receipt {
-            result.receipts = None;
-        }
-    }
-    returns
-}
-
-/// Gives back what a call's admitted checks were granted or reserved once
-/// its caller no longer waits for the answer (its deadline passed while
-/// the scripts ran): the caller decides those requests without
-/// meshlimitd, so a lease or reservation charged for it would only keep
-/// units from every other replica until its window ends. Each check with
-/// receipts (a lease granted, or a reservation) is settled at 0 for all it
-/// was charged: its cost and its lease. A check without receipts charged
-/// its cost alone, and stays charged (one unit a request, as before
-/// leases). Returns the units given back.
-pub async fn give_back(state: &AppState, request: &CheckRequest, decided: &Decided) -> u64 {
-    let Decided::Answered(response) = decided else {
-        return 0;
-    };
-    let settlements: Vec<Settlement> = request
-        .checks
-        .iter()
-        .zip(&response.results)
-        .filter_map(|(check, outcome)| match outcome {
-            CheckOutcome::Decided(result) if result.allowed => {
-                let receipts = result.receipts.clone()?;
-                let limits = check
-                    .limits
-                    .iter()
-                    .map(|l| meshlimit_protocol::Limit {
-                        cost: l.cost + result.leased,
-                        ..l.clone()
-                    })
-                    .collect::<Vec<_>>();
-                Some(Settlement {
-                    subject: check.subject.clone(),
-                    actual: vec![0; limits.len()],
-                    limits,
-                    receipts,
-                })
-            }
-            _ => None,
-        })
-        .collect();
-    let units = apply_returns(state, &settlements).await;
-    state.metrics.abandoned_given_back(units);
-    units
-}
-
-/// Applies give-backs (each settles at its limits' `actual`); the units
-/// given back.
-pub async fn apply_returns(state: &AppState, settlements: &[Settlement]) -> u64 {
-    let mut units = 0;
-    for (settlement, outcome) in settlements.iter().zip(settle_all(state, settlements).await) {
-        if let SettleOutcome::Settled { .. } = outcome {
-            units += settlement
-                .limits
-                .first()
-                .zip(settlement.actual.first())
-                .map_or(0, |(l, actual)| l.cost.saturating_sub(*actual));
-        }
-    }
-    units
 }

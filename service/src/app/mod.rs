@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod decide;
+pub mod give_back;
 pub mod receipts;
 pub mod seen;
 pub mod validate;

@@ -23,14 +23,27 @@ pub fn validate(request: &CheckRequest) -> Result<(), String> {
 
 /// The bounds of a call as a whole.
 pub fn validate_batch(request: &CheckRequest) -> Result<(), String> {
-    if request.checks.is_empty() && request.settlements.is_empty() {
+    if request.checks.is_empty() && request.settlements.is_empty() && request.lost.is_empty() {
         return Err("checks: must contain at least one check (or settlement)".into());
+    }
+    if request.lost.len() > MAX_CHECKS {
+        return Err(format!("lost: at most {MAX_CHECKS} per call"));
     }
     if request.checks.len() > MAX_CHECKS {
         return Err(format!("checks: at most {MAX_CHECKS} per call"));
     }
     if request.settlements.len() > MAX_CHECKS {
         return Err(format!("settlements: at most {MAX_CHECKS} per call"));
+    }
+    Ok(())
+}
+
+/// What makes one lost ask one to look for; `i` is its place in the call.
+/// Its limits are its check's, a renewal's costs of 0 included.
+pub fn validate_lost(i: usize, lost: &meshlimit_protocol::LostAsk) -> Result<(), String> {
+    validate_limits(&format!("lost[{i}]"), &lost.subject, &lost.limits, 0)?;
+    if lost.id == 0 {
+        return Err(format!("lost[{i}].id: must not be 0"));
     }
     Ok(())
 }
@@ -185,6 +198,7 @@ mod tests {
                 trace: None,
             }],
             settlements: Vec::new(),
+            lost: Vec::new(),
         }
     }
 
@@ -207,6 +221,7 @@ mod tests {
         assert!(validate(&CheckRequest {
             checks: vec![],
             settlements: Vec::new(),
+            lost: Vec::new(),
         })
         .is_err());
     }

@@ -19,6 +19,8 @@ pub use fleet::StoredSwitch;
 use health::Health;
 pub use health::RedisMemory;
 mod fleet;
+mod lost;
+pub use lost::lost_ask_of;
 mod overrides;
 mod settle;
 mod slots;
@@ -166,10 +168,20 @@ impl Limiter {
         };
         let mut invocation = self.scripts.check.prepare_invoke();
         let nonce = self.next_nonce();
-        for arg in script::check_args(&nonce, self.overrides, &self.clock_key, lease_args(check)) {
+        let grant = self.grant_key(check);
+        for arg in script::check_args(
+            &nonce,
+            self.overrides,
+            &self.clock_key,
+            lease_args(check),
+            grant.is_some(),
+        ) {
             invocation.arg(arg);
         }
         self.add_limits(&mut invocation, check, &check.limits);
+        if let Some(key) = grant {
+            invocation.key(key);
+        }
         let values = self.run(slot, &invocation, script_label([check])).await?;
         let (clock, reply) = split_clock(&values)?;
         let mut result = parse_reply(check, reply)?;
@@ -256,8 +268,16 @@ impl Limiter {
         invocation.arg(checks.len());
         for check in checks {
             let (want, share) = lease_args(check);
-            invocation.arg(check.limits.len()).arg(want).arg(share);
+            let grant = self.grant_key(check);
+            invocation
+                .arg(check.limits.len())
+                .arg(want)
+                .arg(share)
+                .arg(u8::from(grant.is_some()));
             self.add_limits(&mut invocation, check, &check.limits);
+            if let Some(key) = grant {
+                invocation.key(key);
+            }
         }
         // On a Cluster the checks of one run share a slot.
         let slot = checks
@@ -303,6 +323,19 @@ impl Limiter {
             .arg(u8::from(self.overrides))
             .arg(&self.clock_key);
         nonce
+    }
+
+    /// The key of the grant record of `check`'s lease ask, when it asks
+    /// with an id (see [`meshlimit_protocol::LeaseAsk::id`]): beside its
+    /// first limit's counter, in the run's slot.
+    fn grant_key(&self, check: &Check) -> Option<String> {
+        let ask = check.lease.filter(|a| a.id != 0 && a.units > 0)?;
+        let first = check.limits.first()?;
+        Some(keys::grant_key(
+            &self.prefix,
+            &keys::subject_tag(first.subject_in(check)),
+            ask.id,
+        ))
     }
 
     /// Keys and per-limit arguments of `limits` (of `check`), as the

@@ -43,8 +43,9 @@ impl Limiter {
             async move {
                 let mut invocation = self.scripts.check.prepare_invoke();
                 let nonce = self.add_fixed_args(&mut invocation);
-                // No lease: a check spread over slots is decided per request.
-                invocation.arg(0).arg(1);
+                // No lease (nor grant record): a check spread over slots
+                // is decided per request.
+                invocation.arg(0).arg(1).arg(0);
                 self.add_limits(&mut invocation, check, &limits);
                 let what = super::script_label(std::iter::once(check));
                 let values = self.run(*slot, &invocation, what).await?;

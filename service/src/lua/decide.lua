@@ -28,6 +28,10 @@ local MIN_LEASE_SHARE = 8
 -- replicas a client of 20 a minute got 17). Its requests are decided one
 -- by one, as exact as without leases.
 local MIN_LEASED_LIMIT = 64
+-- How long a grant's record lives (milliseconds): long enough for a caller
+-- whose answer was lost to name the ask in its next call, which goes out
+-- within a tick, or once its breaker lets a call through.
+local GRANT_RECORD_MS = 10000
 
 -- Large numbers go to Redis through '%.0f': Lua's default conversion keeps
 -- 14 digits, which would silently round a microsecond timestamp.
@@ -93,9 +97,12 @@ end
 -- ARGV[a + 1 .. a + ARGS_PER_LIMIT * n]. `want` and `share` ask for a
 -- lease (0 and 1 for none): up to `want` units more on every limit, at
 -- most what the tightest limit has left after the request divided by
--- `share`. Returns allowed, the units leased, then REPLY_PER_LIMIT values
--- per limit (remaining after the lease).
-local function decide(k, n, a, nonce, now_us, ovr, want, share)
+-- `share`. `grant` is the KEYS index of the ask's grant record, or nil:
+-- a grant is recorded there ('<units charged> <clock> <nonce>', the
+-- request's cost and the lease), and an ask already named lost there
+-- ('lost') is granted nothing. Returns allowed, the units leased, then
+-- REPLY_PER_LIMIT values per limit (remaining after the lease).
+local function decide(k, n, a, nonce, now_us, ovr, want, share, grant)
 local now = math.floor(now_us / 1000)
 local st = {}
 local allowed = 1
@@ -184,6 +191,7 @@ end
 -- is under MIN_LEASE_SHARE; none on a limit under MIN_LEASED_LIMIT, on a
 -- sliding log (its members carry times) or where a limit does not fit.
 local leased = 0
+if grant and redis.call('GET', KEYS[grant]) == 'lost' then want = 0 end
 if allowed == 1 and want > 0 then
   leased = want
   for i = 1, n do
@@ -197,6 +205,10 @@ if allowed == 1 and want > 0 then
     if fits < MIN_LEASE_SHARE or s.limit < MIN_LEASED_LIMIT then fits = 0 end
     leased = math.min(leased, fits)
   end
+end
+if grant and leased > 0 then
+  redis.call('SET', KEYS[grant], num(st[1].cost + leased) .. ' ' .. num(now_us) .. ' ' .. nonce,
+             'PX', GRANT_RECORD_MS)
 end
 local out = { allowed, leased }
 for i = 1, n do

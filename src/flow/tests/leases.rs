@@ -88,9 +88,10 @@ impl Harness {
         let (_, step) = self.request("a");
         assert_eq!(step, Step::Pause);
         self.wake();
+        let lease = &self.last_call_body()["checks"][0]["lease"];
         assert_eq!(
-            self.last_call_body()["checks"][0]["lease"],
-            json!({"units": 8 * before, "share": 2})
+            (&lease["units"], &lease["share"]),
+            (&json!(8 * before), &json!(2))
         );
         self.answer_batch(before + 1, Some(200), &answer(&[grant.to_string()]));
         self.calls()
@@ -768,4 +769,45 @@ fn a_lost_answer_makes_the_next_ask_smaller() {
     let (answered, lost) = (tenth_ask(false), tenth_ask(true));
     assert!(answered >= 2, "{answered}");
     assert_eq!(lost, answered / 2);
+}
+
+/// An ask whose answer was lost is named, with its id, in the worker's
+/// next call: meshlimitd gives its grant back (see `LeaseAsk::id`). An
+/// ask answered is never named.
+#[test]
+fn a_lost_ask_is_named_in_the_next_call() {
+    let mut h = harness("");
+    for token in 1..=8 {
+        h.request("a");
+        h.wake();
+        h.answer_batch(token, Some(200), &answer(&[result(true, 19)]));
+        assert!(h.last_call_body().get("lost").is_none());
+    }
+    h.advance(100);
+    h.request("a");
+    h.wake();
+    let asked = h.last_call_body()["checks"][0].clone();
+    let id = asked["lease"]["id"].as_u64().unwrap();
+    assert!(id != 0, "{asked}");
+    h.advance(20);
+    h.answer_batch(9, None, "");
+    assert_eq!(h.stat("lease_asks_lost"), 1);
+    h.advance(50);
+    h.request("a");
+    h.wake();
+    let next = h.last_call_body();
+    assert!(next.get("lost").is_none(), "not before a call succeeds");
+    assert_ne!(next["checks"][0]["lease"]["id"], id, "a new ask, a new id");
+    h.answer_batch(10, Some(200), &answer(&[result(true, 17)]));
+    let named = h.last_call_body();
+    assert_eq!(
+        named["lost"],
+        serde_json::json!([{"subject": asked["subject"], "limits": asked["limits"], "id": id}]),
+        "{named}"
+    );
+    // Named once.
+    h.answer_batch(11, Some(200), r#"{"results":[]}"#);
+    h.request("a");
+    h.wake();
+    assert!(h.last_call_body().get("lost").is_none());
 }

@@ -79,7 +79,13 @@ pub(crate) fn redis_benchmark(host: &str, sha: &str) -> f64 {
         .args(["evalsha", sha, "1", "ml:{e:bench6}:api/hour:fw:3600000"])
         // As meshlimitd lays them out (no test clock, no lease), for the
         // limit of the check meshlimitd is measured with.
-        .args(meshlimitd::script::check_args("nonce", false, "", (0, 1)))
+        .args(meshlimitd::script::check_args(
+            "nonce",
+            false,
+            "",
+            (0, 1),
+            false,
+        ))
         .args(meshlimitd::script::limit_args(&meshlimit_protocol::Limit {
             name: "api/hour".into(),
             requests: 1_000_000_000,

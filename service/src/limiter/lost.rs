@@ -1,0 +1,106 @@
+//! Lease asks whose answers were lost: their grants go back, exactly once.
+//!
+//! A check that asks for a lease with an id has its grant recorded by the
+//! script that grants it (`decide.lua`: `<units charged> <clock> <nonce>`
+//! under the grant key, for ten seconds). When the answer never reaches
+//! its caller (a timeout, a reset, meshlimitd's own 503 while the script
+//! ran on), the caller names the ask in its next call, and meshlimitd
+//! gives back what the record says. Reading the record marks it `lost` in
+//! the same command: a second naming, or meshlimitd's own give-back of
+//! the same decision, finds nothing to give; and a script that had not
+//! run yet when its ask was named grants no lease.
+
+use meshlimit_protocol::{Check, Limit, LostAsk, Receipt, Settlement};
+
+use super::{Limiter, LimiterError};
+use crate::keys;
+
+/// How long a `lost` mark lives (as long as a grant's record).
+const LOST_MARK_MS: u64 = 10_000;
+
+impl Limiter {
+    /// Gives back what the lost ask `lost` was granted, if it was and
+    /// nothing gave it back yet, less `keep` units on every limit (the
+    /// request's own, when it was answered): the units given back.
+    pub async fn forget_ask(&self, lost: &LostAsk, keep: u64) -> Result<u64, LimiterError> {
+        let Some(first) = lost.limits.first() else {
+            return Ok(0);
+        };
+        let key = keys::grant_key(
+            &self.prefix,
+            &keys::subject_tag(first.subject_or(&lost.subject)),
+            lost.id,
+        );
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET")
+            .arg(&key)
+            .arg("lost")
+            .arg("PX")
+            .arg(LOST_MARK_MS)
+            .arg("GET");
+        let (record,): (Option<String>,) = self.query_timed(&pipe).await?;
+        let Some((units, clock_us, nonce)) = record.as_deref().and_then(parse_record) else {
+            return Ok(0);
+        };
+        let settlement = Settlement {
+            subject: lost.subject.clone(),
+            limits: lost
+                .limits
+                .iter()
+                .map(|l| Limit {
+                    cost: units,
+                    ..l.clone()
+                })
+                .collect(),
+            actual: vec![keep.min(units); lost.limits.len()],
+            receipts: (1..=lost.limits.len())
+                .map(|place| Receipt {
+                    clock_us,
+                    nonce: nonce.to_string(),
+                    place: place as u32,
+                    units: 0,
+                    mac: String::new(),
+                })
+                .collect(),
+        };
+        self.settle(&settlement).await?;
+        Ok(units.saturating_sub(keep))
+    }
+}
+
+/// The lost ask that names `check`'s lease ask (its own decision, given
+/// back by meshlimitd), if it asked with an id.
+pub fn lost_ask_of(check: &Check) -> Option<LostAsk> {
+    let id = check.lease.map(|a| a.id).filter(|id| *id != 0)?;
+    Some(LostAsk {
+        subject: check.subject.clone(),
+        limits: check.limits.clone(),
+        id,
+    })
+}
+
+/// A grant record: the units its check was charged (cost and lease), the
+/// run's clock and the check's nonce; `None` for a `lost` mark.
+fn parse_record(record: &str) -> Option<(u64, u64, &str)> {
+    let mut parts = record.split(' ');
+    let units = parts.next()?.parse().ok()?;
+    let clock_us = parts.next()?.parse().ok()?;
+    let nonce = parts.next().filter(|n| !n.is_empty())?;
+    parts.next().is_none().then_some((units, clock_us, nonce))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_are_read_whole_and_marks_are_not_records() {
+        assert_eq!(
+            parse_record("41 1700000000000000 ab.1.2"),
+            Some((41, 1_700_000_000_000_000, "ab.1.2"))
+        );
+        for bad in ["lost", "", "41", "41 x n", "41 1 ", "41 1 n extra"] {
+            assert_eq!(parse_record(bad), None, "{bad}");
+        }
+    }
+}
