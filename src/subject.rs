@@ -125,7 +125,9 @@ impl<'r, R: RequestView> Facts<'r, R> {
                         }
                     }
                 }
-                if joined.len() > MAX_PLAIN_SUBJECT {
+                // A subject that waits for a body field is bounded once
+                // the field is in (`with_body`).
+                if joined.len() > MAX_PLAIN_SUBJECT && !awaits_body(&joined) {
                     joined = format!("by#:{}", client_id::sha256_hex(joined.as_bytes()));
                 }
                 Ok(Subject {
@@ -182,6 +184,8 @@ impl<'r, R: RequestView> Facts<'r, R> {
                     None => Err(missing()),
                 }
             }
+            // Read with the body: a placeholder until then.
+            Attribute::Json(path) => Ok((body_placeholder(path), None)),
             Attribute::Jwt(claim) => {
                 let jwt = &self.config.jwt;
                 let path = [
@@ -212,7 +216,58 @@ pub fn attribute_name(attribute: &Attribute) -> String {
         Attribute::Method => "method".into(),
         Attribute::PeerIdentity => "peer_identity".into(),
         Attribute::Jwt(c) => format!("jwt:{c}"),
+        Attribute::Json(p) => format!("json:{p}"),
     }
+}
+
+/// Where a body field's part goes in a subject until the body is read.
+fn body_placeholder(path: &str) -> String {
+    format!("\u{1}json:{path}\u{1}")
+}
+
+/// Whether a subject waits for body fields (see [`with_body`]).
+pub fn awaits_body(subject: &str) -> bool {
+    subject.contains('\u{1}')
+}
+
+/// `subject` of a limit counted `by`, with each body field's part put in
+/// from the request's JSON `body` (`json:model:gpt-4o`: a string as it
+/// is, a number or boolean as JSON writes it). `Err` names the first
+/// field the body lacks (absent, null, an object or a list), as a missing
+/// attribute. Bounded as [`Facts::subject_for`] bounds a subject.
+pub fn with_body(
+    subject: &str,
+    by: &[Attribute],
+    body: Option<&serde_json::Value>,
+) -> Result<String, Missing> {
+    let joined = by.len() > 1;
+    let mut out = subject.to_string();
+    for attribute in by {
+        let Attribute::Json(path) = attribute else {
+            continue;
+        };
+        let value = body
+            .and_then(|b| path.split('.').try_fold(b, |v, key| v.get(key)))
+            .and_then(|v| match v {
+                serde_json::Value::String(s) => Some(s.clone()),
+                serde_json::Value::Number(n) => Some(n.to_string()),
+                serde_json::Value::Bool(b) => Some(b.to_string()),
+                _ => None,
+            })
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| Missing::Attribute(attribute.clone()))?;
+        let part = client_id::tagged("json", Some(path), value.as_bytes());
+        let part = if joined {
+            part.replace('%', "%25").replace('|', "%7C")
+        } else {
+            part
+        };
+        out = out.replace(&body_placeholder(path), &part);
+    }
+    if out.len() > MAX_PLAIN_SUBJECT {
+        out = format!("by#:{}", client_id::sha256_hex(out.as_bytes()));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -335,6 +335,9 @@ pub enum Attribute {
     PeerIdentity,
     /// A claim of the payload verified by `jwt_authn`.
     Jwt(String),
+    /// A field of the request's JSON body (`json:model`; dotted path),
+    /// read when the body is (a rule whose cost reserves from the body).
+    Json(String),
 }
 
 /// What a limit does with a request that lacks one of its attributes.

@@ -228,7 +228,7 @@ pub const FIELDS: &[Field] = &[
     Field {
         path: "rules[].limits[].by",
         default: "`[\"client\"]`",
-        meaning: "what the limit counts by: the values of these request attributes together are its counter's subject. `client` (the client id above), `header:NAME`, `query:NAME`, `host`, `path` (normalised, no query), `method`, `peer_identity` (the URI SAN of the caller's client certificate, e.g. `spiffe://cluster.local/ns/shop/sa/checkout`), `jwt:CLAIM` (a claim `jwt_authn` verified, see `jwt`). `[]`: one counter for every request the rule matches (a route cap). At most 8; see [docs/policies.md](docs/policies.md)",
+        meaning: "what the limit counts by: the values of these request attributes together are its counter's subject. `client` (the client id above), `header:NAME`, `query:NAME`, `host`, `path` (normalised, no query), `method`, `peer_identity` (the URI SAN of the caller's client certificate, e.g. `spiffe://cluster.local/ns/shop/sa/checkout`), `jwt:CLAIM` (a claim `jwt_authn` verified, see `jwt`), `json:PATH` (a field of the request's JSON body, e.g. `json:model` for a budget per model: only in a rule whose cost reads the body, `cost.reserve.request_json`). `[]`: one counter for every request the rule matches (a route cap). At most 8; see [docs/policies.md](docs/policies.md)",
         schema: r#"{"type": "array", "items": {"type": "string"}}"#,
     },
     Field {

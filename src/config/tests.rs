@@ -901,3 +901,44 @@ fn the_jwt_source_has_envoys_defaults() {
         "1 to 256",
     );
 }
+
+#[test]
+fn a_body_field_counts_only_where_the_body_is_read() {
+    let token_rule_by = |by: &str, cost: &str| {
+        format!(
+            r#"{{"rules":[{{"name":"llm","cost":{cost},
+                "limits":[{{"name":"tokens","requests":1000,"window":"1m","by":{by}}}]}}]}}"#
+        )
+    };
+    let reads_body = r#"{"reserve":{"request_json":"max_tokens","default":10,"max":100},"response":{"provider":"openai"}}"#;
+    let c = parse_str(&token_rule_by(r#"["client","json:model"]"#, reads_body)).unwrap();
+    assert_eq!(
+        c.rules[0].limits[0].by,
+        vec![Attribute::Client, Attribute::Json("model".into())]
+    );
+    let at = "rules[0].limits[0].by[1]";
+    for (cost, problem) in [
+        ("1", "needs the rule's cost to read the request body"),
+        (
+            r#"{"mode":"after","response":{"provider":"openai"}}"#,
+            "needs the rule's cost to read the request body",
+        ),
+        (
+            r#"{"reserve":50,"response":{"provider":"openai"}}"#,
+            "needs the rule's cost to read the request body",
+        ),
+    ] {
+        rejects(
+            &token_rule_by(r#"["client","json:model"]"#, cost),
+            at,
+            problem,
+        );
+    }
+    for bad in ["json:", "json:a..b", "json:a b", "json:{x}"] {
+        rejects(
+            &token_rule_by(&format!(r#"["client","{bad}"]"#), reads_body),
+            at,
+            "a dotted path",
+        );
+    }
+}

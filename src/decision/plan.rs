@@ -150,15 +150,19 @@ fn above_capacity(cfg: &Config, a: &Applied) -> Option<DenyResponse> {
 }
 
 /// Prices `check`'s token-priced limits from the request's body (the
-/// client's `max_tokens`, bounded by the configuration); `body` is `None`
-/// when the request has none, or more than `max_body_bytes` of it. The
-/// deny when the reservation can never fit.
+/// client's `max_tokens`, bounded by the configuration), and completes
+/// the subjects of limits counted by a body field (`json:model`); `body`
+/// is `None` when the request has none, or more than `max_body_bytes` of
+/// it. The limits skipped for lacking their field, or the deny when the
+/// reservation can never fit or a limit with `missing: reject` lacks it.
 pub fn reserve_from_body(
     cfg: &Config,
     check: &mut Check,
     body: Option<&[u8]>,
     body_size: usize,
-) -> Result<(), DenyResponse> {
+) -> Result<u32, (DenyResponse, RejectReason)> {
+    let value = body.and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok());
+    let skipped = subjects_from_body(check, value.as_ref())?;
     let Some(TokenCost {
         reserve:
             Reserve::RequestJson {
@@ -171,10 +175,11 @@ pub fn reserve_from_body(
         ..
     }) = check.reserves_from_body()
     else {
-        return Ok(());
+        return Ok(skipped);
     };
-    let completion = body
-        .and_then(|b| tokens::json::body_number(b, path))
+    let completion = value
+        .as_ref()
+        .and_then(|v| tokens::json::number_at(v, path))
         .map_or(*default, |n| n.clamp(1, *max));
     // The prompt, from the body's size (read or not): a client cannot
     // make it smaller than what it sends.
@@ -188,9 +193,63 @@ pub fn reserve_from_body(
     check.prompt = prompt.min(units);
     check.reserve(units);
     match check.token_limits().find_map(|a| above_capacity(cfg, a)) {
-        Some(deny) => Err(deny),
-        None => Ok(()),
+        Some(deny) => Err((deny, RejectReason::CostAboveCapacity)),
+        None => Ok(skipped),
     }
+}
+
+/// Puts body fields in the subjects that wait for them (limits counted
+/// `by` a `json:` attribute), as [`plan`] does with the other attributes:
+/// a limit whose field the body lacks is skipped, or refused with
+/// `missing: reject`; a static override for the completed subject
+/// applies. The limits skipped.
+fn subjects_from_body(
+    check: &mut Check,
+    body: Option<&serde_json::Value>,
+) -> Result<u32, (DenyResponse, RejectReason)> {
+    if !check
+        .global
+        .iter()
+        .any(|a| subject::awaits_body(&a.subject))
+    {
+        return Ok(0);
+    }
+    let mut skipped = 0;
+    let mut kept = Vec::with_capacity(check.global.len());
+    for mut a in std::mem::take(&mut check.global) {
+        if !subject::awaits_body(&a.subject) {
+            kept.push(a);
+            continue;
+        }
+        match subject::with_body(&a.subject, &a.limit.by, body) {
+            Ok(subject) => {
+                if let Some(requests) = a.limit.override_for(&subject, None) {
+                    a.limit = Rc::new(a.limit.with_requests(requests));
+                }
+                a.subject = subject;
+                kept.push(a);
+            }
+            Err(Missing::Attribute(_)) if a.limit.missing == MissingAttribute::Skip => {
+                skipped += 1;
+            }
+            Err(missing) => {
+                let name = match &missing {
+                    Missing::Attribute(attribute) => subject::attribute_name(attribute),
+                    Missing::ClientId => "client".into(),
+                };
+                let body = format!("missing {name} for limit {}\n", a.limit.qualified_name);
+                return Err((plain(403, body), RejectReason::MissingAttribute));
+            }
+        }
+    }
+    check.global = kept;
+    if subject::awaits_body(&check.subject) {
+        if let Some(first) = check.global.first() {
+            check.subject = first.subject.clone();
+        }
+    }
+    check.skipped += skipped;
+    Ok(skipped)
 }
 
 /// The body of a `when_missing: reject` deny: where to put the id.

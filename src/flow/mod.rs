@@ -364,6 +364,10 @@ impl Worker {
             stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
             return Step::Continue;
         }
+        if check.reserves_from_body().is_some() {
+            // No body at all: the reservation's default, and no body field.
+            return self.decide_with_body(host, stream, Rc::unwrap_or_clone(check), None, 0);
+        }
         self.decide(host, stream, check)
     }
 

@@ -111,20 +111,48 @@ impl Worker {
             // Envoy buffers it; the upstream sees none of it yet.
             return Step::Pause;
         }
-        let Some(mut check) = stream.awaiting_body.take() else {
+        let Some(check) = stream.awaiting_body.take() else {
             return Step::Continue;
         };
         let body = (size <= max).then(|| host.request_body(size)).flatten();
-        if let Err(deny) =
-            decision::reserve_from_body(&self.config, &mut check, body.as_deref(), size)
-        {
-            self.metrics.bump(host, Stat::RejectedCostAboveCapacity);
-            return Step::Reply(deny);
+        self.decide_with_body(host, stream, check, body.as_deref(), size)
+    }
+
+    /// Decides a check whose reservation (and body fields) are read from
+    /// the request's `body` (`None`: none, or past `max_body_bytes`) of
+    /// `size` bytes.
+    pub(super) fn decide_with_body(
+        &self,
+        host: &impl Host,
+        stream: &mut Stream,
+        mut check: Check,
+        body: Option<&[u8]>,
+        size: usize,
+    ) -> Step {
+        match decision::reserve_from_body(&self.config, &mut check, body, size) {
+            Ok(skipped) => {
+                self.metrics
+                    .add(host, Stat::SkippedMissingAttribute, skipped as usize);
+            }
+            Err((deny, why)) => {
+                self.metrics.bump(
+                    host,
+                    match why {
+                        decision::RejectReason::MissingAttribute => Stat::RejectedMissingAttribute,
+                        _ => Stat::RejectedCostAboveCapacity,
+                    },
+                );
+                return Step::Reply(deny);
+            }
+        }
+        if check.global.is_empty() && check.local.is_empty() {
+            // Every limit lacked the body field it counts by.
+            return Step::Continue;
         }
         if let Some(asked) = check
             .reserves_from_body()
             .filter(|t| t.asks_stream_usage())
-            .and(body.as_deref())
+            .and(body)
             .and_then(crate::tokens::json::asking_stream_usage)
         {
             // Without it the model reports no usage for the stream, and

@@ -883,3 +883,51 @@ fn a_stream_that_does_not_ask_for_its_usage_is_charged_what_the_model_reports() 
         assert_no_vm_panics(&t);
     }
 }
+
+/// A budget per model (`by: ["client", "json:model"]`): a client that
+/// spent its budget on one model is refused that model and still admitted
+/// to another, each model's counter in Redis on its own.
+#[test]
+fn a_budget_per_model_counts_each_model_apart() {
+    let t = llm_topology(
+        PluginConfig::new()
+            .rules(json!([{
+                "name": "llm",
+                "match": {"path_prefix": "/v1/"},
+                "cost": usual_cost(),
+                "limits": [{"name": "tokens", "requests": 1000, "window": "1h",
+                            "by": ["client", "json:model"]}]
+            }]))
+            .build(),
+        1,
+    );
+    let ask = |model: &str, tokens: &str| {
+        let body = json!({"model": model, "max_tokens": 1000,
+                          "messages": [{"role": "user", "content": "hi"}]})
+        .to_string();
+        meshlimit_testbed::http::request(
+            &t.replica_addr(1),
+            "POST",
+            "/v1/chat/completions",
+            &[
+                ("x-api-key", b"modeler"),
+                ("content-type", b"application/json"),
+                ("x-llm-tokens", tokens.as_bytes()),
+            ],
+            body.as_bytes(),
+        )
+        .unwrap()
+        .status
+    };
+    assert_eq!(ask("big", "1000"), 200, "the first spends big's budget");
+    assert!(eventually(Duration::from_secs(5), || {
+        t.redis_cli(&["--scan", "--pattern", "ml:*json:model:big*"])
+            .lines()
+            .any(|k| t.redis_cli(&["GET", k]).trim() == "1000")
+    }));
+    assert_eq!(ask("big", "10"), 429, "big is spent");
+    assert_eq!(ask("small", "10"), 200, "small has its own budget");
+    let keys = t.redis_cli(&["--scan", "--pattern", "ml:*json:model:*"]);
+    assert_eq!(keys.lines().count(), 2, "{keys}");
+    assert_no_vm_panics(&t);
+}

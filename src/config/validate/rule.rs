@@ -34,10 +34,23 @@ pub(super) fn validate_by(
                     Attribute::Query(q.to_string())
                 } else if let Some(c) = named("jwt:").filter(|c| !c.is_empty() && c.len() <= 256) {
                     Attribute::Jwt(c.to_string())
+                } else if let Some(p) = named("json:") {
+                    let plain = |s: &str| {
+                        !s.is_empty()
+                            && s.bytes()
+                                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+                    };
+                    if p.len() > 256 || !p.split('.').all(plain) {
+                        return Err(err(
+                            at(),
+                            format!("\"{name}\": a dotted path of letters, digits, '_' and '-' (json:model, json:metadata.team)"),
+                        ));
+                    }
+                    Attribute::Json(p.to_string())
                 } else {
                     return Err(err(
                         at(),
-                        format!("unknown attribute \"{name}\": one of client, header:NAME, query:NAME, host, path, method, peer_identity, jwt:CLAIM"),
+                        format!("unknown attribute \"{name}\": one of client, header:NAME, query:NAME, host, path, method, peer_identity, jwt:CLAIM, json:PATH"),
                     ));
                 }
             }
@@ -130,6 +143,22 @@ pub(super) fn validate_rule(
         limits.push(Rc::new(validate_limit(i, j, &raw.name, l, share_ppm)?));
     }
     let cost = validate_cost(i, raw.cost)?;
+    // A body field is read only where the body is: a rule whose cost
+    // reserves from it.
+    let reads_body = matches!(&cost, Cost::Tokens(t)
+        if t.mode == TokenMode::Reserve && matches!(t.reserve, Reserve::RequestJson { .. }));
+    for (j, limit) in limits.iter().enumerate() {
+        let json = limit
+            .by
+            .iter()
+            .position(|a| matches!(a, Attribute::Json(_)));
+        if let (Some(k), false) = (json, reads_body) {
+            return Err(err(
+                format!("rules[{i}].limits[{j}].by[{k}]"),
+                "a json: attribute needs the rule's cost to read the request body (cost.reserve.request_json, mode reserve)",
+            ));
+        }
+    }
     if matches!(cost, Cost::Tokens(_)) && raw.scope == Scope::Local {
         return Err(err(
             format!("rules[{i}].scope"),

@@ -535,3 +535,63 @@ fn without_ask_stream_usage_the_request_is_left_as_it_came() {
     h.request_body(&mut s, body, true);
     assert_eq!(h.host.request_body.borrow().as_slice(), body);
 }
+
+/// A budget per model: `by: ["client", "json:model"]` counts each model a
+/// client names in its body on a counter of its own; a body without the
+/// field skips the limit (`missing: skip`) or is refused (`reject`).
+#[test]
+fn a_budget_counted_by_a_body_field_has_a_counter_per_value() {
+    let config = |missing: &str| {
+        crate::config::parse(
+            format!(
+                r#"{{{ONE_SLOT} "client_id": {{"headers": ["x-api-key"], "when_missing": "reject"}},
+                "rules": [{{"name": "llm", "match": {{"path_prefix": "/v1/"}},
+                    "cost": {{"reserve": {{"request_json": "max_tokens", "default": 50, "max": 500,
+                                           "prompt_bytes_per_token": 0}},
+                              "response": {{"json": "usage.total_tokens"}}}},
+                    "limits": [{{"name": "tokens", "requests": 1000, "window": "60s",
+                                 "by": ["client", "json:model"], "missing": "{missing}"}}]}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    };
+    let mut h = harness_with(config("skip"));
+    let mut subjects = Vec::new();
+    for (token, model) in [(1, "gpt-4o"), (2, "mini|x%")] {
+        let (mut s, _) = h.post("a");
+        let body = format!(r#"{{"model": "{model}", "max_tokens": 20}}"#);
+        h.request_body(&mut s, body.as_bytes(), true);
+        h.wake();
+        let call = h.last_call_body();
+        subjects.push(
+            call["checks"][0]["limits"][0]["subject"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+        assert_eq!(call["checks"][0]["limits"][0]["cost"], 20);
+        h.answer_batch(token, Some(200), &answer(&[reserved(980)]));
+    }
+    assert_eq!(
+        subjects,
+        [
+            "hdr:x-api-key:a|json:model:gpt-4o",
+            "hdr:x-api-key:a|json:model:mini%7Cx%25"
+        ]
+    );
+    // No model: not counted on this limit, and nothing else to decide.
+    let calls = h.calls();
+    let (mut s, _) = h.post("a");
+    let step = h.request_body(&mut s, br#"{"max_tokens": 20}"#, true);
+    assert_eq!(step, Step::Continue);
+    assert_eq!(h.stat("skipped_missing_attribute"), 1);
+    h.wake();
+    assert_eq!(h.calls(), calls);
+    // With `missing: reject`, refused with the reason.
+    let mut h = harness_with(config("reject"));
+    let (mut s, _) = h.post("a");
+    let step = h.request_body(&mut s, br#"{"model": null, "max_tokens": 20}"#, true);
+    assert_eq!(reply_status(&step), Some(403));
+    assert_eq!(h.stat("rejected_missing_attribute"), 1);
+}
