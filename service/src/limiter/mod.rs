@@ -174,7 +174,7 @@ impl Limiter {
             self.overrides,
             &self.clock_key,
             lease_args(check),
-            grant.is_some(),
+            receipt_needs(check, grant.is_some()),
         ) {
             invocation.arg(arg);
         }
@@ -183,10 +183,10 @@ impl Limiter {
             invocation.key(key);
         }
         let values = self.run(slot, &invocation, script_label([check])).await?;
-        let (clock, reply) = split_clock(&values)?;
+        let (run, reply) = split_clock(&values)?;
         let mut result = parse_reply(check, reply)?;
         if wants_receipts(check, &result) {
-            result.receipts = receipts(&result, clock, &nonce);
+            result.receipts = receipts(&result, run, &nonce);
         }
         Ok(result)
     }
@@ -273,7 +273,7 @@ impl Limiter {
                 .arg(check.limits.len())
                 .arg(want)
                 .arg(share)
-                .arg(u8::from(grant.is_some()));
+                .arg(receipt_needs(check, grant.is_some()) as u8);
             self.add_limits(&mut invocation, check, &check.limits);
             if let Some(key) = grant {
                 invocation.key(key);
@@ -286,7 +286,7 @@ impl Limiter {
             .unwrap_or_default();
         let what = script_label(checks.iter().copied());
         let values = self.run(slot, &invocation, what).await?;
-        let (clock, mut rest) = split_clock(&values)?;
+        let (run, mut rest) = split_clock(&values)?;
         let mut results = Vec::with_capacity(checks.len());
         for (c, check) in checks.iter().enumerate() {
             let n =
@@ -294,7 +294,7 @@ impl Limiter {
             let (mine, after) = rest.split_at(n);
             let mut result = parse_reply(check, mine)?;
             if wants_receipts(check, &result) {
-                result.receipts = receipts(&result, clock, &format!("{nonce}.{}", c + 1));
+                result.receipts = receipts(&result, run, &format!("{nonce}.{}", c + 1));
             }
             results.push(result);
             rest = after;
@@ -471,12 +471,37 @@ pub(crate) fn script_label<'a>(checks: impl IntoIterator<Item = &'a Check>) -> &
     }
 }
 
-/// A check script's reply: the run's clock (its last value) and the rest.
-fn split_clock(values: &[i64]) -> Result<(i64, &[i64]), LimiterError> {
-    values
-        .split_last()
-        .map(|(clock, rest)| (*clock, rest))
-        .ok_or_else(|| LimiterError::Reply("empty reply".into()))
+/// A check run's clock and node epoch (see [`script::ReceiptNeeds`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Run {
+    pub(super) clock_us: i64,
+    pub(super) epoch: i64,
+}
+
+/// A check script's reply: the run's clock and epoch (its last two
+/// values) and the rest.
+fn split_clock(values: &[i64]) -> Result<(Run, &[i64]), LimiterError> {
+    match values {
+        [rest @ .., clock_us, epoch] => Ok((
+            Run {
+                clock_us: *clock_us,
+                epoch: *epoch,
+            },
+            rest,
+        )),
+        _ => Err(LimiterError::Reply("a reply without its clock".into())),
+    }
+}
+
+/// What `check`'s receipts need from its run: a grant record's key when
+/// it asks a lease with an id (`grant`), the node's epoch when it asks
+/// receipts.
+fn receipt_needs(check: &Check, grant: bool) -> script::ReceiptNeeds {
+    match (grant, check.receipt) {
+        (true, _) => script::ReceiptNeeds::GrantRecord,
+        (false, true) => script::ReceiptNeeds::Epoch,
+        (false, false) => script::ReceiptNeeds::Nothing,
+    }
 }
 
 /// Whether a result carries receipts: its check asked for them (a
