@@ -425,3 +425,39 @@ for _ in range(int(sys.argv[2])):
     );
     assert!(!lines.contains("UNAVAILABLE"), "{lines}");
 }
+
+/// Truthful headers with the default configuration (leases on): a client
+/// of 20 a minute through two replicas behind a round-robin front reads
+/// `r` falling by one per admitted request, 19 to 0, and 0 on its refusal;
+/// `X-RateLimit-Remaining` the same. (A fresh client used to read 19, 18,
+/// then 9: the units charged into a lease were reported as gone. A limit
+/// under 64 is not leased.)
+#[test]
+fn remaining_falls_by_one_per_request_with_the_default_configuration() {
+    for style in ["draft", "x-ratelimit"] {
+        let t = topology(
+            PluginConfig::new()
+                .set("response", json!({"headers": style}))
+                .build(),
+        );
+        wait_for_fresh_window(Duration::from_secs(10));
+        let mut seen = Vec::new();
+        for _ in 0..=LIMIT {
+            let r = send(&t, &key("truthful"));
+            let remaining = match style {
+                "draft" => r
+                    .header("ratelimit")
+                    .and_then(|v| v.split(";r=").nth(1))
+                    .and_then(|v| v.split(';').next())
+                    .map(str::to_string),
+                _ => r.header("x-ratelimit-remaining").map(str::to_string),
+            };
+            seen.push((r.status, remaining.unwrap_or_default()));
+        }
+        let expected: Vec<(u16, String)> = (1..=LIMIT)
+            .map(|n| (200, (LIMIT - n).to_string()))
+            .chain([(429, "0".to_string())])
+            .collect();
+        assert_eq!(seen, expected, "{style}");
+    }
+}
