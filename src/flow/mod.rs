@@ -30,6 +30,7 @@ mod answer;
 mod ask_backoff;
 mod budget;
 mod bulk;
+mod calls;
 mod clock;
 mod decide;
 mod decision_log;
@@ -60,7 +61,7 @@ use meshlimit_protocol::CheckResult;
 use crate::check::Check;
 use crate::config::Config;
 use crate::context_map::{ContextMap, ContextSet};
-use crate::decision::{self, DenyResponse, Plan, RejectReason, ServiceError, Verdict};
+use crate::decision::{self, DenyResponse, Plan, RejectReason, Verdict};
 use crate::headers::Headers;
 use crate::host::{Host, Request};
 use crate::shared::keys;
@@ -429,134 +430,6 @@ impl Worker {
     /// A stream woke the root: send every batch that is due.
     pub fn on_wake(&self, host: &impl Host) {
         self.flush(host, host.now_ms());
-    }
-
-    /// Calls meshlimitd for this request alone, from its callback: only
-    /// the request waits for the answer.
-    fn ask_service(
-        &self,
-        host: &impl Host,
-        stream: &mut Stream,
-        now: u64,
-        check: Check,
-        local: Option<CheckResult>,
-    ) -> Step {
-        let dispatched = self.outbox.send_check(
-            host,
-            &self.config.service,
-            stream.context_id,
-            (&check, stream.trace.as_deref()),
-            now,
-        );
-        match dispatched {
-            Ok(token) => {
-                stream.in_flight = Some(InFlight {
-                    token,
-                    check,
-                    started_ms: now,
-                    local,
-                });
-                Step::Pause
-            }
-            Err(e) => {
-                self.guard.record_call(host, &self.metrics, false, now);
-                self.conclude(host, stream, now, &check, local.as_ref(), Err(e))
-            }
-        }
-    }
-
-    /// Queues the check for the root to send (in a batch, with group
-    /// commit on).
-    fn enqueue(
-        &self,
-        host: &impl Host,
-        stream: &mut Stream,
-        now: u64,
-        check: Check,
-        local: Option<CheckResult>,
-    ) -> Step {
-        self.awaiting.borrow_mut().insert(stream.context_id);
-        let queued = Queued {
-            context_id: stream.context_id,
-            job: Job::Admit {
-                check,
-                local,
-                trace: stream.trace.take(),
-            },
-        };
-        let outcome = self.outbox.queue(host, queued, now);
-        let paused = if profile::SKIP_PAUSE {
-            // Its answer will find it gone, and act on nothing.
-            self.awaiting.borrow_mut().remove(&stream.context_id);
-            Step::Continue
-        } else {
-            Step::Pause
-        };
-        match outcome {
-            Queue::Queued => paused,
-            // The root cannot be woken: call for this check ourselves.
-            Queue::NoWake(Queued {
-                job:
-                    Job::Admit {
-                        check,
-                        local,
-                        trace,
-                    },
-                ..
-            }) => {
-                self.awaiting.borrow_mut().remove(&stream.context_id);
-                stream.trace = trace;
-                self.ask_service(host, stream, now, check, local)
-            }
-            Queue::Refused(Queued {
-                job: Job::Admit { check, local, .. },
-                ..
-            }) => {
-                // Too many queued: decide by failure_mode, and count it.
-                self.awaiting.borrow_mut().remove(&stream.context_id);
-                self.metrics.bump(host, Stat::BatchOverflow);
-                self.conclude(
-                    host,
-                    stream,
-                    now,
-                    &check,
-                    local.as_ref(),
-                    Err(ServiceError::Connection),
-                )
-            }
-            Queue::NoWake(_) | Queue::Refused(_) => paused,
-        }
-    }
-
-    /// Sends every batch that is due, as the root (the calls outlive any
-    /// one stream).
-    fn flush(&self, host: &impl Host, now: u64) {
-        self.send_batches(host, now, false);
-    }
-
-    /// The root's tick: sends the deferred jobs (and whatever is queued
-    /// with them), then every batch that is due.
-    fn flush_deferred(&self, host: &impl Host, now: u64) {
-        self.send_batches(host, now, true);
-    }
-
-    /// Sends the outbox's due calls, as the root, until none is due.
-    fn send_batches(&self, host: &impl Host, now: u64, deferred: bool) {
-        while let Some(batch) = self.outbox.take(now, deferred) {
-            let checks = batch.iter().filter(|q| q.check().is_some()).count();
-            match self.outbox.send(host, &self.config.service, batch, now) {
-                // With group commit off, a call of one job is no batch.
-                Ok(_) if self.outbox.batching() => {
-                    self.metrics.bump(host, Stat::Batches);
-                    self.metrics.add(host, Stat::BatchedChecks, checks);
-                }
-                Ok(_) => {}
-                Err((batch, e)) => {
-                    self.guard.record_call(host, &self.metrics, false, now);
-                    self.settle_batch(host, now, &batch, Err(e));
-                }
-            }
-        }
     }
 
     /// Carries out a verdict for a paused stream from another context (the

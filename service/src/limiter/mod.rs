@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus};
+use meshlimit_protocol::{Check, CheckResult, Limit};
 use redis::Script;
 
 use crate::backend::{self, Backend};
@@ -20,7 +20,10 @@ use health::Health;
 pub use health::RedisMemory;
 mod fleet;
 mod lost;
+mod reply;
 pub use lost::lost_ask_of;
+pub(super) use reply::Run;
+use reply::{lease_args, parse_reply, receipt_needs, split_clock, wants_receipts};
 mod overrides;
 mod settle;
 mod slots;
@@ -471,136 +474,10 @@ pub(crate) fn script_label<'a>(checks: impl IntoIterator<Item = &'a Check>) -> &
     }
 }
 
-/// A check run's clock and node epoch (see [`script::ReceiptNeeds`]).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Run {
-    pub(super) clock_us: i64,
-    pub(super) epoch: i64,
-}
-
-/// A check script's reply: the run's clock and epoch (its last two
-/// values) and the rest.
-fn split_clock(values: &[i64]) -> Result<(Run, &[i64]), LimiterError> {
-    match values {
-        [rest @ .., clock_us, epoch] => Ok((
-            Run {
-                clock_us: *clock_us,
-                epoch: *epoch,
-            },
-            rest,
-        )),
-        _ => Err(LimiterError::Reply("a reply without its clock".into())),
-    }
-}
-
-/// What `check`'s receipts need from its run: a grant record's key when
-/// it asks a lease with an id (`grant`), the node's epoch when it asks
-/// receipts.
-fn receipt_needs(check: &Check, grant: bool) -> script::ReceiptNeeds {
-    match (grant, check.receipt) {
-        (true, _) => script::ReceiptNeeds::GrantRecord,
-        (false, true) => script::ReceiptNeeds::Epoch,
-        (false, false) => script::ReceiptNeeds::Nothing,
-    }
-}
-
-/// Whether a result carries receipts: its check asked for them (a
-/// reservation), or it was granted a lease (whose unused units are given
-/// back by them).
-fn wants_receipts(check: &Check, result: &CheckResult) -> bool {
-    check.receipt || result.leased > 0
-}
-
-/// The lease a check asks for, as the scripts take it: units wanted and
-/// their share; `(0, 1)` for none. (The API has checked the bounds.)
-fn lease_args(check: &Check) -> (u64, u64) {
-    check.lease.map_or((0, 1), |ask| {
-        (
-            ask.units.min(meshlimit_protocol::bounds::MAX_LEASE_UNITS),
-            ask.share
-                .clamp(1, meshlimit_protocol::bounds::MAX_LEASE_SHARE),
-        )
-    })
-}
-
 /// Distinguishes this process's nonces from other meshlimitd instances'.
 fn instance_id() -> u64 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::process::id())
-}
-
-/// Why `limit` can never admit a request of its cost, if it cannot;
-/// `effective` is its number of requests after any live override.
-fn impossible(limit: &Limit, effective: u64) -> Option<String> {
-    let capacity = meshlimit_protocol::bounds::capacity(limit.algorithm, effective, limit.burst);
-    (limit.cost > capacity).then(|| {
-        format!(
-            "cost {} exceeds the capacity {capacity} of limit {}",
-            limit.cost, limit.name
-        )
-    })
-}
-
-/// One limit's reply values (`REPLY_PER_LIMIT` of them, in decide.lua's
-/// order): fits, remaining, reset, retry, effective limit. The chunks
-/// are that long; a shorter one would read as zeros, never out of bounds.
-fn per_limit(v: &[i64]) -> [i64; script::REPLY_PER_LIMIT] {
-    let mut out = [0; script::REPLY_PER_LIMIT];
-    for (o, value) in out.iter_mut().zip(v) {
-        *o = *value;
-    }
-    out
-}
-
-fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterError> {
-    let per = script::REPLY_PER_LIMIT;
-    let expected = script::REPLY_HEAD + per * check.limits.len();
-    if values.len() != expected {
-        return Err(LimiterError::Reply(format!(
-            "{} values, expected {expected}",
-            values.len()
-        )));
-    }
-    let allowed = values.first() == Some(&1);
-    // Never more than was asked, whatever the reply says.
-    let asked = check.lease.map_or(0, |ask| ask.units);
-    let leased = values.get(1).map_or(0, |&v| v.max(0) as u64).min(asked);
-    let limits = check
-        .limits
-        .iter()
-        .zip(
-            values
-                .get(script::REPLY_HEAD..)
-                .unwrap_or_default()
-                .chunks_exact(per),
-        )
-        .map(|(limit, v)| {
-            let [fits, remaining, reset, retry, effective] = per_limit(v);
-            let effective = effective.max(1) as u64;
-            let reason = impossible(limit, effective);
-            let ok = fits == 1 && reason.is_none();
-            LimitStatus {
-                allowed: ok,
-                limit: effective,
-                remaining: remaining.max(0) as u64,
-                reset_after_ms: reset.max(0) as u64,
-                // Waiting never helps a request that can never fit.
-                retry_after_ms: if ok || reason.is_some() {
-                    0
-                } else {
-                    retry.max(0) as u64
-                },
-                shadow: limit.shadow,
-                reason,
-            }
-        })
-        .collect();
-    Ok(CheckResult {
-        allowed,
-        limits,
-        receipts: None,
-        leased: if allowed { leased } else { 0 },
-    })
 }
 
 #[cfg(test)]

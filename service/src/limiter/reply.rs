@@ -1,0 +1,133 @@
+//! A check run's arguments and reply: what a check asks of its run (a
+//! lease, receipts), and the reply read back into a decision.
+
+use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus};
+
+use super::LimiterError;
+use crate::script;
+
+/// A check run's clock and node epoch (see [`script::ReceiptNeeds`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Run {
+    pub(crate) clock_us: i64,
+    pub(crate) epoch: i64,
+}
+
+/// A check script's reply: the run's clock and epoch (its last two
+/// values) and the rest.
+pub(super) fn split_clock(values: &[i64]) -> Result<(Run, &[i64]), LimiterError> {
+    match values {
+        [rest @ .., clock_us, epoch] => Ok((
+            Run {
+                clock_us: *clock_us,
+                epoch: *epoch,
+            },
+            rest,
+        )),
+        _ => Err(LimiterError::Reply("a reply without its clock".into())),
+    }
+}
+
+/// What `check`'s receipts need from its run: a grant record's key when
+/// it asks a lease with an id (`grant`), the node's epoch when it asks
+/// receipts.
+pub(super) fn receipt_needs(check: &Check, grant: bool) -> script::ReceiptNeeds {
+    match (grant, check.receipt) {
+        (true, _) => script::ReceiptNeeds::GrantRecord,
+        (false, true) => script::ReceiptNeeds::Epoch,
+        (false, false) => script::ReceiptNeeds::Nothing,
+    }
+}
+
+/// Whether a result carries receipts: its check asked for them (a
+/// reservation), or it was granted a lease (whose unused units are given
+/// back by them).
+pub(super) fn wants_receipts(check: &Check, result: &CheckResult) -> bool {
+    check.receipt || result.leased > 0
+}
+
+/// The lease a check asks for, as the scripts take it: units wanted and
+/// their share; `(0, 1)` for none. (The API has checked the bounds.)
+pub(super) fn lease_args(check: &Check) -> (u64, u64) {
+    check.lease.map_or((0, 1), |ask| {
+        (
+            ask.units.min(meshlimit_protocol::bounds::MAX_LEASE_UNITS),
+            ask.share
+                .clamp(1, meshlimit_protocol::bounds::MAX_LEASE_SHARE),
+        )
+    })
+}
+
+/// Why `limit` can never admit a request of its cost, if it cannot;
+/// `effective` is its number of requests after any live override.
+fn impossible(limit: &Limit, effective: u64) -> Option<String> {
+    let capacity = meshlimit_protocol::bounds::capacity(limit.algorithm, effective, limit.burst);
+    (limit.cost > capacity).then(|| {
+        format!(
+            "cost {} exceeds the capacity {capacity} of limit {}",
+            limit.cost, limit.name
+        )
+    })
+}
+
+/// One limit's reply values (`REPLY_PER_LIMIT` of them, in decide.lua's
+/// order): fits, remaining, reset, retry, effective limit. The chunks
+/// are that long; a shorter one would read as zeros, never out of bounds.
+fn per_limit(v: &[i64]) -> [i64; script::REPLY_PER_LIMIT] {
+    let mut out = [0; script::REPLY_PER_LIMIT];
+    for (o, value) in out.iter_mut().zip(v) {
+        *o = *value;
+    }
+    out
+}
+
+pub(super) fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, LimiterError> {
+    let per = script::REPLY_PER_LIMIT;
+    let expected = script::REPLY_HEAD + per * check.limits.len();
+    if values.len() != expected {
+        return Err(LimiterError::Reply(format!(
+            "{} values, expected {expected}",
+            values.len()
+        )));
+    }
+    let allowed = values.first() == Some(&1);
+    // Never more than was asked, whatever the reply says.
+    let asked = check.lease.map_or(0, |ask| ask.units);
+    let leased = values.get(1).map_or(0, |&v| v.max(0) as u64).min(asked);
+    let limits = check
+        .limits
+        .iter()
+        .zip(
+            values
+                .get(script::REPLY_HEAD..)
+                .unwrap_or_default()
+                .chunks_exact(per),
+        )
+        .map(|(limit, v)| {
+            let [fits, remaining, reset, retry, effective] = per_limit(v);
+            let effective = effective.max(1) as u64;
+            let reason = impossible(limit, effective);
+            let ok = fits == 1 && reason.is_none();
+            LimitStatus {
+                allowed: ok,
+                limit: effective,
+                remaining: remaining.max(0) as u64,
+                reset_after_ms: reset.max(0) as u64,
+                // Waiting never helps a request that can never fit.
+                retry_after_ms: if ok || reason.is_some() {
+                    0
+                } else {
+                    retry.max(0) as u64
+                },
+                shadow: limit.shadow,
+                reason,
+            }
+        })
+        .collect();
+    Ok(CheckResult {
+        allowed,
+        limits,
+        receipts: None,
+        leased: if allowed { leased } else { 0 },
+    })
+}
