@@ -28,12 +28,14 @@
 
 mod answer;
 mod ask_backoff;
+mod body_priced;
 mod budget;
 mod bulk;
 mod calls;
 mod clock;
 mod decide;
 mod decision_log;
+mod deferred_deny;
 mod fleet_switch;
 mod guard;
 mod hit;
@@ -166,6 +168,8 @@ pub struct Worker {
     outbox: Outbox,
     /// Requests held at their headers until their body decides them.
     hold: HeaderHold,
+    /// HTTP/2 requests refused at their headers, answered on the tick.
+    deferred: deferred_deny::DeferredDenies,
     /// The breaker's gate, the deny cache, the shared seed, shadow counts.
     guard: Guard,
     /// RateLimit headers for streams the root admitted, by context id.
@@ -243,6 +247,7 @@ impl Worker {
             cut_log: LogThrottle::new(LOG_EVERY_MS),
             outbox,
             hold,
+            deferred: deferred_deny::DeferredDenies::default(),
             guard,
             decided_headers: RefCell::default(),
             awaiting: RefCell::default(),
@@ -327,43 +332,8 @@ impl Worker {
         if profile::SKIP_DECIDE {
             return Step::Continue;
         }
-        if let (Some(cost), false) = (check.reserves_from_body(), end_of_stream) {
-            if cost.asks_stream_usage() {
-                // The body may grow when it is read (a stream made to ask
-                // for its usage): the length it had must not go upstream.
-                // Envoy then frames the body itself (chunked over HTTP/1.1).
-                host.remove_request_header("content-length");
-            }
-            // The reservation is in the body: decide once it is in. The
-            // headers wait too where Envoy allows it (see `hold`): a denied
-            // request then never reaches the upstream. Else they go on (a
-            // paused stream would get no body callbacks) and the body
-            // waits, so the upstream sees nothing it could act on.
-            let now = self.hits.clock.read(host);
-            if self.hold.hold(stream.context_id, now) {
-                // Nothing goes on before the body decides it (a cached
-                // deny included: answered once the body is in, a refusal
-                // never cuts a client's upload short).
-                stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
-                return Step::Pause;
-            }
-            // The headers would go on: a spent budget is refused here,
-            // over HTTP/1 (a refusal before the upload ends closes the
-            // connection, and the client reads its 429). Over HTTP/2 Envoy
-            // resets a stream answered mid-upload, which clients report as
-            // a stream error rather than the 429: the body decides it.
-            let multiplexed = matches!(
-                host.property(&["request", "protocol"]).as_deref(),
-                Some(b"HTTP/2" | b"HTTP/3")
-            );
-            if !multiplexed {
-                if let decide::Outcome::Decided(step) = self.cached_deny(host, stream, now, &check)
-                {
-                    return step;
-                }
-            }
-            stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
-            return Step::Continue;
+        if check.reserves_from_body().is_some() && !end_of_stream {
+            return self.await_body(host, stream, check);
         }
         if check.reserves_from_body().is_some() {
             // No body at all: the reservation's default, and no body field.
@@ -407,6 +377,7 @@ impl Worker {
         self.decided_headers.borrow_mut().remove(&id);
         self.awaiting.borrow_mut().remove(&id);
         self.hold.forget(id);
+        self.deferred.forget(id);
         self.outbox.forget_stream(id);
         self.on_stream_gone(host, id);
     }
@@ -419,6 +390,13 @@ impl Worker {
                 if host.set_effective_context(id) {
                     host.resume_request();
                 }
+            }
+            host.set_effective_context(self.root_context_id);
+        }
+        let due = self.deferred.due(host.now_ms());
+        if !due.is_empty() {
+            for (id, deny) in due {
+                self.act_for(host, id, Verdict::Deny(deny));
             }
             host.set_effective_context(self.root_context_id);
         }

@@ -595,3 +595,53 @@ fn a_budget_counted_by_a_body_field_has_a_counter_per_value() {
     assert_eq!(reply_status(&step), Some(403));
     assert_eq!(h.stat("rejected_missing_attribute"), 1);
 }
+
+/// Over HTTP/2 a budget the deny cache knows to be spent is refused too,
+/// with nothing upstream: the stream is paused at its headers (Envoy then
+/// stops it whole, body and all) and answered on the root's tick once
+/// its client's upload is over, rather than reset mid-upload. A client
+/// gone before the tick is answered nothing.
+#[test]
+fn over_http2_a_spent_budget_is_refused_on_the_tick_with_nothing_upstream() {
+    let reserve = r#"{"request_json": "max_tokens", "default": 50, "max": 500}"#;
+    let mut h = harness_with(token_config(reserve));
+    let h2_post = |h: &mut Harness| {
+        h.next_context += 1;
+        let mut stream = h.worker.stream(h.next_context);
+        *h.host.request.borrow_mut() = FakeRequest::default()
+            .with_header(":path", b"/v1/chat")
+            .with_header(":method", b"POST")
+            .with_header("x-api-key", b"spent")
+            .with_property(&["request", "protocol"], b"HTTP/2");
+        h.host.enter(stream.context_id);
+        let step = h.worker.on_request_headers(&h.host, &mut stream, false);
+        (stream, step)
+    };
+    // Spent: the first request is refused after its body, and cached.
+    let (mut s, _) = h.post("spent");
+    h.request_body(&mut s, br#"{"max_tokens": 300}"#, true);
+    h.wake();
+    h.answer_batch(
+        h.last_token(),
+        Some(200),
+        &answer(&[r#"{"allowed":false,"limits":[{"allowed":false,"limit":1000,"remaining":0,"reset_after_ms":30000,"retry_after_ms":30000}]}"#.to_string()]),
+    );
+    h.host.take_acted();
+    let calls = h.calls();
+    let (waiting, step) = h2_post(&mut h);
+    assert_eq!(step, Step::Pause, "stopped whole at its headers");
+    let (gone, _) = h2_post(&mut h);
+    h.end(&gone);
+    h.host.enter(ROOT);
+    h.worker.on_tick(&h.host);
+    assert!(h.host.take_acted().is_empty(), "not before its wait");
+    h.advance(50);
+    h.host.enter(ROOT);
+    h.worker.on_tick(&h.host);
+    let acted = h.host.take_acted();
+    assert!(
+        matches!(&acted[..], [Acted::Replied(id, reply)] if *id == waiting.context_id && reply.status == 429),
+        "{acted:?}"
+    );
+    assert_eq!(h.calls(), calls, "without a call");
+}
