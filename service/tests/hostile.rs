@@ -338,6 +338,28 @@ fn checks_without_the_shared_token_are_refused_and_counted() {
     assert!(said.contains("--auth-token-file: the token must be 16 to 256"));
 }
 
+/// POSTs `body` to the check API, with the token of
+/// `receipts_cannot_be_forged_or_moved_to_another_subject` when `auth`:
+/// the status and the answer.
+fn post_with_token(addr: &str, body: &Value, auth: bool) -> (u16, Value) {
+    let mut headers: Vec<(&str, &[u8])> = vec![("content-type", b"application/json")];
+    if auth {
+        headers.push(("authorization", b"Bearer correct-horse-battery"));
+    }
+    let r = http::request(
+        addr,
+        "POST",
+        "/v1/check",
+        &headers,
+        &serde_json::to_vec(body).unwrap(),
+    )
+    .unwrap();
+    (
+        r.status,
+        serde_json::from_str::<Value>(&r.body).unwrap_or(Value::Null),
+    )
+}
+
 /// With a shared token, receipts carry a MAC over their subject, limit,
 /// place and units: a caller cannot give back another subject's units
 /// with receipts it was given for its own, nor claim more than a receipt
@@ -353,24 +375,7 @@ fn receipts_cannot_be_forged_or_moved_to_another_subject() {
         &["--auth-token-file", token_file.to_str().unwrap()],
     );
     let addr = f.service.addr.clone();
-    let call = |body: &Value, auth: bool| {
-        let mut headers: Vec<(&str, &[u8])> = vec![("content-type", b"application/json")];
-        if auth {
-            headers.push(("authorization", b"Bearer correct-horse-battery"));
-        }
-        let r = http::request(
-            &addr,
-            "POST",
-            "/v1/check",
-            &headers,
-            &serde_json::to_vec(body).unwrap(),
-        )
-        .unwrap();
-        (
-            r.status,
-            serde_json::from_str::<Value>(&r.body).unwrap_or(Value::Null),
-        )
-    };
+    let call = |body: &Value, auth: bool| post_with_token(&addr, body, auth);
     let limit = |cost: u64| {
         let mut l = fixed(100, 60_000);
         l["cost"] = json!(cost);

@@ -283,32 +283,6 @@ fn token_costs_are_read_and_each_mistake_named() {
             ask_stream_usage: false,
         }
     );
-    // Streams are made to ask for their usage on OpenAI's routes by
-    // default, elsewhere when told.
-    for (cost, asks) in [
-        (
-            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9},"response":{"provider":"openai"}}"#,
-            true,
-        ),
-        (
-            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9,"ask_stream_usage":false},"response":{"provider":"openai"}}"#,
-            false,
-        ),
-        (
-            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9},"response":{"provider":"anthropic"}}"#,
-            false,
-        ),
-        (
-            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9,"ask_stream_usage":true},"response":{"sse_json":"usage.total_tokens"}}"#,
-            true,
-        ),
-    ] {
-        let c = parse_str(&rule(cost)).unwrap();
-        let Cost::Tokens(t) = &c.rules[0].cost else {
-            panic!("a token cost")
-        };
-        assert_eq!(t.asks_stream_usage(), asks, "{cost}");
-    }
     let after = parse_str(&rule(
         r#"{"mode":"after","response":{"sse_json":"usage.total_tokens"}}"#,
     ));
@@ -940,5 +914,35 @@ fn a_body_field_counts_only_where_the_body_is_read() {
             at,
             "a dotted path",
         );
+    }
+}
+
+#[test]
+fn streams_ask_for_their_usage_on_openai_routes_by_default() {
+    let rule = token_rule;
+    // Elsewhere when told.
+    for (cost, asks) in [
+        (
+            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9},"response":{"provider":"openai"}}"#,
+            true,
+        ),
+        (
+            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9,"ask_stream_usage":false},"response":{"provider":"openai"}}"#,
+            false,
+        ),
+        (
+            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9},"response":{"provider":"anthropic"}}"#,
+            false,
+        ),
+        (
+            r#"{"reserve":{"request_json":"max_tokens","default":1,"max":9,"ask_stream_usage":true},"response":{"sse_json":"usage.total_tokens"}}"#,
+            true,
+        ),
+    ] {
+        let c = parse_str(&rule(cost)).unwrap();
+        let Cost::Tokens(t) = &c.rules[0].cost else {
+            panic!("a token cost")
+        };
+        assert_eq!(t.asks_stream_usage(), asks, "{cost}");
     }
 }

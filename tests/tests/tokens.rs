@@ -814,8 +814,13 @@ fn sixty_four_mixed_requests_keep_the_budget_and_settle_exactly() {
         expected,
         "{outcomes:?}"
     );
-    // Every call carried the token, and every settlement's receipts
-    // verified.
+    assert_every_call_authorized(&t);
+    assert_no_vm_panics(&t);
+}
+
+/// Every call to meshlimitd carried the shared token, and every
+/// settlement's receipts verified.
+fn assert_every_call_authorized(t: &Topology) {
     let metrics = meshlimit_testbed::http::get(&t.meshlimitd_addr(), "/metrics", &[])
         .unwrap()
         .body;
@@ -826,7 +831,6 @@ fn sixty_four_mixed_requests_keep_the_budget_and_settle_exactly() {
     ] {
         assert!(metrics.contains(line), "{line}: {metrics}");
     }
-    assert_no_vm_panics(&t);
 }
 
 /// A streamed chat request through curl (HTTP/1.1, or HTTP/2 with prior

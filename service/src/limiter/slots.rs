@@ -45,11 +45,7 @@ impl Limiter {
                 let nonce = self.add_fixed_args(&mut invocation);
                 // No lease (nor grant record): a check spread over slots
                 // is decided per request.
-                let needs = if check.receipt {
-                    crate::script::ReceiptNeeds::Epoch
-                } else {
-                    crate::script::ReceiptNeeds::Nothing
-                };
+                let needs = super::receipt_needs(check, false);
                 invocation.arg(0).arg(1).arg(needs as u8);
                 self.add_limits(&mut invocation, check, &limits);
                 let what = super::script_label(std::iter::once(check));
