@@ -281,10 +281,13 @@ fn the_first_millisecond_of_a_window_is_the_new_window() {
     assert_eq!(wrong, 0);
 }
 
-/// With `--auth-token-file`, a check without the shared token, or with a
-/// wrong one, gets 401, is counted, and changes nothing.
-#[test]
-fn checks_without_the_shared_token_are_refused_and_counted() {
+/// meshlimitd started with `--auth-token-file` holding
+/// `correct-horse-battery`: the file's directory, the file, meshlimitd.
+fn start_with_token() -> (
+    meshlimit_testbed::procs::TempDir,
+    std::path::PathBuf,
+    Standalone,
+) {
     let dir = meshlimit_testbed::procs::TempDir::new("token");
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, "correct-horse-battery\n").unwrap();
@@ -292,6 +295,14 @@ fn checks_without_the_shared_token_are_refused_and_counted() {
         Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
         &["--auth-token-file", token_file.to_str().unwrap()],
     );
+    (dir, token_file, f)
+}
+
+/// With `--auth-token-file`, a check without the shared token, or with a
+/// wrong one, gets 401, is counted, and changes nothing.
+#[test]
+fn checks_without_the_shared_token_are_refused_and_counted() {
+    let (_dir, token_file, f) = start_with_token();
     let addr = f.service.addr.clone();
     let body =
         serde_json::to_vec(&json!({"checks": [{"subject": "s", "limits": [fixed(5, 60_000)]}]}))
@@ -367,13 +378,7 @@ fn post_with_token(addr: &str, body: &Value, auth: bool) -> (u16, Value) {
 /// bob's counter went from 50 to 10 on alice's receipts.
 #[test]
 fn receipts_cannot_be_forged_or_moved_to_another_subject() {
-    let dir = meshlimit_testbed::procs::TempDir::new("receipts");
-    let token_file = dir.path().join("token");
-    std::fs::write(&token_file, "correct-horse-battery\n").unwrap();
-    let f = Standalone::start(
-        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
-        &["--auth-token-file", token_file.to_str().unwrap()],
-    );
+    let (_dir, _, f) = start_with_token();
     let addr = f.service.addr.clone();
     let call = |body: &Value, auth: bool| post_with_token(&addr, body, auth);
     let limit = |cost: u64| {
