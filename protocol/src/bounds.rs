@@ -29,6 +29,10 @@ pub const MAX_COST: u64 = 1_000_000;
 pub const MAX_LEASE_UNITS: u64 = MAX_COST;
 /// Largest divisor of what remains that a lease may ask for.
 pub const MAX_LEASE_SHARE: u64 = 1_000_000;
+/// How long meshlimitd keeps a lease grant's record, and the mark of an
+/// ask named lost (milliseconds; `GRANT_RECORD_MS` in `decide.lua`): a
+/// caller names a lost ask within this, or there is nothing left to name.
+pub const GRANT_RECORD_MS: u64 = 10_000;
 
 /// The field of a limit that breaks a rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

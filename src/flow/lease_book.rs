@@ -39,9 +39,9 @@ pub(super) struct LeaseBook {
 
 /// Lost asks kept at most (the oldest go first).
 const MAX_LOST: usize = 256;
-/// How long meshlimitd keeps a grant's record (`GRANT_RECORD_MS` in
-/// `decide.lua`): a lost ask older than this has nothing left to name.
-const LOST_FOR_MS: u64 = 10_000;
+/// How long meshlimitd keeps a grant's record: a lost ask older than this
+/// has nothing left to name.
+const LOST_FOR_MS: u64 = meshlimit_protocol::bounds::GRANT_RECORD_MS;
 
 impl LeaseBook {
     /// The book of a worker with `leases` (off: `None`); asks the host for

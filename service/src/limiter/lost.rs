@@ -16,7 +16,7 @@ use super::{Limiter, LimiterError};
 use crate::keys;
 
 /// How long a `lost` mark lives (as long as a grant's record).
-const LOST_MARK_MS: u64 = 10_000;
+const LOST_MARK_MS: u64 = meshlimit_protocol::bounds::GRANT_RECORD_MS;
 
 impl Limiter {
     /// Gives back what the lost ask `lost` was granted, if it was and
