@@ -103,12 +103,6 @@ pub struct Receipt {
     pub clock_us: u64,
     pub nonce: String,
     pub place: u32,
-    /// The Redis node's epoch when the run charged it (its run id's first
-    /// 48 bits; 0: unknown). A node that restarted since (or a replica
-    /// that took over) has another, and gives nothing back on this
-    /// receipt: its counters may be new ones that never held these units.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub epoch: u64,
     /// Units charged on the limit by that run (its cost and its lease):
     /// a settlement of this receipt reserves at most these.
     #[serde(default, skip_serializing_if = "is_zero")]

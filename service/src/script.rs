@@ -47,16 +47,14 @@
 //! KEYS: one counter per limit; with overrides, then one override per
 //!       limit; then, for a lease ask with an id, its grant record.
 //! ARGV: nonce, overrides (0/1), test clock key ('' in production), lease
-//!       units wanted and share, what the receipts need (see
-//!       [`ReceiptNeeds`]), then per limit: algorithm, requests,
+//!       units wanted and share, whether a grant record's key follows
+//!       (0/1), then per limit: algorithm, requests,
 //!       window_ms, cost, burst, shadow (0/1), calendar ('' or
 //!       `month:120`). Laid out by [`check_args`] and [`limit_args`]
 //!       (meshlimitd and the bench's redis-benchmark row alike).
 //! Returns: allowed, then per limit: fits, remaining, reset_after_ms,
 //!          retry_after_ms, limit (after any override); then the run's
-//!          clock (microseconds), a reservation's receipt with the nonce,
-//!          and the node's epoch (its run id's first 48 bits; 0 when no
-//!          receipt of the run needs it).
+//!          clock (microseconds), a reservation's receipt with the nonce.
 
 /// Arguments per limit after the fixed ones (`ARGS_PER_LIMIT` in
 /// `decide.lua`).
@@ -68,31 +66,18 @@ pub const REPLY_PER_LIMIT: usize = 5;
 /// leased).
 pub const REPLY_HEAD: usize = 2;
 /// Arguments per limit of [`SETTLE`] (`SETTLE_ARGS` in `settle.lua`).
-pub const SETTLE_ARGS: usize = 11;
-
-/// What a check's receipts need from its run (the scripts' per-check
-/// `0`, `1`, `2`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReceiptNeeds {
-    /// No receipt asked (a lease granted still gets the node's epoch).
-    Nothing = 0,
-    /// A lease ask with an id: its grant record's key follows the check's
-    /// keys.
-    GrantRecord = 1,
-    /// Receipts (a reservation): the node's epoch, no record.
-    Epoch = 2,
-}
+pub const SETTLE_ARGS: usize = 10;
 
 /// [`CHECK`]'s arguments before its limits': the run's nonce, whether live
 /// overrides are read, the test clock key ('' in production), the lease
-/// units wanted and their share (`(0, 1)`: no lease), and what the check's
-/// receipts need.
+/// units wanted and their share (`(0, 1)`: no lease), and whether a grant
+/// record's key follows the check's keys.
 pub fn check_args(
     nonce: &str,
     overrides: bool,
     clock_key: &str,
     (want, share): (u64, u64),
-    needs: ReceiptNeeds,
+    grant: bool,
 ) -> [String; 6] {
     [
         nonce.to_string(),
@@ -100,7 +85,7 @@ pub fn check_args(
         clock_key.to_string(),
         want.to_string(),
         share.to_string(),
-        (needs as u8).to_string(),
+        u8::from(grant).to_string(),
     ]
 }
 

@@ -345,8 +345,7 @@ fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
     let run = |con: &mut redis::Connection, want: u64, share: u64| -> Vec<i64> {
         let s = redis::Script::new(script::CHECK);
         let mut invocation = s.key("ml:{t}:api/minute:fw:60000");
-        for arg in script::check_args("n", false, "", (want, share), script::ReceiptNeeds::Nothing)
-        {
+        for arg in script::check_args("n", false, "", (want, share), false) {
             invocation.arg(arg);
         }
         for arg in script::limit_args(&limit) {
@@ -354,11 +353,11 @@ fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
         }
         invocation.invoke(con).unwrap()
     };
-    // allowed, leased, then per limit, then the clock and the epoch.
+    // allowed, leased, then per limit, then the clock.
     let first = run(&mut con, 0, 1);
     assert_eq!(
         first.len(),
-        script::REPLY_HEAD + script::REPLY_PER_LIMIT + 2,
+        script::REPLY_HEAD + script::REPLY_PER_LIMIT + 1,
         "{first:?}"
     );
     assert_eq!((first[0], first[1]), (1, 0));

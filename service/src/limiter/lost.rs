@@ -58,7 +58,6 @@ impl Limiter {
                     clock_us,
                     nonce: nonce.to_string(),
                     place: place as u32,
-                    epoch: 0,
                     units: 0,
                     mac: String::new(),
                 })

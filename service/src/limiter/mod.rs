@@ -22,8 +22,6 @@ mod fleet;
 mod lost;
 mod reply;
 pub use lost::lost_ask_of;
-use reply::receipt_needs;
-pub(super) use reply::Run;
 use reply::{lease_args, parse_reply, split_clock, wants_receipts};
 mod overrides;
 mod settle;
@@ -178,7 +176,7 @@ impl Limiter {
             self.overrides,
             &self.clock_key,
             lease_args(check),
-            receipt_needs(check, grant.is_some()),
+            grant.is_some(),
         ) {
             invocation.arg(arg);
         }
@@ -187,10 +185,10 @@ impl Limiter {
             invocation.key(key);
         }
         let values = self.run(slot, &invocation, script_label([check])).await?;
-        let (run, reply) = split_clock(&values)?;
+        let (clock, reply) = split_clock(&values)?;
         let mut result = parse_reply(check, reply)?;
         if wants_receipts(check, &result) {
-            result.receipts = receipts(&result, run, &nonce);
+            result.receipts = receipts(&result, clock, &nonce);
         }
         Ok(result)
     }
@@ -277,7 +275,7 @@ impl Limiter {
                 .arg(check.limits.len())
                 .arg(want)
                 .arg(share)
-                .arg(receipt_needs(check, grant.is_some()) as u8);
+                .arg(u8::from(grant.is_some()));
             self.add_limits(&mut invocation, check, &check.limits);
             if let Some(key) = grant {
                 invocation.key(key);
@@ -290,7 +288,7 @@ impl Limiter {
             .unwrap_or_default();
         let what = script_label(checks.iter().copied());
         let values = self.run(slot, &invocation, what).await?;
-        let (run, mut rest) = split_clock(&values)?;
+        let (clock, mut rest) = split_clock(&values)?;
         let mut results = Vec::with_capacity(checks.len());
         for (c, check) in checks.iter().enumerate() {
             let n =
@@ -298,7 +296,7 @@ impl Limiter {
             let (mine, after) = rest.split_at(n);
             let mut result = parse_reply(check, mine)?;
             if wants_receipts(check, &result) {
-                result.receipts = receipts(&result, run, &format!("{nonce}.{}", c + 1));
+                result.receipts = receipts(&result, clock, &format!("{nonce}.{}", c + 1));
             }
             results.push(result);
             rest = after;

@@ -6,37 +6,12 @@ use meshlimit_protocol::{Check, CheckResult, Limit, LimitStatus};
 use super::LimiterError;
 use crate::script;
 
-/// A check run's clock and node epoch (see [`script::ReceiptNeeds`]).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Run {
-    pub(crate) clock_us: i64,
-    pub(crate) epoch: i64,
-}
-
-/// A check script's reply: the run's clock and epoch (its last two
-/// values) and the rest.
-pub(super) fn split_clock(values: &[i64]) -> Result<(Run, &[i64]), LimiterError> {
-    match values {
-        [rest @ .., clock_us, epoch] => Ok((
-            Run {
-                clock_us: *clock_us,
-                epoch: *epoch,
-            },
-            rest,
-        )),
-        _ => Err(LimiterError::Reply("a reply without its clock".into())),
-    }
-}
-
-/// What `check`'s receipts need from its run: a grant record's key when
-/// it asks a lease with an id (`grant`), the node's epoch when it asks
-/// receipts.
-pub(super) fn receipt_needs(check: &Check, grant: bool) -> script::ReceiptNeeds {
-    match (grant, check.receipt) {
-        (true, _) => script::ReceiptNeeds::GrantRecord,
-        (false, true) => script::ReceiptNeeds::Epoch,
-        (false, false) => script::ReceiptNeeds::Nothing,
-    }
+/// A check script's reply: the run's clock (its last value) and the rest.
+pub(super) fn split_clock(values: &[i64]) -> Result<(i64, &[i64]), LimiterError> {
+    values
+        .split_last()
+        .map(|(clock, rest)| (*clock, rest))
+        .ok_or_else(|| LimiterError::Reply("empty reply".into()))
 }
 
 /// Whether a result carries receipts: its check asked for them (a

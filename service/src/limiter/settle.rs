@@ -59,8 +59,7 @@ impl Limiter {
                     .arg(calendar_arg(limit))
                     .arg(receipt.clock_us)
                     .arg(&receipt.nonce)
-                    .arg(receipt.place)
-                    .arg(receipt.epoch);
+                    .arg(receipt.place);
             }
             if self.overrides {
                 // Their override keys, in the same order (see settle.lua).
@@ -98,16 +97,15 @@ impl Limiter {
 }
 
 /// Where an admitted check's limits were charged (a reservation's
-/// receipt): the run's clock, nonce and node epoch, each limit's place in
-/// the run. None for a denied check (it charged nothing).
-pub(super) fn receipts(result: &CheckResult, run: super::Run, nonce: &str) -> Option<Vec<Receipt>> {
+/// receipt): the run's clock and nonce, each limit's place in the run.
+/// None for a denied check (it charged nothing).
+pub(super) fn receipts(result: &CheckResult, clock: i64, nonce: &str) -> Option<Vec<Receipt>> {
     result.allowed.then(|| {
         (1..=result.limits.len())
             .map(|place| Receipt {
-                clock_us: run.clock_us.max(0) as u64,
+                clock_us: clock.max(0) as u64,
                 nonce: nonce.to_string(),
                 place: place as u32,
-                epoch: run.epoch.max(0) as u64,
                 units: 0,
                 mac: String::new(),
             })

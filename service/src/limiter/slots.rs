@@ -45,12 +45,11 @@ impl Limiter {
                 let nonce = self.add_fixed_args(&mut invocation);
                 // No lease (nor grant record): a check spread over slots
                 // is decided per request.
-                let needs = super::receipt_needs(check, false);
-                invocation.arg(0).arg(1).arg(needs as u8);
+                invocation.arg(0).arg(1).arg(0);
                 self.add_limits(&mut invocation, check, &limits);
                 let what = super::script_label(std::iter::once(check));
                 let values = self.run(*slot, &invocation, what).await?;
-                let (run, reply) = split_clock(&values)?;
+                let (clock, reply) = split_clock(&values)?;
                 let part = Check {
                     subject: check.subject.clone(),
                     limits: limits.clone(),
@@ -60,9 +59,9 @@ impl Limiter {
                 };
                 let mut result = parse_reply(&part, reply)?;
                 if check.receipt {
-                    result.receipts = receipts(&result, run, &nonce);
+                    result.receipts = receipts(&result, clock, &nonce);
                 }
-                Ok::<_, LimiterError>((nonce, run.clock_us, limits, result))
+                Ok::<_, LimiterError>((nonce, clock, limits, result))
             }
         }))
         .await;
@@ -146,7 +145,6 @@ impl Limiter {
                 clock_us: clock.max(0) as u64,
                 nonce: nonce.to_string(),
                 place: place as u32 + 1,
-                epoch: 0,
                 units: 0,
                 mac: String::new(),
             });

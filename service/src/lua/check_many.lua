@@ -1,28 +1,23 @@
 -- Several checks per run, decided one after the other, each all or
 -- nothing on its own; one clock for all. ARGV: nonce, overrides (0/1),
 -- test clock key, number of checks, then per check its number of limits,
--- the lease units it wants and their share (0 and 1: no lease), what its
--- receipts need (0: none, 1: a grant record's key follows its keys, 2:
--- receipts without one), and its limits' arguments. Returns every
--- check's reply, then the run's clock (microseconds: with the nonce, the
--- receipt of a reservation) and the node's epoch (0 when no receipt needs
--- it). Follows decide.lua.
+-- the lease units it wants and their share (0 and 1: no lease), whether
+-- a grant record's key follows its keys (0/1), and its limits' arguments.
+-- Returns every check's reply, then the run's clock (microseconds: with
+-- the nonce, the receipt of a reservation). Follows decide.lua.
 local ovr = tonumber(ARGV[2])
 local now_us = clock(ARGV[3])
 local out, k, a = {}, 0, 4
-local receipts = false
 for c = 1, tonumber(ARGV[4]) do
   local n = tonumber(ARGV[a + 1])
   local g = tonumber(ARGV[a + 4])
-  local grant, gkeys = nil, 0
-  if g == 1 then grant, gkeys = k + n * (1 + ovr) + 1, 1 end
+  local grant = nil
+  if g == 1 then grant = k + n * (1 + ovr) + 1 end
   local r = decide(k, n, a + 4, ARGV[1] .. '.' .. c, now_us, ovr,
                    tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), grant)
-  if g > 0 or r[2] > 0 then receipts = true end
   for j = 1, #r do out[#out + 1] = r[j] end
-  k = k + n * (1 + ovr) + gkeys
+  k = k + n * (1 + ovr) + g
   a = a + 4 + ARGS_PER_LIMIT * n
 end
 out[#out + 1] = now_us
-if receipts then out[#out + 1] = epoch() else out[#out + 1] = 0 end
 return out

@@ -79,15 +79,6 @@ local function calendar_reset(now, cal)
   return last * DAY - off - now
 end
 
--- The node's epoch: its run id's first 48 bits. A restarted Redis (and a
--- replica that took over) has another: a receipt made under an older
--- epoch names counters that may not hold its units any more (see
--- settle.lua). Read only by runs that make receipts.
-local function epoch()
-  local id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
-  return tonumber(string.sub(id, 1, 12), 16) or 0
-end
-
 -- The clock of a run: Redis TIME in microseconds, shifted by the value
 -- (milliseconds) of the key named `clock_key` when meshlimitd runs with
 -- its test hook (--test-clock-offset-key); '' in production.

@@ -12,13 +12,8 @@
 -- clock key, whether overrides are on ('1' or '0'), then SETTLE_ARGS per
 -- limit: algorithm, limit (as configured), window_ms, reserved, actual,
 -- burst, calendar, and the reservation's receipt: its run's clock
--- (microseconds), nonce, the limit's place in that run, and the node's
--- epoch then (0: unknown). Returns the units each limit has left now.
---
--- A receipt of another epoch was made before this node restarted (or
--- before a replica took over): its counters may have been lost and made
--- anew since, holding none of its units. Nothing is given back on it (a
--- refund, a lease's return); what was used beyond it is still charged.
+-- (microseconds), nonce, and the limit's place in that run. Returns the
+-- units each limit has left now.
 --
 -- A live override replaces the limit (and a burst that was the limit) as
 -- it does when checks are decided: a token bucket's units are measured in
@@ -30,7 +25,7 @@
 -- `p`); the sliding log removes the reservation's last members, or adds
 -- members beside them; the token bucket moves its arrival time by the
 -- difference (back, never before now).
-local SETTLE_ARGS = 11
+local SETTLE_ARGS = 10
 -- How far a fixed window counter's deadline may be from the window's last
 -- millisecond and still be that window's: Redis Cluster's MIGRATE moves a
 -- key with its time to live, so on its new node it expires a millisecond
@@ -42,7 +37,6 @@ local ovr = ARGV[2] == '1'
 local n = #KEYS
 if ovr then n = n / 2 end
 local out = {}
-local node_epoch = nil
 for i = 1, n do
   local b = 2 + (i - 1) * SETTLE_ARGS
   local alg, limit, window = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
@@ -58,11 +52,6 @@ for i = 1, n do
   local cal, at_us, nonce, place = ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9], ARGV[b + 10]
   local at = math.floor(at_us / 1000)
   local delta = actual - reserved
-  local receipt_epoch = tonumber(ARGV[b + 11]) or 0
-  if delta < 0 and receipt_epoch ~= 0 then
-    node_epoch = node_epoch or epoch()
-    if node_epoch ~= receipt_epoch then delta = 0 end
-  end
   local key = KEYS[i]
   local remaining = 0
   if alg == 'fw' then

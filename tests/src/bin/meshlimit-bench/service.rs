@@ -84,7 +84,7 @@ pub(crate) fn redis_benchmark(host: &str, sha: &str) -> f64 {
             false,
             "",
             (0, 1),
-            meshlimitd::script::ReceiptNeeds::Nothing,
+            false,
         ))
         .args(meshlimitd::script::limit_args(&meshlimit_protocol::Limit {
             name: "api/hour".into(),
