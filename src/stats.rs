@@ -58,6 +58,7 @@ pub enum Stat {
     LeaseGrants,
     LeaseUnits,
     LeaseReturns,
+    LeaseReturnsUnconfirmed,
     AnswersLost,
     LeaseAsksLost,
     LeaseHits,
@@ -67,7 +68,7 @@ pub enum Stat {
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 40] = [
+    pub const ALL: [Stat; 41] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -103,6 +104,7 @@ impl Stat {
         Stat::LeaseGrants,
         Stat::LeaseUnits,
         Stat::LeaseReturns,
+        Stat::LeaseReturnsUnconfirmed,
         Stat::AnswersLost,
         Stat::LeaseAsksLost,
         Stat::LeaseHits,
@@ -298,6 +300,11 @@ impl Stat {
                 "meshlimit.lease_returns",
                 Counter,
                 "leased units given back unused (a lease that expired early or went idle)",
+            ),
+            Stat::LeaseReturnsUnconfirmed => (
+                "meshlimit.lease_returns_unconfirmed",
+                Counter,
+                "leased units given back without meshlimitd confirming it (refused, or the call failed: perhaps given back, perhaps still charged until their window ends)",
             ),
             Stat::AnswersLost => (
                 "meshlimit.answers_lost",

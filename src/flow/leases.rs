@@ -481,12 +481,17 @@ impl Worker {
     /// Sends returns in the worker's next batch (or a call of their own);
     /// `context_id` is the context current now (it is current again after).
     fn send_returns(&self, host: &impl Host, context_id: u32, settlements: Vec<Settlement>) {
+        let units = returned_units(&settlements);
         if let Err(e) = self.send_job(host, context_id, Job::Return { settlements }) {
-            self.return_failed(host, &e.to_string());
+            self.return_failed(host, &e.to_string(), units);
         }
     }
 
-    fn return_failed(&self, host: &impl Host, why: &str) {
+    /// Returns of `units` that meshlimitd did not confirm (refused, or
+    /// their call failed: perhaps applied, perhaps lost), counted.
+    fn return_failed(&self, host: &impl Host, why: &str, units: u64) {
+        self.metrics
+            .add(host, Stat::LeaseReturnsUnconfirmed, units as usize);
         if let Some(skipped) = self.error_log.allow(host.now_ms()) {
             warn!(
                 "cannot give leased units back ({why}); they stay charged until their window ends ({skipped} similar lines suppressed)"
@@ -503,18 +508,27 @@ impl Worker {
     ) {
         let outcomes = match outcomes {
             Ok(outcomes) => outcomes,
-            Err(e) => return self.return_failed(host, &e.to_string()),
+            Err(e) => return self.return_failed(host, &e.to_string(), returned_units(settlements)),
         };
         for (settlement, outcome) in settlements.iter().zip(outcomes) {
+            let units = returned_units(std::slice::from_ref(settlement));
             match outcome {
                 SettleOutcome::Settled { .. } => {
-                    let units = settlement.limits.first().map_or(0, |l| l.cost);
                     self.metrics.add(host, Stat::LeaseReturns, units as usize);
                 }
-                SettleOutcome::Failed(f) => self.return_failed(host, &f.error),
+                SettleOutcome::Failed(f) => self.return_failed(host, &f.error, units),
             }
         }
     }
+}
+
+/// The units lease returns give back (each limit of one is given back the
+/// same units: its first's).
+fn returned_units(settlements: &[Settlement]) -> u64 {
+    settlements
+        .iter()
+        .map(|s| s.limits.first().map_or(0, |l| l.cost))
+        .sum()
 }
 
 /// Lost asks whose job could not be queued, kept for the next call.
