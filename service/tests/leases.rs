@@ -294,14 +294,7 @@ fn what_a_decision_leased_after_its_caller_gave_up_goes_back() {
         999,
         "only this check is charged: {after}"
     );
-    let metrics = meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[]).unwrap();
-    assert!(
-        metrics
-            .body
-            .contains("meshlimitd_abandoned_units_given_back_total 201"),
-        "{}",
-        metrics.body
-    );
+    assert_metric(&f, "meshlimitd_abandoned_units_given_back_total 201");
 }
 
 /// A decision that took over half its caller's budget is answered without
@@ -342,17 +335,18 @@ fn a_late_decision_sends_no_lease_and_gives_it_back() {
         998,
         "the request's unit and this one: {after}"
     );
-    let metrics = meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[]).unwrap();
-    assert!(
-        metrics
-            .body
-            .contains("meshlimitd_late_lease_units_withheld_total 200"),
-        "{}",
-        metrics.body
-    );
+    assert_metric(&f, "meshlimitd_late_lease_units_withheld_total 200");
     // Decided in time, the lease is sent as before.
     let quick = ask(&f, "quick", std::slice::from_ref(&l), 200, 1);
     assert_eq!(quick["leased"], 200, "{quick}");
+}
+
+/// meshlimitd's metrics hold `line`.
+fn assert_metric(f: &Standalone, line: &str) {
+    let metrics = meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[])
+        .unwrap()
+        .body;
+    assert!(metrics.contains(line), "{line}: {metrics}");
 }
 
 fn ask_with_id(f: &Standalone, subject: &str, l: &Value, units: u64, id: u64) -> Value {
@@ -398,11 +392,6 @@ fn a_lost_grant_goes_back_exactly_once() {
     for _ in 0..3 {
         name_lost(&f, "lost", &l, 7);
     }
-    let metrics = || {
-        meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[])
-            .unwrap()
-            .body
-    };
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert_eq!(
         f.redis
@@ -411,11 +400,7 @@ fn a_lost_grant_goes_back_exactly_once() {
         "",
         "given back whole, once"
     );
-    assert!(
-        metrics().contains("meshlimitd_lost_ask_units_given_back_total 201"),
-        "{}",
-        metrics()
-    );
+    assert_metric(&f, "meshlimitd_lost_ask_units_given_back_total 201");
     // Named lost before it ran: it runs, decides its request, leases nothing.
     name_lost(&f, "early", &l, 8);
     let early = ask_with_id(&f, "early", &l, 200, 8);
@@ -443,9 +428,5 @@ fn a_lost_grant_goes_back_exactly_once() {
     std::thread::sleep(std::time::Duration::from_millis(200));
     let after = ask(&f, "both", std::slice::from_ref(&l), 0, 1);
     assert_eq!(remaining(&after, 0), 999, "given back once: {after}");
-    assert!(
-        metrics().contains("meshlimitd_lost_ask_units_given_back_total 402"),
-        "{}",
-        metrics()
-    );
+    assert_metric(&f, "meshlimitd_lost_ask_units_given_back_total 402");
 }
