@@ -12,7 +12,7 @@
 //! whichever comes first gives the units back, the others find nothing.
 //! A check without an id is given back by its receipts, as before ids.
 
-use meshlimit_protocol::{CheckOutcome, CheckRequest, LostAsk, Settlement};
+use meshlimit_protocol::{Check, CheckOutcome, CheckRequest, LostAsk, Receipt, Settlement};
 use tracing::warn;
 
 use super::decide::{settle_all, Decided};
@@ -53,20 +53,12 @@ pub async fn give_back(state: &AppState, request: &CheckRequest, decided: &Decid
                     }
                 }
                 let receipts = result.receipts.clone()?;
-                let limits = check
-                    .limits
-                    .iter()
-                    .map(|l| meshlimit_protocol::Limit {
-                        cost: l.cost + result.leased,
-                        ..l.clone()
-                    })
-                    .collect::<Vec<_>>();
-                Some(GiveBack::Settle(Settlement {
-                    subject: check.subject.clone(),
-                    actual: vec![0; limits.len()],
-                    limits,
+                Some(GiveBack::Settle(charged(
+                    check,
+                    result.leased,
                     receipts,
-                }))
+                    false,
+                )))
             }
             _ => None,
         })
@@ -105,19 +97,7 @@ pub fn withhold_leases(request: &CheckRequest, decided: &mut Decided) -> Vec<Giv
         let cost = check.limits.first().map_or(0, |l| l.cost);
         give.push(match lost_ask_of(check) {
             Some(ask) => GiveBack::Forget { ask, keep: cost },
-            None => GiveBack::Settle(Settlement {
-                subject: check.subject.clone(),
-                limits: check
-                    .limits
-                    .iter()
-                    .map(|l| meshlimit_protocol::Limit {
-                        cost: l.cost + leased,
-                        ..l.clone()
-                    })
-                    .collect(),
-                actual: check.limits.iter().map(|l| l.cost).collect(),
-                receipts,
-            }),
+            None => GiveBack::Settle(charged(check, leased, receipts, true)),
         });
         for status in &mut result.limits {
             status.remaining = status.remaining.saturating_add(leased).min(status.limit);
@@ -127,6 +107,29 @@ pub fn withhold_leases(request: &CheckRequest, decided: &mut Decided) -> Vec<Giv
         }
     }
     give
+}
+
+/// The settlement of what `check` was charged (its cost and `leased`
+/// units) where `receipts` say: given back whole, or all but the
+/// request's own cost when `keep_cost` (its request was answered).
+fn charged(check: &Check, leased: u64, receipts: Vec<Receipt>, keep_cost: bool) -> Settlement {
+    Settlement {
+        subject: check.subject.clone(),
+        limits: check
+            .limits
+            .iter()
+            .map(|l| meshlimit_protocol::Limit {
+                cost: l.cost + leased,
+                ..l.clone()
+            })
+            .collect(),
+        actual: check
+            .limits
+            .iter()
+            .map(|l| if keep_cost { l.cost } else { 0 })
+            .collect(),
+        receipts,
+    }
 }
 
 /// Gives back what each lost ask was granted, once: the units.
