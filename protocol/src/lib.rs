@@ -103,6 +103,13 @@ pub struct Receipt {
     pub clock_us: u64,
     pub nonce: String,
     pub place: u32,
+    /// The epoch of the subject's counters when that run charged them (0:
+    /// unknown, as on a sliding log, which needs none). Redis that lost
+    /// the counters since (a restart) has another, and a return or refund
+    /// on this receipt gives nothing back: the counter of the same name is
+    /// a new one that never held these units.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u64,
     /// Units charged on the limit by that run (its cost and its lease):
     /// a settlement of this receipt reserves at most these.
     #[serde(default, skip_serializing_if = "is_zero")]

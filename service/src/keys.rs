@@ -6,6 +6,8 @@
 //! ml:{h:3f1c…(64 hex)}:api/per-minute:fw:60000
 //! ml:{e:hdr:x-api-key:alice}:api/monthly:fw:month+120
 //! ml:{e:hdr:x-api-key:alice}:api/per-minute:ovr      (a live override)
+//! ml:{e:hdr:x-api-key:alice}:epoch                   (its counters' epoch)
+//! ml:{e:hdr:x-api-key:alice}:grant:00000000000004d2   (a lease grant's record)
 //! ```
 //!
 //! The subject is client input, so it never reaches a key as is. The tag is
@@ -68,6 +70,12 @@ pub fn tag_slot(tag: &str) -> u16 {
 /// subject of tag `tag`: `ml:{e:alice}:grant:00000000000004d2`.
 pub fn grant_key(prefix: &str, tag: &str, id: u64) -> String {
     format!("{prefix}{{{tag}}}:grant:{id:016x}")
+}
+
+/// The key of the epoch of the subject of tag `tag`'s counters (see
+/// `decide.lua`, `touch_epoch`): `ml:{e:alice}:epoch`.
+pub fn epoch_key(prefix: &str, tag: &str) -> String {
+    format!("{prefix}{{{tag}}}:epoch")
 }
 
 /// The key of one limit's counter for the subject of tag `tag`.

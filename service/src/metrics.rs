@@ -55,6 +55,7 @@ pub struct Metrics {
     abandoned_given_back: Counter,
     late_leases_withheld: Counter,
     lost_asks_given_back: Counter,
+    returns_on_lost_counters: Counter,
     full_coverage_required: Gauge,
     redis_healthy: Gauge,
     fleet_shadow: Gauge,
@@ -200,6 +201,12 @@ impl Metrics {
             "Units given back for lease asks whose answers were lost, as their callers named them (or as meshlimitd gave them up itself)",
             lost_asks_given_back.clone(),
         );
+        let returns_on_lost_counters = Counter::default();
+        registry.register(
+            "return_units_on_lost_counters",
+            "Units a lease return or refund did not give back: its receipt is older than its subject's counters (Redis lost them since: a restart, an eviction), which never held them",
+            returns_on_lost_counters.clone(),
+        );
         let unauthorized = Counter::default();
         registry.register(
             "unauthorized",
@@ -232,6 +239,7 @@ impl Metrics {
             abandoned_given_back,
             late_leases_withheld,
             lost_asks_given_back,
+            returns_on_lost_counters,
             full_coverage_required,
             redis_healthy,
             fleet_shadow,
@@ -341,6 +349,11 @@ impl Metrics {
 
     pub fn lost_asks_given_back(&self, units: u64) {
         self.lost_asks_given_back.inc_by(units);
+    }
+
+    /// Units of returns refused: their counters were lost since.
+    pub fn returns_on_lost_counters(&self, units: u64) {
+        self.returns_on_lost_counters.inc_by(units);
     }
 
     pub fn abandoned_given_back(&self, units: u64) {

@@ -44,49 +44,91 @@
 //! read in the same run, so an override applies atomically with the
 //! decision and fleet-wide at once.
 //!
+//! Epochs: a check whose receipts may come back (a reservation, a lease
+//! ask) declares one epoch key per limit, its subject's (same hash tag),
+//! after the override keys. The run reads it, makes it when missing, and
+//! keeps it alive as long as the counters it charged; each charged
+//! limit's reply carries it, and so does its receipt. A return on a
+//! receipt of another epoch gives nothing back (`settle.lua`): Redis lost
+//! the counters since, and the counter of the same name never held those
+//! units.
+//!
 //! KEYS: one counter per limit; with overrides, then one override per
-//!       limit; then, for a lease ask with an id, its grant record.
+//!       limit; with epochs, then one epoch key per limit; then, for a
+//!       lease ask with an id, its grant record.
 //! ARGV: nonce, overrides (0/1), test clock key ('' in production), lease
 //!       units wanted and share, whether a grant record's key follows
-//!       (0/1), then per limit: algorithm, requests,
-//!       window_ms, cost, burst, shadow (0/1), calendar ('' or
+//!       (0/1), whether epoch keys do (see [`Epochs`]), then per limit: algorithm,
+//!       requests, window_ms, cost, burst, shadow (0/1), calendar ('' or
 //!       `month:120`). Laid out by [`check_args`] and [`limit_args`]
 //!       (meshlimitd and the bench's redis-benchmark row alike).
-//! Returns: allowed, then per limit: fits, remaining, reset_after_ms,
-//!          retry_after_ms, limit (after any override); then the run's
-//!          clock (microseconds), a reservation's receipt with the nonce.
+//! Returns: allowed, the units leased, then per limit: fits, remaining,
+//!          reset_after_ms, retry_after_ms, limit (after any override),
+//!          epoch (0 when not charged or not asked); then the run's clock
+//!          (microseconds), a reservation's receipt with the nonce.
 
 /// Arguments per limit after the fixed ones (`ARGS_PER_LIMIT` in
 /// `decide.lua`).
 pub const ARGS_PER_LIMIT: usize = 7;
 /// Values per limit in the reply after the overall decision
 /// (`REPLY_PER_LIMIT` in `decide.lua`).
-pub const REPLY_PER_LIMIT: usize = 5;
+pub const REPLY_PER_LIMIT: usize = 6;
 /// Values of a check's reply before its limits' (`allowed`, the units
 /// leased).
 pub const REPLY_HEAD: usize = 2;
 /// Arguments per limit of [`SETTLE`] (`SETTLE_ARGS` in `settle.lua`).
-pub const SETTLE_ARGS: usize = 10;
+pub const SETTLE_ARGS: usize = 11;
 
 /// [`CHECK`]'s arguments before its limits': the run's nonce, whether live
 /// overrides are read, the test clock key ('' in production), the lease
 /// units wanted and their share (`(0, 1)`: no lease), and whether a grant
-/// record's key follows the check's keys.
+/// record's key and epoch keys follow the check's keys.
 pub fn check_args(
     nonce: &str,
     overrides: bool,
     clock_key: &str,
     (want, share): (u64, u64),
-    grant: bool,
-) -> [String; 6] {
+    follow: Follow,
+) -> [String; 7] {
     [
         nonce.to_string(),
         u8::from(overrides).to_string(),
         clock_key.to_string(),
         want.to_string(),
         share.to_string(),
-        u8::from(grant).to_string(),
+        u8::from(follow.grant).to_string(),
+        (follow.epochs as u8).to_string(),
     ]
+}
+
+/// The keys that follow a check's counters and override keys.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Follow {
+    /// Its lease ask's grant record (an ask with an id), last.
+    pub grant: bool,
+    /// One epoch key per limit, before it, when receipts may come back.
+    pub epochs: Epochs,
+}
+
+/// When a check's run reads (and makes) its subjects' epochs: only for
+/// receipts that can come back, so a subject never leased nor reserving
+/// keeps no epoch key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Epochs {
+    /// No epoch keys declared.
+    #[default]
+    None = 0,
+    /// The check asks for receipts (a reservation).
+    Receipts = 1,
+    /// The check asks for a lease: epochs if one is granted.
+    IfLeased = 2,
+}
+
+impl Epochs {
+    /// Whether epoch keys follow the check's keys.
+    pub fn declared(self) -> bool {
+        self != Epochs::None
+    }
 }
 
 /// A limit's [`ARGS_PER_LIMIT`] arguments, as every script takes them.
@@ -120,7 +162,8 @@ pub const CHECK: &str = concat!(
 ///
 /// ARGV: nonce, overrides, test clock key, number of checks, then per
 /// check: its number of limits, lease units wanted and share, whether a
-/// grant record's key follows, and its limits' arguments as for [`CHECK`]. KEYS:
+/// grant record's key follows, whether epoch keys do, and its limits'
+/// arguments as for [`CHECK`]. KEYS:
 /// every check's keys, in order. Returns every check's reply, concatenated
 /// in order, then the run's clock (a reservation's receipt; check `c` of
 /// the run used nonce `<nonce>.<c>`).

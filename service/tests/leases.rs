@@ -236,7 +236,7 @@ fn units_come_back_to_a_counter_whose_deadline_moved_with_its_slot() {
     let l = limit("fixed_window", 100);
     let r = ask(&f, "moved", std::slice::from_ref(&l), 40, 1);
     assert_eq!((leased(&r), remaining(&r, 0)), (40, 59), "{r}");
-    let keys = f.redis.cli(&["--scan", "--pattern", "ml:*moved*"]);
+    let keys = f.redis.cli(&["--scan", "--pattern", "ml:*moved*:fw:*"]);
     let key = keys.lines().next().expect("the counter").to_string();
     let deadline: u64 = f.redis.cli(&["pexpiretime", &key]).trim().parse().unwrap();
     for shift in [2, -2] {

@@ -345,7 +345,7 @@ fn the_check_script_decides_with_its_arguments_as_script_rs_lays_them_out() {
     let run = |con: &mut redis::Connection, want: u64, share: u64| -> Vec<i64> {
         let s = redis::Script::new(script::CHECK);
         let mut invocation = s.key("ml:{t}:api/minute:fw:60000");
-        for arg in script::check_args("n", false, "", (want, share), false) {
+        for arg in script::check_args("n", false, "", (want, share), script::Follow::default()) {
             invocation.arg(arg);
         }
         for arg in script::limit_args(&limit) {

@@ -188,3 +188,77 @@ fn debt_settled_after_its_window_ended_is_carried_into_the_current_one() {
         );
     }
 }
+
+/// Redis restarted and lost its state: a refund (or a lease's return)
+/// whose receipt was made before names counters that never held its
+/// units, and gives nothing back (the receipt's epoch is not the one the
+/// subject's counters have now); a debt on it is still charged. Before,
+/// the refund decremented the new counter that checks made since (for
+/// every algorithm but the sliding log, back to 0 here).
+#[test]
+fn a_refund_after_redis_lost_its_state_gives_nothing_back() {
+    let mut f = start();
+    let mut reserved = Vec::new();
+    for algorithm in [
+        "fixed_window",
+        "sliding_window_counter",
+        "token_bucket",
+        "sliding_window_log",
+    ] {
+        let r = reserve(&f, "restarted", algorithm, 100);
+        assert_eq!(r["allowed"], true, "{r}");
+        // A sliding log needs no epoch (its returns remove its own members).
+        let epoch = r["receipts"][0]["epoch"].as_u64().unwrap_or(0);
+        assert_eq!(epoch > 0, algorithm != "sliding_window_log", "{r}");
+        reserved.push((algorithm, r["receipts"].clone()));
+    }
+    // Redis restarts: every counter is gone.
+    let host = f.redis.host.clone();
+    f.redis.stop();
+    f.redis = meshlimit_testbed::services::RedisServer::start(&host, f.dir.path());
+    let ready = std::time::Instant::now();
+    while f
+        .post_check(
+            &json!({"checks": [{"subject": "probe", "limits": [limit("fixed_window", 1)]}]}),
+        )
+        .status
+        != 200
+    {
+        assert!(
+            ready.elapsed() < std::time::Duration::from_secs(10),
+            "meshlimitd back"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    for (algorithm, receipts) in &reserved {
+        // New counters: 5 units charged since the restart.
+        let now = reserve(&f, "restarted", algorithm, 5);
+        assert_eq!(remaining(&now), 995, "{algorithm}: {now}");
+        // The refund of the 100 reserved before: nothing given back.
+        assert_eq!(
+            settle(&f, "restarted", algorithm, 100, 0, receipts),
+            995,
+            "{algorithm}"
+        );
+        // A receipt of the new counters still gives back.
+        assert_eq!(
+            settle(&f, "restarted", algorithm, 5, 0, &now["receipts"]),
+            1000,
+            "{algorithm}"
+        );
+    }
+    // A debt on an old receipt is still charged, even where the counter
+    // is gone again (refunded to nothing above): 50 more.
+    for (algorithm, receipts) in &reserved {
+        let left = settle(&f, "restarted", algorithm, 100, 150, receipts);
+        assert!((949..=950).contains(&left), "{algorithm}: {left}");
+    }
+    // What was not given back is counted: 100 on each of three algorithms.
+    let metrics = meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[])
+        .unwrap()
+        .body;
+    assert!(
+        metrics.contains("meshlimitd_return_units_on_lost_counters_total 300"),
+        "{metrics}"
+    );
+}

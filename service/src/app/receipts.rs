@@ -7,8 +7,8 @@
 //! claim a larger reservation than was charged. With a secret, each
 //! receipt carries `units` (what that run charged on the limit: the
 //! check's cost and its lease) and a MAC over them, the run's clock,
-//! nonce and place, the subject and the limit's name, algorithm, window
-//! and calendar. A settlement whose receipts do not verify, or that
+//! nonce and place, the subject's epoch, the subject and the limit's
+//! name, algorithm, window and calendar. A settlement whose receipts do not verify, or that
 //! reserves more than they cover, is refused as a whole, before Redis.
 //!
 //! The key is derived from the proxies' shared token
@@ -139,6 +139,7 @@ impl ReceiptKey {
             limit.window_ms,
             receipt.clock_us,
             u64::from(receipt.place),
+            receipt.epoch,
             receipt.units,
         ] {
             mac.update(&number.to_be_bytes());
@@ -177,6 +178,7 @@ mod tests {
                         clock_us: 1_700_000_000_000_000,
                         nonce: "ab.1".into(),
                         place,
+                        epoch: 0,
                         units: 0,
                         mac: String::new(),
                     })

@@ -58,6 +58,9 @@ impl Limiter {
                     clock_us,
                     nonce: nonce.to_string(),
                     place: place as u32,
+                    // The record itself is the proof: it lives beside the
+                    // counters, and is lost with them.
+                    epoch: 0,
                     units: 0,
                     mac: String::new(),
                 })

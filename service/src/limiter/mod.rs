@@ -22,7 +22,7 @@ mod fleet;
 mod lost;
 mod reply;
 pub use lost::lost_ask_of;
-use reply::{lease_args, parse_reply, split_clock, wants_receipts};
+use reply::{epochs, follow, lease_args, parse_reply, split_clock, wants_receipts};
 mod overrides;
 mod settle;
 mod slots;
@@ -176,19 +176,17 @@ impl Limiter {
             self.overrides,
             &self.clock_key,
             lease_args(check),
-            grant.is_some(),
+            follow(check, grant.is_some()),
         ) {
             invocation.arg(arg);
         }
         self.add_limits(&mut invocation, check, &check.limits);
-        if let Some(key) = grant {
-            invocation.key(key);
-        }
+        self.add_follow(&mut invocation, check, &check.limits, grant);
         let values = self.run(slot, &invocation, script_label([check])).await?;
         let (clock, reply) = split_clock(&values)?;
         let mut result = parse_reply(check, reply)?;
         if wants_receipts(check, &result) {
-            result.receipts = receipts(&result, clock, &nonce);
+            result.receipts = receipts(&result, clock, &nonce, &epochs(check, reply));
         }
         Ok(result)
     }
@@ -271,15 +269,15 @@ impl Limiter {
         for check in checks {
             let (want, share) = lease_args(check);
             let grant = self.grant_key(check);
+            let follow = follow(check, grant.is_some());
             invocation
                 .arg(check.limits.len())
                 .arg(want)
                 .arg(share)
-                .arg(u8::from(grant.is_some()));
+                .arg(u8::from(follow.grant))
+                .arg(follow.epochs as u8);
             self.add_limits(&mut invocation, check, &check.limits);
-            if let Some(key) = grant {
-                invocation.key(key);
-            }
+            self.add_follow(&mut invocation, check, &check.limits, grant);
         }
         // On a Cluster the checks of one run share a slot.
         let slot = checks
@@ -296,7 +294,8 @@ impl Limiter {
             let (mine, after) = rest.split_at(n);
             let mut result = parse_reply(check, mine)?;
             if wants_receipts(check, &result) {
-                result.receipts = receipts(&result, clock, &format!("{nonce}.{}", c + 1));
+                let nonce = format!("{nonce}.{}", c + 1);
+                result.receipts = receipts(&result, clock, &nonce, &epochs(check, mine));
             }
             results.push(result);
             rest = after;
@@ -363,6 +362,26 @@ impl Limiter {
             for (limit, tag) in limits.iter().zip(&tags) {
                 invocation.key(keys::override_key(&self.prefix, tag, &limit.name));
             }
+        }
+    }
+
+    /// The keys after `limits`' counters and override keys, as
+    /// [`follow`] says: one epoch key per limit, then the grant record.
+    fn add_follow(
+        &self,
+        invocation: &mut redis::ScriptInvocation<'_>,
+        check: &Check,
+        limits: &[Limit],
+        grant: Option<String>,
+    ) {
+        if follow(check, grant.is_some()).epochs.declared() {
+            for limit in limits {
+                let tag = keys::subject_tag(limit.subject_in(check));
+                invocation.key(keys::epoch_key(&self.prefix, &tag));
+            }
+        }
+        if let Some(key) = grant {
+            invocation.key(key);
         }
     }
 
@@ -510,7 +529,11 @@ mod tests {
 
     #[test]
     fn reply_maps_to_statuses() {
-        let r = parse_reply(&check(2, 1), &[0, 0, 1, 3, 400, 0, 10, 0, 0, 900, 900, 10]).unwrap();
+        let r = parse_reply(
+            &check(2, 1),
+            &[0, 0, 1, 3, 400, 0, 10, 0, 0, 0, 900, 900, 10, 0],
+        )
+        .unwrap();
         assert!(!r.allowed);
         assert_eq!(r.limits[0].remaining, 3);
         assert_eq!(r.limits[0].retry_after_ms, 0);
@@ -520,7 +543,7 @@ mod tests {
 
     #[test]
     fn impossible_costs_carry_a_reason() {
-        let r = parse_reply(&check(1, 11), &[0, 0, 0, 10, 0, 5, 10]).unwrap();
+        let r = parse_reply(&check(1, 11), &[0, 0, 0, 10, 0, 5, 10, 0]).unwrap();
         assert_eq!(
             r.limits[0].reason.as_deref(),
             Some("cost 11 exceeds the capacity 10 of limit r/l0")

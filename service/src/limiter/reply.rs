@@ -14,6 +14,34 @@ pub(super) fn split_clock(values: &[i64]) -> Result<(i64, &[i64]), LimiterError>
         .ok_or_else(|| LimiterError::Reply("empty reply".into()))
 }
 
+/// The keys that follow `check`'s counters in its run: its grant record
+/// (`grant`), and epoch keys when its receipts may come back: it asks
+/// for them (a reservation) or for a lease.
+pub(super) fn follow(check: &Check, grant: bool) -> script::Follow {
+    let epochs = if check.receipt {
+        script::Epochs::Receipts
+    } else if lease_args(check).0 > 0 {
+        script::Epochs::IfLeased
+    } else {
+        script::Epochs::None
+    };
+    script::Follow { grant, epochs }
+}
+
+/// The epoch each limit's reply carries (0: none), in order.
+pub(super) fn epochs(check: &Check, values: &[i64]) -> Vec<u64> {
+    values
+        .get(script::REPLY_HEAD..)
+        .unwrap_or_default()
+        .chunks_exact(script::REPLY_PER_LIMIT)
+        .take(check.limits.len())
+        .map(|v| {
+            let [.., epoch] = per_limit(v);
+            epoch.max(0) as u64
+        })
+        .collect()
+}
+
 /// Whether a result carries receipts: its check asked for them (a
 /// reservation), or it was granted a lease (whose unused units are given
 /// back by them).
@@ -79,7 +107,7 @@ pub(super) fn parse_reply(check: &Check, values: &[i64]) -> Result<CheckResult, 
                 .chunks_exact(per),
         )
         .map(|(limit, v)| {
-            let [fits, remaining, reset, retry, effective] = per_limit(v);
+            let [fits, remaining, reset, retry, effective, _epoch] = per_limit(v);
             let effective = effective.max(1) as u64;
             let reason = impossible(limit, effective);
             let ok = fits == 1 && reason.is_none();

@@ -59,19 +59,25 @@ impl Limiter {
                     .arg(calendar_arg(limit))
                     .arg(receipt.clock_us)
                     .arg(&receipt.nonce)
-                    .arg(receipt.place);
+                    .arg(receipt.place)
+                    .arg(receipt.epoch);
             }
+            // Their override keys, then their epoch keys, in the same
+            // order (see settle.lua).
+            let tags: Vec<String> = members
+                .iter()
+                .filter_map(|&i| settlement.limits.get(i))
+                .map(|limit| keys::subject_tag(limit.subject_or(&settlement.subject)))
+                .collect();
             if self.overrides {
-                // Their override keys, in the same order (see settle.lua).
-                for &i in members {
+                for (&i, tag) in members.iter().zip(&tags) {
                     if let Some(limit) = settlement.limits.get(i) {
-                        invocation.key(keys::override_key(
-                            &self.prefix,
-                            &keys::subject_tag(limit.subject_or(&settlement.subject)),
-                            &limit.name,
-                        ));
+                        invocation.key(keys::override_key(&self.prefix, tag, &limit.name));
                     }
                 }
+            }
+            for tag in &tags {
+                invocation.key(keys::epoch_key(&self.prefix, tag));
             }
             async move { self.run(*slot, &invocation, "settle").await }
         }))
@@ -79,14 +85,19 @@ impl Limiter {
         let mut remaining = vec![0u64; n];
         for (run, (_, members)) in runs.into_iter().zip(&groups) {
             let values = run?;
-            if values.len() != members.len() {
+            let Some((not_given, values)) = values
+                .split_last()
+                .filter(|(_, values)| values.len() == members.len())
+            else {
                 return Err(LimiterError::Reply(format!(
                     "{} values, expected {}",
                     values.len(),
-                    members.len()
+                    members.len() + 1
                 )));
-            }
-            for (&i, v) in members.iter().zip(values) {
+            };
+            self.metrics
+                .returns_on_lost_counters((*not_given).max(0) as u64);
+            for (&i, &v) in members.iter().zip(values) {
                 if let Some(slot) = remaining.get_mut(i) {
                     *slot = v.max(0) as u64;
                 }
@@ -97,15 +108,22 @@ impl Limiter {
 }
 
 /// Where an admitted check's limits were charged (a reservation's
-/// receipt): the run's clock and nonce, each limit's place in the run.
-/// None for a denied check (it charged nothing).
-pub(super) fn receipts(result: &CheckResult, clock: i64, nonce: &str) -> Option<Vec<Receipt>> {
+/// receipt): the run's clock and nonce, each limit's place in the run and
+/// its subject's epoch (`epochs`, in the limits' order). None for a
+/// denied check (it charged nothing).
+pub(super) fn receipts(
+    result: &CheckResult,
+    clock: i64,
+    nonce: &str,
+    epochs: &[u64],
+) -> Option<Vec<Receipt>> {
     result.allowed.then(|| {
         (1..=result.limits.len())
             .map(|place| Receipt {
                 clock_us: clock.max(0) as u64,
                 nonce: nonce.to_string(),
                 place: place as u32,
+                epoch: epochs.get(place - 1).copied().unwrap_or(0),
                 units: 0,
                 mac: String::new(),
             })

@@ -43,13 +43,6 @@ impl Limiter {
             async move {
                 let mut invocation = self.scripts.check.prepare_invoke();
                 let nonce = self.add_fixed_args(&mut invocation);
-                // No lease (nor grant record): a check spread over slots
-                // is decided per request.
-                invocation.arg(0).arg(1).arg(0);
-                self.add_limits(&mut invocation, check, &limits);
-                let what = super::script_label(std::iter::once(check));
-                let values = self.run(*slot, &invocation, what).await?;
-                let (clock, reply) = split_clock(&values)?;
                 let part = Check {
                     subject: check.subject.clone(),
                     limits: limits.clone(),
@@ -57,24 +50,36 @@ impl Limiter {
                     lease: None,
                     trace: None,
                 };
+                // No lease (nor grant record): a check spread over slots
+                // is decided per request. Epochs for the receipts asked; a
+                // refund when another slot denies follows its charge by a
+                // round trip, and goes without.
+                let follow = super::follow(&part, false);
+                invocation
+                    .arg(0)
+                    .arg(1)
+                    .arg(u8::from(follow.grant))
+                    .arg(follow.epochs as u8);
+                self.add_limits(&mut invocation, &part, &limits);
+                self.add_follow(&mut invocation, &part, &limits, None);
+                let what = super::script_label(std::iter::once(check));
+                let values = self.run(*slot, &invocation, what).await?;
+                let (clock, reply) = split_clock(&values)?;
                 let mut result = parse_reply(&part, reply)?;
-                if check.receipt {
-                    result.receipts = receipts(&result, clock, &nonce);
-                }
-                Ok::<_, LimiterError>((nonce, clock, limits, result))
+                let epochs = super::epochs(&part, reply);
+                result.receipts = receipts(&result, clock, &nonce, &epochs);
+                Ok::<_, LimiterError>((limits, result))
             }
         }))
         .await;
         let allowed = runs
             .iter()
-            .all(|r| matches!(r, Ok((_, _, _, result)) if result.allowed));
+            .all(|r| matches!(r, Ok((_, result)) if result.allowed));
         if !allowed {
             // Give back what the runs that admitted charged.
             let refunds = runs.iter().filter_map(|run| {
-                let (nonce, clock, limits, result) = run.as_ref().ok()?;
-                result
-                    .allowed
-                    .then(|| self.refund(nonce, *clock, limits, result))
+                let (limits, result) = run.as_ref().ok()?;
+                result.allowed.then(|| self.refund(limits, result))
             });
             for refund in futures_util::future::join_all(refunds).await {
                 if let Err(e) = refund {
@@ -85,8 +90,9 @@ impl Limiter {
         let mut statuses: Vec<Option<LimitStatus>> = vec![None; check.limits.len()];
         let mut receipts_of: Vec<Option<Receipt>> = vec![None; check.limits.len()];
         for (run, (_, members)) in runs.into_iter().zip(&groups) {
-            let (_, _, limits, result) = run?;
-            for (&i, receipt) in members.iter().zip(result.receipts.into_iter().flatten()) {
+            let (limits, result) = run?;
+            let receipts = result.receipts.filter(|_| check.receipt);
+            for (&i, receipt) in members.iter().zip(receipts.into_iter().flatten()) {
                 if let Some(slot) = receipts_of.get_mut(i) {
                     *slot = Some(receipt);
                 }
@@ -118,20 +124,15 @@ impl Limiter {
 
     /// Undoes the charge of one [`Limiter::check_across_slots`] run: a
     /// settlement of what it charged at 0 units used.
-    async fn refund(
-        &self,
-        nonce: &str,
-        clock: i64,
-        limits: &[Limit],
-        result: &CheckResult,
-    ) -> Result<(), LimiterError> {
+    async fn refund(&self, limits: &[Limit], result: &CheckResult) -> Result<(), LimiterError> {
         let mut refund = Settlement {
             subject: String::new(),
             limits: Vec::new(),
             actual: Vec::new(),
             receipts: Vec::new(),
         };
-        for (place, (limit, status)) in limits.iter().zip(&result.limits).enumerate() {
+        let receipts = result.receipts.iter().flatten();
+        for ((limit, status), receipt) in limits.iter().zip(&result.limits).zip(receipts) {
             if !status.allowed {
                 continue; // a shadow limit that did not fit was not charged
             }
@@ -141,13 +142,7 @@ impl Limiter {
                 ..limit.clone()
             });
             refund.actual.push(0);
-            refund.receipts.push(Receipt {
-                clock_us: clock.max(0) as u64,
-                nonce: nonce.to_string(),
-                place: place as u32 + 1,
-                units: 0,
-                mac: String::new(),
-            });
+            refund.receipts.push(receipt.clone());
         }
         self.settle(&refund).await.map(drop)
     }

@@ -7,10 +7,10 @@
 -- Argument layout, also named in script.rs (a unit test compares them):
 -- ARGS_PER_LIMIT arguments per limit (algorithm, requests, window_ms, cost,
 -- burst, shadow, calendar), REPLY_PER_LIMIT reply values per limit (fits,
--- remaining, reset_after_ms, retry_after_ms, limit) after the overall
--- decision.
+-- remaining, reset_after_ms, retry_after_ms, limit, epoch) after the
+-- overall decision.
 local ARGS_PER_LIMIT = 7
-local REPLY_PER_LIMIT = 5
+local REPLY_PER_LIMIT = 6
 -- Members per ZADD (well under Lua's limit on unpack()).
 local ZADD_CHUNK = 1000
 -- A live override never makes a sliding log longer than the API allows
@@ -79,6 +79,33 @@ local function calendar_reset(now, cal)
   return last * DAY - off - now
 end
 
+-- The epoch of a subject's counters: the clock of the run that found its
+-- key missing and made it. It lives beside the counters (same hash tag,
+-- hence the same slot: it moves with them when a Cluster slot moves) and
+-- at least as long as any counter charged by a run that read it, so while
+-- it keeps its value those counters were never lost and made anew. A
+-- restart without persistence loses it with them: a receipt of the old
+-- epoch then names counters that never held its units, and settle.lua
+-- gives nothing back on it. `epochs_read` keeps what this run read (a
+-- check's limits often share a subject): key -> { epoch, deadline }.
+local epochs_read = {}
+local function touch_epoch(key, now_us, deadline)
+  local e = epochs_read[key]
+  if not e then
+    e = { tonumber(redis.call('GET', key) or ''), redis.call('PEXPIRETIME', key) }
+    if not e[1] then
+      e = { now_us, deadline }
+      redis.call('SET', key, num(now_us), 'PXAT', num(deadline))
+    end
+    epochs_read[key] = e
+  end
+  if e[2] < deadline then
+    redis.call('PEXPIREAT', key, num(deadline))
+    e[2] = deadline
+  end
+  return e[1]
+end
+
 -- The clock of a run: Redis TIME in microseconds, shifted by the value
 -- (milliseconds) of the key named `clock_key` when meshlimitd runs with
 -- its test hook (--test-clock-offset-key); '' in production.
@@ -100,9 +127,14 @@ end
 -- `share`. `grant` is the KEYS index of the ask's grant record, or nil:
 -- a grant is recorded there ('<units charged> <clock> <nonce>', the
 -- request's cost and the lease), and an ask already named lost there
--- ('lost') is granted nothing. Returns allowed, the units leased, then
--- REPLY_PER_LIMIT values per limit (remaining after the lease).
-local function decide(k, n, a, nonce, now_us, ovr, want, share, grant)
+-- ('lost') is granted nothing. `epochs` is nil, or the KEYS offset of the
+-- limits' epoch keys (limit i's at KEYS[epochs + i]): when the check has
+-- receipts (it asked for them, `receipt`, or was granted a lease), each
+-- limit charged replies its subject's epoch (see touch_epoch; 0
+-- otherwise, and on a sliding log, whose returns remove its own
+-- members). Returns allowed, the units leased, then REPLY_PER_LIMIT
+-- values per limit (remaining after the lease).
+local function decide(k, n, a, nonce, now_us, ovr, want, share, grant, epochs, receipt)
 local now = math.floor(now_us / 1000)
 local st = {}
 local allowed = 1
@@ -217,6 +249,8 @@ for i = 1, n do
   -- What this limit is charged: the request's cost and the lease.
   local units = s.cost + leased
   local remaining, reset
+  -- The last millisecond this limit's counter may live (for its epoch).
+  local lives = now + s.window
   if s.alg == 'fw' then
     local used = s.used
     -- The deadline is the window's last millisecond: Redis keeps a key
@@ -234,6 +268,7 @@ for i = 1, n do
       end
     end
     remaining, reset = s.limit - used, s.reset
+    lives = now + s.reset - 1
   elseif s.alg == 'swl' then
     local used = s.used
     if charge then
@@ -263,6 +298,7 @@ for i = 1, n do
       redis.call('PEXPIREAT', key, num((s.idx + 2) * s.window))
     end
     remaining = math.floor(s.limit - used)
+    lives = (s.idx + 2) * s.window
     reset = 0
     if cur > 0 then reset = 2 * s.window - s.into
     elseif s.prev > 0 then reset = s.window - s.into end
@@ -274,9 +310,16 @@ for i = 1, n do
     end
     remaining = math.floor((s.T * s.burst - (tat - now_us)) / s.T)
     reset = math.ceil((tat - now_us) / 1000)
+    lives = now + reset + 1
+  end
+  local epoch = 0
+  if epochs and charge and s.alg ~= 'swl' and (receipt or leased > 0) then
+    -- A window more than the counter needs: its deadline is then moved
+    -- about once a window, not by every run.
+    epoch = touch_epoch(KEYS[epochs + i], now_us, lives + s.window)
   end
   local reply = { s.fits and 1 or 0, math.max(0, remaining), math.max(0, reset), math.max(0, s.retry),
-                  s.limit }
+                  s.limit, epoch }
   for j = 1, REPLY_PER_LIMIT do out[#out + 1] = reply[j] end
 end
 return out

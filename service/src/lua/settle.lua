@@ -8,12 +8,22 @@
 -- decide.lua.
 --
 -- KEYS: one counter per limit, followed, when live overrides are on, by
--- the limits' override keys (as decide.lua reads them). ARGV: the test
--- clock key, whether overrides are on ('1' or '0'), then SETTLE_ARGS per
--- limit: algorithm, limit (as configured), window_ms, reserved, actual,
--- burst, calendar, and the reservation's receipt: its run's clock
--- (microseconds), nonce, and the limit's place in that run. Returns the
--- units each limit has left now.
+-- the limits' override keys (as decide.lua reads them), then by their
+-- epoch keys. ARGV: the test clock key, whether overrides are on ('1' or
+-- '0'), then SETTLE_ARGS per limit: algorithm, limit (as configured),
+-- window_ms, reserved, actual, burst, calendar, and the reservation's
+-- receipt: its run's clock (microseconds), nonce, the limit's place in
+-- that run, and its subject's epoch then (0: unknown). Returns the units
+-- each limit has left now, then the units not given back because their
+-- counters were made since their receipts (see below).
+--
+-- A receipt of another epoch than the subject's now (decide.lua's
+-- touch_epoch) was made before Redis lost the counters (a restart
+-- without persistence, an eviction of the epoch): the counter of the same
+-- name is a new one, made by checks since, that never held its units.
+-- Nothing is given back on it (a refund, a lease's return); what was used
+-- beyond it is still charged. A sliding log needs no epoch: a return
+-- removes its own members, which a new log does not hold.
 --
 -- A live override replaces the limit (and a burst that was the limit) as
 -- it does when checks are decided: a token bucket's units are measured in
@@ -25,7 +35,7 @@
 -- `p`); the sliding log removes the reservation's last members, or adds
 -- members beside them; the token bucket moves its arrival time by the
 -- difference (back, never before now).
-local SETTLE_ARGS = 10
+local SETTLE_ARGS = 11
 -- How far a fixed window counter's deadline may be from the window's last
 -- millisecond and still be that window's: Redis Cluster's MIGRATE moves a
 -- key with its time to live, so on its new node it expires a millisecond
@@ -34,9 +44,10 @@ local MOVED_SLACK_MS = 1000
 local now_us = clock(ARGV[1])
 local now = math.floor(now_us / 1000)
 local ovr = ARGV[2] == '1'
-local n = #KEYS
-if ovr then n = n / 2 end
+local n = #KEYS / 2
+if ovr then n = #KEYS / 3 end
 local out = {}
+local not_given = 0
 for i = 1, n do
   local b = 2 + (i - 1) * SETTLE_ARGS
   local alg, limit, window = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
@@ -52,6 +63,12 @@ for i = 1, n do
   local cal, at_us, nonce, place = ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9], ARGV[b + 10]
   local at = math.floor(at_us / 1000)
   local delta = actual - reserved
+  local receipt_epoch = tonumber(ARGV[b + 11]) or 0
+  if delta < 0 and receipt_epoch ~= 0 and alg ~= 'swl'
+     and tonumber(redis.call('GET', KEYS[#KEYS - n + i]) or '') ~= receipt_epoch then
+    not_given = not_given - delta
+    delta = 0
+  end
   local key = KEYS[i]
   local remaining = 0
   if alg == 'fw' then
@@ -64,6 +81,11 @@ for i = 1, n do
     if delta ~= 0 and not ended and math.abs(deadline - (at + reset - 1)) <= slack then
       used = redis.call('INCRBY', key, delta)
       if used <= 0 then redis.call('DEL', key); used = 0 end
+    elseif delta > 0 and not ended and deadline == -2 then
+      -- Its window's counter is gone (Redis lost it): the debt starts it
+      -- again, as decide.lua would.
+      redis.call('SET', key, delta, 'PXAT', num(at + reset - 1))
+      used = delta
     elseif delta > 0 and ended then
       -- Its window has ended: the debt goes into the current one, whose
       -- counter is made as decide.lua makes it when it is missing or of
@@ -116,6 +138,14 @@ for i = 1, n do
       redis.call('HSET', key, 'p', num(p))
     end
     local cur_idx = math.floor(now / window)
+    if delta > 0 and not w and idx >= cur_idx - 1 then
+      -- Its counter is gone (Redis lost it) while its window still
+      -- counts: the debt starts it again, in its window's place.
+      w, c, p = cur_idx, 0, 0
+      if idx == cur_idx then c = delta else p = delta end
+      redis.call('HSET', key, 'w', num(w), 'c', num(c), 'p', num(p))
+      redis.call('PEXPIREAT', key, num((cur_idx + 2) * window))
+    end
     local cur, prev = 0, 0
     if w == cur_idx then cur, prev = c, p elseif w == cur_idx - 1 then prev = c end
     remaining = math.floor(limit - (prev * (window - now % window) / window + cur))
@@ -134,4 +164,5 @@ for i = 1, n do
   end
   out[i] = math.max(0, remaining)
 end
+out[n + 1] = not_given
 return out

@@ -125,6 +125,7 @@ impl FakeMeshlimitd {
                     clock_us: 1,
                     nonce: format!("n.{}", self.nonce),
                     place: place as u32,
+                    epoch: 0,
                     units: 0,
                     mac: String::new(),
                 })

@@ -84,7 +84,7 @@ pub(crate) fn redis_benchmark(host: &str, sha: &str) -> f64 {
             false,
             "",
             (0, 1),
-            false,
+            meshlimitd::script::Follow::default(),
         ))
         .args(meshlimitd::script::limit_args(&meshlimit_protocol::Limit {
             name: "api/hour".into(),
