@@ -38,7 +38,18 @@ pub(crate) fn three_rules() -> String {
 /// A token budget on a chat route: each request reserves its body's
 /// `max_tokens` and settles at the usage the JSON response reports.
 pub(crate) fn token_budget() -> String {
-    allow_all()
+    token_budget_of(1_000_000_000)
+}
+
+/// Row 21: a budget of 1,000 tokens an hour, spent within the warm-up
+/// (each request reserves 200): every request after is refused at its
+/// headers.
+pub(crate) fn spent_token_budget() -> String {
+    token_budget_of(1_000)
+}
+
+fn token_budget_of(tokens: u64) -> String {
+    per_hour(tokens)
         .rule_field(
             "cost",
             json!({"reserve": {"request_json": "max_tokens", "default": 100, "max": 1000},

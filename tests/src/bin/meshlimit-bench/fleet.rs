@@ -7,7 +7,9 @@ use meshlimit_testbed::topology::{FRONT_PORT, GRPC_PORT, UPSTREAM_PORT};
 use meshlimit_testbed::{Topology, TopologyOptions};
 use serde_json::json;
 
-use crate::configs::{allow_all, leases_off, one_call_each, per_hour, three_rules, token_budget};
+use crate::configs::{
+    allow_all, leases_off, one_call_each, per_hour, spent_token_budget, three_rules, token_budget,
+};
 use crate::envoys::{
     baseline_envoy, compare_wasm, meshlimit_answering, meshlimit_topology, meshlimit_topology_with,
     noop_filter,
@@ -28,6 +30,7 @@ pub(crate) struct Fleet {
     grouped_many: Topology,
     policies: Topology,
     tokens: Topology,
+    tokens_spent: Topology,
     pub(crate) native: Topology,
     native_envoy: Proc,
     /// Envoys answering themselves (rows 12 to 20).
@@ -85,18 +88,8 @@ impl Fleet {
             grouped_hot: meshlimit_topology(&allow_all().build()),
             grouped_many: meshlimit_topology(&many_clients().build()),
             policies: meshlimit_topology(&three_rules()),
-            // Its upstream is the fake model (tests/src/llm.rs), in this
-            // process: Envoy's direct_response answers before a request
-            // body is in, and a token budget reads its reservation from
-            // the body.
-            tokens: Topology::start(TopologyOptions {
-                plugin_config: token_budget(),
-                replicas: 1,
-                front: false,
-                replica_workers: 1,
-                llm: true,
-                ..TopologyOptions::default()
-            }),
+            tokens: token_topology(token_budget()),
+            tokens_spent: token_topology(spent_token_budget()),
             native,
             native_envoy,
             direct,
@@ -144,9 +137,7 @@ impl Fleet {
             ),
             Target {
                 url: format!("http://{}/v1/chat/completions", self.tokens.replica_addr(1)),
-                post: Some(
-                    r#"{"model":"bench","max_tokens":200,"messages":[{"role":"user","content":"hi"}]}"#,
-                ),
+                post: Some(CHAT_BODY),
                 ..replica_target(
                     "10. as 7, a token budget (non-streamed: reserve, settle)",
                     &self.tokens,
@@ -164,6 +155,18 @@ impl Fleet {
             },
         ];
         targets.extend(self.direct_rows());
+        targets.push(Target {
+            url: format!(
+                "http://{}/v1/chat/completions",
+                self.tokens_spent.replica_addr(1)
+            ),
+            post: Some(CHAT_BODY),
+            ..replica_target(
+                "21. as 10, the budget spent: refused at the headers",
+                &self.tokens_spent,
+                &[],
+            )
+        });
         for (topology, name) in self.compared.iter().zip([
             "3'. as 3, with the compare build",
             "7'. as 7, with the compare build",
@@ -217,6 +220,7 @@ impl Fleet {
             &self.grouped_many,
             &self.policies,
             &self.tokens,
+            &self.tokens_spent,
             &self.native,
         ];
         topologies
@@ -393,4 +397,23 @@ fn native_ratelimit() -> (Topology, Proc, TempDir) {
         1,
     );
     (native, envoy, rls_dir)
+}
+
+/// The chat request of the token rows (10, 21): 200 tokens reserved.
+const CHAT_BODY: &str =
+    r#"{"model":"bench","max_tokens":200,"messages":[{"role":"user","content":"hi"}]}"#;
+
+/// A token row's topology. Its upstream is the fake model
+/// (tests/src/llm.rs), in this process: Envoy's direct_response answers
+/// before a request body is in, and a token budget reads its reservation
+/// from the body.
+fn token_topology(plugin_config: String) -> Topology {
+    Topology::start(TopologyOptions {
+        plugin_config,
+        replicas: 1,
+        front: false,
+        replica_workers: 1,
+        llm: true,
+        ..TopologyOptions::default()
+    })
 }

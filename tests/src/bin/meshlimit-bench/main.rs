@@ -32,6 +32,9 @@
 //! 19. and 20. a `scope: local` rule (decided from the Envoy's own shared
 //!     data, no call at all) for one hot client and the Zipf mix: a local
 //!     decision must cost no more than a lease hit.
+//! 21. as 10, the client's budget spent: refused at the headers, before
+//!     anything goes upstream, which must cost no more than any other
+//!     deny (4).
 //!
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The throughput targets against the do-nothing filter are
