@@ -41,9 +41,9 @@ pub(crate) fn token_budget() -> String {
     token_budget_of(1_000_000_000)
 }
 
-/// Row 21: a budget of 1,000 tokens an hour, spent within the warm-up
-/// (each request reserves 200): every request after is refused at its
-/// headers.
+/// Row 21: a budget of 1,000 tokens an hour, spent by the warm-up's first
+/// request (the fake model reports 1,000 used): every request after is
+/// refused at its headers, from the deny cache.
 pub(crate) fn spent_token_budget() -> String {
     token_budget_of(1_000)
 }

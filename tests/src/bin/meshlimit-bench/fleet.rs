@@ -161,10 +161,12 @@ impl Fleet {
                 self.tokens_spent.replica_addr(1)
             ),
             post: Some(CHAT_BODY),
+            // The fake model reports 1,000 tokens used: the first
+            // request spends the budget whole, and the deny cache knows it.
             ..replica_target(
                 "21. as 10, the budget spent: refused at the headers",
                 &self.tokens_spent,
-                &[],
+                &["x-llm-tokens: 1000"],
             )
         });
         for (topology, name) in self.compared.iter().zip([
