@@ -309,6 +309,7 @@ impl Check {
                 .collect(),
             limits,
             receipts: receipts.to_vec(),
+            id: 0,
         }
     }
 

@@ -33,6 +33,14 @@ pub const MAX_LEASE_SHARE: u64 = 1_000_000;
 /// ask named lost (milliseconds; `GRANT_RECORD_MS` in `decide.lua`): a
 /// caller names a lost ask within this, or there is nothing left to name.
 pub const GRANT_RECORD_MS: u64 = 10_000;
+/// How long meshlimitd remembers the id of a settlement it applied
+/// (milliseconds; `SETTLEMENT_ID_MS` in `settle.lua`): the same id again
+/// within this changes nothing.
+pub const SETTLEMENT_ID_MS: u64 = 60_000;
+/// How long a filter sends again a lease return whose call failed
+/// (milliseconds): well within [`SETTLEMENT_ID_MS`], so that a first
+/// attempt that ran late and a later one never both apply.
+pub const RESEND_RETURN_MS: u64 = 10_000;
 
 /// The field of a limit that breaks a rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

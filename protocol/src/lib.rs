@@ -87,6 +87,14 @@ pub struct Settlement {
     /// Where the reservation was charged, one per limit (the check's
     /// [`CheckResult::receipts`]).
     pub receipts: Vec<Receipt>,
+    /// Makes the settlement safe to send again (0: none). meshlimitd
+    /// applies a settlement with an id once: a second one with the same
+    /// id and subject, within a minute (`bounds::SETTLEMENT_ID_MS`),
+    /// changes nothing. The filter gives its lease returns ids, so that a
+    /// return whose call failed (perhaps applied, perhaps lost) is sent
+    /// again rather than lost.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub id: u64,
 }
 
 /// Where one limit of an admitted check was charged: the run's clock, its

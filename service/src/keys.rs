@@ -8,6 +8,7 @@
 //! ml:{e:hdr:x-api-key:alice}:api/per-minute:ovr      (a live override)
 //! ml:{e:hdr:x-api-key:alice}:epoch                   (its counters' epoch)
 //! ml:{e:hdr:x-api-key:alice}:grant:00000000000004d2   (a lease grant's record)
+//! ml:{e:hdr:x-api-key:alice}:settled:00000000000004d2 (a settlement applied)
 //! ```
 //!
 //! The subject is client input, so it never reaches a key as is. The tag is
@@ -70,6 +71,12 @@ pub fn tag_slot(tag: &str) -> u16 {
 /// subject of tag `tag`: `ml:{e:alice}:grant:00000000000004d2`.
 pub fn grant_key(prefix: &str, tag: &str, id: u64) -> String {
     format!("{prefix}{{{tag}}}:grant:{id:016x}")
+}
+
+/// The key that marks a settlement with id `id` applied, for the subject
+/// of tag `tag`: `ml:{e:alice}:settled:00000000000004d2`.
+pub fn settled_key(prefix: &str, tag: &str, id: u64) -> String {
+    format!("{prefix}{{{tag}}}:settled:{id:016x}")
 }
 
 /// The key of the epoch of the subject of tag `tag`'s counters (see

@@ -56,6 +56,7 @@ pub struct Metrics {
     late_leases_withheld: Counter,
     lost_asks_given_back: Counter,
     returns_on_lost_counters: Counter,
+    settlements_repeated: Counter,
     full_coverage_required: Gauge,
     redis_healthy: Gauge,
     fleet_shadow: Gauge,
@@ -207,6 +208,12 @@ impl Metrics {
             "Units a lease return or refund did not give back: its receipt is older than its subject's counters (Redis lost them since: a restart, an eviction), which never held them",
             returns_on_lost_counters.clone(),
         );
+        let settlements_repeated = Counter::default();
+        registry.register(
+            "settlements_repeated",
+            "Settlements (lease returns) sent again with an id already applied: they changed nothing (their first answer was lost)",
+            settlements_repeated.clone(),
+        );
         let unauthorized = Counter::default();
         registry.register(
             "unauthorized",
@@ -240,6 +247,7 @@ impl Metrics {
             late_leases_withheld,
             lost_asks_given_back,
             returns_on_lost_counters,
+            settlements_repeated,
             full_coverage_required,
             redis_healthy,
             fleet_shadow,
@@ -354,6 +362,11 @@ impl Metrics {
     /// Units of returns refused: their counters were lost since.
     pub fn returns_on_lost_counters(&self, units: u64) {
         self.returns_on_lost_counters.inc_by(units);
+    }
+
+    /// A settlement whose id was applied before (it changed nothing).
+    pub fn settlement_repeated(&self) {
+        self.settlements_repeated.inc();
     }
 
     pub fn abandoned_given_back(&self, units: u64) {

@@ -200,6 +200,10 @@ mod tests {
         assert!(!CHECK_MANY.contains("* 7") && !CHECK.contains("* 7"));
         let settle = include_str!("lua/settle.lua");
         assert!(settle.contains(&format!("local SETTLE_ARGS = {SETTLE_ARGS}\n")));
+        assert!(settle.contains(&format!(
+            "local SETTLEMENT_ID_MS = {}\n",
+            meshlimit_protocol::bounds::SETTLEMENT_ID_MS
+        )));
         assert!(lua.contains(&format!(
             "local GRANT_RECORD_MS = {}\n",
             meshlimit_protocol::bounds::GRANT_RECORD_MS

@@ -262,3 +262,51 @@ fn a_refund_after_redis_lost_its_state_gives_nothing_back() {
         "{metrics}"
     );
 }
+
+/// A settlement with an id is applied once: the filter sends a lease
+/// return again when its call failed (applied or lost, it cannot tell),
+/// and the second must change nothing. Counted in
+/// `meshlimitd_settlements_repeated_total`. Without an id, a settlement
+/// sent twice gives back twice (the filter never does).
+#[test]
+fn a_settlement_with_an_id_is_applied_once() {
+    let f = start();
+    for algorithm in [
+        "fixed_window",
+        "sliding_window_counter",
+        "token_bucket",
+        "sliding_window_log",
+    ] {
+        let subject = format!("resent-{algorithm}");
+        let first = reserve(&f, &subject, algorithm, 100);
+        let second = reserve(&f, &subject, algorithm, 100);
+        assert_eq!(remaining(&second), 800, "{algorithm}: {second}");
+        let settle_with_id = |id: u64| {
+            let v = f.check(&json!({"checks": [], "settlements": [{
+                "subject": subject, "limits": [limit(algorithm, 100)],
+                "actual": [0], "receipts": first["receipts"], "id": id}]}));
+            v["settled"][0]["remaining"][0].as_i64().unwrap()
+        };
+        assert_eq!(settle_with_id(7), 900, "{algorithm}");
+        assert_eq!(
+            settle_with_id(7),
+            900,
+            "{algorithm}: sent again, applied once"
+        );
+        // Another id is another settlement; but a sliding log's removes
+        // its receipt's own members, gone already whatever the id.
+        let again = if algorithm == "sliding_window_log" {
+            900
+        } else {
+            1000
+        };
+        assert_eq!(settle_with_id(8), again, "{algorithm}");
+    }
+    let metrics = meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[])
+        .unwrap()
+        .body;
+    assert!(
+        metrics.contains("meshlimitd_settlements_repeated_total 4"),
+        "{metrics}"
+    );
+}

@@ -53,6 +53,7 @@ impl Worker {
         self.heard(host, &in_flight.check, &outcome, now);
         if outcome.is_ok() {
             self.send_lost(host, stream.context_id, now);
+            self.resend_returns(host, stream.context_id, now);
         }
         self.conclude(
             host,
@@ -105,6 +106,7 @@ impl Worker {
         if let Ok(answer) = &answers {
             self.fleet_switch.hear(host, now, answer.enforcement);
             self.send_lost(host, self.root_context_id, now);
+            self.resend_returns(host, self.root_context_id, now);
         }
         // The checks that queued meanwhile go out before this batch's
         // streams are resumed: meshlimitd and Redis work on the next batch

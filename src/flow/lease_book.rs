@@ -35,6 +35,8 @@ pub(super) struct LeaseBook {
     /// succeeds (see `LeaseAsk::id`; never a call of their own while
     /// meshlimitd fails), until meshlimitd's record of them is gone.
     lost: RefCell<std::collections::VecDeque<(u64, LostAsk)>>,
+    /// Returns whose calls failed, sent again once a call succeeds.
+    pub(super) unconfirmed: super::returns::Unconfirmed,
 }
 
 /// Lost asks kept at most (the oldest go first).
@@ -69,6 +71,7 @@ impl LeaseBook {
             ticking,
             asks: super::ask_backoff::AskBackoff::default(),
             lost: RefCell::new(std::collections::VecDeque::new()),
+            unconfirmed: super::returns::Unconfirmed::default(),
         }
     }
 

@@ -14,7 +14,7 @@
 use std::rc::Rc;
 
 use log::warn;
-use meshlimit_protocol::{CheckResult, LeaseLife, Receipt, SettleOutcome, Settlement};
+use meshlimit_protocol::{CheckResult, LeaseLife, Receipt};
 
 use super::clock::NEAR_EXPIRY_MS;
 use super::decision_log::Source;
@@ -22,14 +22,9 @@ use super::hit::{HitHeaders, Scope};
 use super::observer::Observer;
 use super::{Job, Queued, Step, Stream, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
-use crate::decision::ServiceError;
 use crate::host::Host;
 use crate::shared::lease::{self, AskFor, Draw, Grant, Leases, Place, Reclaim, Take};
 use crate::stats::Stat;
-
-/// Returns per job: a batch of 64 jobs stays within meshlimitd's 1024
-/// settlements per call.
-const RETURNS_PER_JOB: usize = 16;
 
 /// What a request's check found in its lease slot.
 pub(super) enum Lookup {
@@ -373,7 +368,7 @@ impl Worker {
         }
         // The slot still holds units (another worker's lease came first):
         // these go back at once.
-        let settlement = check.lease_return(units, &receipts);
+        let settlement = self.lease_return(check, units, &receipts);
         self.send_returns(host, context_id, vec![settlement]);
     }
 
@@ -421,17 +416,13 @@ impl Worker {
                 Ok(Reclaim::Gone) => false,
                 Ok(Reclaim::Back { units, expired }) => {
                     if !(expired && record.fixed_only) {
-                        returns.push(record.check.lease_return(units, &record.receipts));
+                        returns.push(self.lease_return(&record.check, units, &record.receipts));
                     }
                     false
                 }
             }
         });
-        while !returns.is_empty() {
-            let rest = returns.split_off(returns.len().min(RETURNS_PER_JOB));
-            self.send_returns(host, self.root_context_id, returns);
-            returns = rest;
-        }
+        self.send_returns(host, self.root_context_id, returns);
         // The tick runs as the root: send the returns now rather than at
         // the wake-up, and the renewals that waited for the tick.
         self.flush_deferred(host, now);
@@ -477,58 +468,6 @@ impl Worker {
         self.send_job(host, context_id, Job::Lost { asks })
             .map_err(|_| Refused(kept))
     }
-
-    /// Sends returns in the worker's next batch (or a call of their own);
-    /// `context_id` is the context current now (it is current again after).
-    fn send_returns(&self, host: &impl Host, context_id: u32, settlements: Vec<Settlement>) {
-        let units = returned_units(&settlements);
-        if let Err(e) = self.send_job(host, context_id, Job::Return { settlements }) {
-            self.return_failed(host, &e.to_string(), units);
-        }
-    }
-
-    /// Returns of `units` that meshlimitd did not confirm (refused, or
-    /// their call failed: perhaps applied, perhaps lost), counted.
-    fn return_failed(&self, host: &impl Host, why: &str, units: u64) {
-        self.metrics
-            .add(host, Stat::LeaseReturnsUnconfirmed, units as usize);
-        if let Some(skipped) = self.error_log.allow(host.now_ms()) {
-            warn!(
-                "cannot give leased units back ({why}); they stay charged until their window ends ({skipped} similar lines suppressed)"
-            );
-        }
-    }
-
-    /// meshlimitd answered returns (or their call failed).
-    pub(super) fn on_returned(
-        &self,
-        host: &impl Host,
-        settlements: &[Settlement],
-        outcomes: Result<Vec<SettleOutcome>, ServiceError>,
-    ) {
-        let outcomes = match outcomes {
-            Ok(outcomes) => outcomes,
-            Err(e) => return self.return_failed(host, &e.to_string(), returned_units(settlements)),
-        };
-        for (settlement, outcome) in settlements.iter().zip(outcomes) {
-            let units = returned_units(std::slice::from_ref(settlement));
-            match outcome {
-                SettleOutcome::Settled { .. } => {
-                    self.metrics.add(host, Stat::LeaseReturns, units as usize);
-                }
-                SettleOutcome::Failed(f) => self.return_failed(host, &f.error, units),
-            }
-        }
-    }
-}
-
-/// The units lease returns give back (each limit of one is given back the
-/// same units: its first's).
-fn returned_units(settlements: &[Settlement]) -> u64 {
-    settlements
-        .iter()
-        .map(|s| s.limits.first().map_or(0, |l| l.cost))
-        .sum()
 }
 
 /// Lost asks whose job could not be queued, kept for the next call.

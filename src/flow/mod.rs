@@ -48,6 +48,7 @@ mod metrics;
 pub(crate) mod observer;
 mod outbox;
 pub(crate) mod profile;
+mod returns;
 mod rule_stats;
 mod settle;
 #[cfg(test)]

@@ -494,7 +494,8 @@ fn lost_answers_cost_nothing_while_redis_stalls_around_the_timeout() {
     // What can still be lost, each counted: a unit for each check whose
     // answer was lost without a lease ask (charged in Redis, decided by
     // the fallback), as before leases, and the units of lease returns
-    // whose calls failed; every lease asked is given back.
+    // that meshlimitd never confirmed (a failed return is sent again, with
+    // its id, once a call succeeds); every lease asked is given back.
     let plain_lost =
         t.stat_total("meshlimit.answers_lost") - t.stat_total("meshlimit.lease_asks_lost");
     let unconfirmed = t.stat_total("meshlimit.lease_returns_unconfirmed");

@@ -129,6 +129,7 @@ fn charged(check: &Check, leased: u64, receipts: Vec<Receipt>, keep_cost: bool) 
             .map(|l| if keep_cost { l.cost } else { 0 })
             .collect(),
         receipts,
+        id: 0,
     }
 }
 

@@ -198,6 +198,7 @@ mod tests {
                 .collect(),
             actual: vec![0; check.limits.len()],
             receipts: receipts.to_vec(),
+            id: 0,
         }
     }
 

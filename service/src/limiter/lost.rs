@@ -65,6 +65,7 @@ impl Limiter {
                     mac: String::new(),
                 })
                 .collect(),
+            id: 0,
         };
         self.settle(&settlement).await?;
         Ok(units.saturating_sub(keep))

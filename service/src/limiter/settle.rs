@@ -32,71 +32,28 @@ impl Limiter {
             }
         }
         let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
-            let mut invocation = self.scripts.settle.prepare_invoke();
-            invocation
-                .arg(&self.clock_key)
-                .arg(if self.overrides { "1" } else { "0" });
-            for &i in members {
-                let (Some(limit), Some(actual), Some(receipt)) = (
-                    settlement.limits.get(i),
-                    settlement.actual.get(i),
-                    settlement.receipts.get(i),
-                ) else {
-                    continue;
-                };
-                invocation
-                    .key(keys::limit_key(
-                        &self.prefix,
-                        &keys::subject_tag(limit.subject_or(&settlement.subject)),
-                        limit,
-                    ))
-                    .arg(limit.algorithm.short_name())
-                    .arg(limit.requests)
-                    .arg(limit.window_ms)
-                    .arg(limit.cost)
-                    .arg(*actual)
-                    .arg(limit.capacity())
-                    .arg(calendar_arg(limit))
-                    .arg(receipt.clock_us)
-                    .arg(&receipt.nonce)
-                    .arg(receipt.place)
-                    .arg(receipt.epoch);
-            }
-            // Their override keys, then their epoch keys, in the same
-            // order (see settle.lua).
-            let tags: Vec<String> = members
-                .iter()
-                .filter_map(|&i| settlement.limits.get(i))
-                .map(|limit| keys::subject_tag(limit.subject_or(&settlement.subject)))
-                .collect();
-            if self.overrides {
-                for (&i, tag) in members.iter().zip(&tags) {
-                    if let Some(limit) = settlement.limits.get(i) {
-                        invocation.key(keys::override_key(&self.prefix, tag, &limit.name));
-                    }
-                }
-            }
-            for tag in &tags {
-                invocation.key(keys::epoch_key(&self.prefix, tag));
-            }
+            let invocation = self.settle_invocation(settlement, members);
             async move { self.run(*slot, &invocation, "settle").await }
         }))
         .await;
         let mut remaining = vec![0u64; n];
         for (run, (_, members)) in runs.into_iter().zip(&groups) {
             let values = run?;
-            let Some((not_given, values)) = values
-                .split_last()
-                .filter(|(_, values)| values.len() == members.len())
+            let Some((values, [not_given, repeated])) = values
+                .split_last_chunk::<2>()
+                .filter(|(values, _)| values.len() == members.len())
             else {
                 return Err(LimiterError::Reply(format!(
                     "{} values, expected {}",
                     values.len(),
-                    members.len() + 1
+                    members.len() + 2
                 )));
             };
             self.metrics
                 .returns_on_lost_counters((*not_given).max(0) as u64);
+            if *repeated == 1 {
+                self.metrics.settlement_repeated();
+            }
             for (&i, &v) in members.iter().zip(values) {
                 if let Some(slot) = remaining.get_mut(i) {
                     *slot = v.max(0) as u64;
@@ -104,6 +61,68 @@ impl Limiter {
             }
         }
         Ok(remaining)
+    }
+
+    /// The `SETTLE` run of `settlement`'s limits at `members` (one slot's).
+    fn settle_invocation<'a>(
+        &'a self,
+        settlement: &Settlement,
+        members: &[usize],
+    ) -> redis::ScriptInvocation<'a> {
+        let mut invocation = self.scripts.settle.prepare_invoke();
+        invocation
+            .arg(&self.clock_key)
+            .arg(if self.overrides { "1" } else { "0" })
+            .arg(if settlement.id != 0 { "1" } else { "0" });
+        for &i in members {
+            let (Some(limit), Some(actual), Some(receipt)) = (
+                settlement.limits.get(i),
+                settlement.actual.get(i),
+                settlement.receipts.get(i),
+            ) else {
+                continue;
+            };
+            invocation
+                .key(keys::limit_key(
+                    &self.prefix,
+                    &keys::subject_tag(limit.subject_or(&settlement.subject)),
+                    limit,
+                ))
+                .arg(limit.algorithm.short_name())
+                .arg(limit.requests)
+                .arg(limit.window_ms)
+                .arg(limit.cost)
+                .arg(*actual)
+                .arg(limit.capacity())
+                .arg(calendar_arg(limit))
+                .arg(receipt.clock_us)
+                .arg(&receipt.nonce)
+                .arg(receipt.place)
+                .arg(receipt.epoch);
+        }
+        // Their override keys, then their epoch keys, in the same
+        // order (see settle.lua).
+        let tags: Vec<String> = members
+            .iter()
+            .filter_map(|&i| settlement.limits.get(i))
+            .map(|limit| keys::subject_tag(limit.subject_or(&settlement.subject)))
+            .collect();
+        if self.overrides {
+            for (&i, tag) in members.iter().zip(&tags) {
+                if let Some(limit) = settlement.limits.get(i) {
+                    invocation.key(keys::override_key(&self.prefix, tag, &limit.name));
+                }
+            }
+        }
+        for tag in &tags {
+            invocation.key(keys::epoch_key(&self.prefix, tag));
+        }
+        if settlement.id != 0 {
+            // Its mark, in this run's slot (each run marks its own).
+            let tag = tags.first().map_or("", String::as_str);
+            invocation.key(keys::settled_key(&self.prefix, tag, settlement.id));
+        }
+        invocation
     }
 }
 

@@ -40,36 +40,7 @@ impl Limiter {
                     ..limit.clone()
                 })
                 .collect();
-            async move {
-                let mut invocation = self.scripts.check.prepare_invoke();
-                let nonce = self.add_fixed_args(&mut invocation);
-                let part = Check {
-                    subject: check.subject.clone(),
-                    limits: limits.clone(),
-                    receipt: check.receipt,
-                    lease: None,
-                    trace: None,
-                };
-                // No lease (nor grant record): a check spread over slots
-                // is decided per request. Epochs for the receipts asked; a
-                // refund when another slot denies follows its charge by a
-                // round trip, and goes without.
-                let follow = super::follow(&part, false);
-                invocation
-                    .arg(0)
-                    .arg(1)
-                    .arg(u8::from(follow.grant))
-                    .arg(follow.epochs as u8);
-                self.add_limits(&mut invocation, &part, &limits);
-                self.add_follow(&mut invocation, &part, &limits, None);
-                let what = super::script_label(std::iter::once(check));
-                let values = self.run(*slot, &invocation, what).await?;
-                let (clock, reply) = split_clock(&values)?;
-                let mut result = parse_reply(&part, reply)?;
-                let epochs = super::epochs(&part, reply);
-                result.receipts = receipts(&result, clock, &nonce, &epochs);
-                Ok::<_, LimiterError>((limits, result))
-            }
+            self.decide_part(check, *slot, limits)
         }))
         .await;
         let allowed = runs
@@ -122,6 +93,44 @@ impl Limiter {
         })
     }
 
+    /// Decides the limits of `check` that live in `slot` (each carrying
+    /// its own subject) in one run: what it charged, and where.
+    async fn decide_part(
+        &self,
+        check: &Check,
+        slot: u16,
+        limits: Vec<Limit>,
+    ) -> Result<(Vec<Limit>, CheckResult), LimiterError> {
+        let mut invocation = self.scripts.check.prepare_invoke();
+        let nonce = self.add_fixed_args(&mut invocation);
+        let part = Check {
+            subject: check.subject.clone(),
+            limits: limits.clone(),
+            receipt: check.receipt,
+            lease: None,
+            trace: None,
+        };
+        // No lease (nor grant record): a check spread over slots
+        // is decided per request. Epochs for the receipts asked; a
+        // refund when another slot denies follows its charge by a
+        // round trip, and goes without.
+        let follow = super::follow(&part, false);
+        invocation
+            .arg(0)
+            .arg(1)
+            .arg(u8::from(follow.grant))
+            .arg(follow.epochs as u8);
+        self.add_limits(&mut invocation, &part, &limits);
+        self.add_follow(&mut invocation, &part, &limits, None);
+        let what = super::script_label(std::iter::once(check));
+        let values = self.run(slot, &invocation, what).await?;
+        let (clock, reply) = split_clock(&values)?;
+        let mut result = parse_reply(&part, reply)?;
+        let epochs = super::epochs(&part, reply);
+        result.receipts = receipts(&result, clock, &nonce, &epochs);
+        Ok((limits, result))
+    }
+
     /// Undoes the charge of one [`Limiter::check_across_slots`] run: a
     /// settlement of what it charged at 0 units used.
     async fn refund(&self, limits: &[Limit], result: &CheckResult) -> Result<(), LimiterError> {
@@ -130,6 +139,7 @@ impl Limiter {
             limits: Vec::new(),
             actual: Vec::new(),
             receipts: Vec::new(),
+            id: 0,
         };
         let receipts = result.receipts.iter().flatten();
         for ((limit, status), receipt) in limits.iter().zip(&result.limits).zip(receipts) {

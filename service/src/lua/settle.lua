@@ -9,13 +9,21 @@
 --
 -- KEYS: one counter per limit, followed, when live overrides are on, by
 -- the limits' override keys (as decide.lua reads them), then by their
--- epoch keys. ARGV: the test clock key, whether overrides are on ('1' or
--- '0'), then SETTLE_ARGS per limit: algorithm, limit (as configured),
--- window_ms, reserved, actual, burst, calendar, and the reservation's
--- receipt: its run's clock (microseconds), nonce, the limit's place in
--- that run, and its subject's epoch then (0: unknown). Returns the units
--- each limit has left now, then the units not given back because their
--- counters were made since their receipts (see below).
+-- epoch keys, then, for a settlement with an id, the key that marks it
+-- applied. ARGV: the test clock key, whether overrides are on ('1' or
+-- '0'), whether the mark's key follows ('1' or '0'), then SETTLE_ARGS per
+-- limit: algorithm, limit (as configured), window_ms, reserved, actual,
+-- burst, calendar, and the reservation's receipt: its run's clock
+-- (microseconds), nonce, the limit's place in that run, and its
+-- subject's epoch then (0: unknown). Returns the units each limit has
+-- left now, then the units not given back because their counters were
+-- made since their receipts (see below), then 1 when the settlement's id
+-- was applied before (and nothing was done), else 0.
+--
+-- A settlement with an id is applied once: the mark is set as it is
+-- applied, and a settlement that finds it set changes nothing (a caller
+-- sends again a settlement whose answer it lost: perhaps applied,
+-- perhaps not).
 --
 -- A receipt of another epoch than the subject's now (decide.lua's
 -- touch_epoch) was made before Redis lost the counters (a restart
@@ -36,6 +44,8 @@
 -- members beside them; the token bucket moves its arrival time by the
 -- difference (back, never before now).
 local SETTLE_ARGS = 11
+-- How long the mark of a settlement applied lives (milliseconds).
+local SETTLEMENT_ID_MS = 60000
 -- How far a fixed window counter's deadline may be from the window's last
 -- millisecond and still be that window's: Redis Cluster's MIGRATE moves a
 -- key with its time to live, so on its new node it expires a millisecond
@@ -44,12 +54,17 @@ local MOVED_SLACK_MS = 1000
 local now_us = clock(ARGV[1])
 local now = math.floor(now_us / 1000)
 local ovr = ARGV[2] == '1'
-local n = #KEYS / 2
-if ovr then n = #KEYS / 3 end
+local marked = ARGV[3] == '1'
+local m = 0
+if marked then m = 1 end
+local n = (#KEYS - m) / 2
+if ovr then n = (#KEYS - m) / 3 end
+-- Applied before: only what each limit has left is read.
+local repeated = marked and not redis.call('SET', KEYS[#KEYS], '1', 'NX', 'PX', SETTLEMENT_ID_MS)
 local out = {}
 local not_given = 0
 for i = 1, n do
-  local b = 2 + (i - 1) * SETTLE_ARGS
+  local b = 3 + (i - 1) * SETTLE_ARGS
   local alg, limit, window = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
   local reserved, actual, burst = tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
   if ovr then
@@ -63,9 +78,10 @@ for i = 1, n do
   local cal, at_us, nonce, place = ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9], ARGV[b + 10]
   local at = math.floor(at_us / 1000)
   local delta = actual - reserved
+  if repeated then delta = 0 end
   local receipt_epoch = tonumber(ARGV[b + 11]) or 0
   if delta < 0 and receipt_epoch ~= 0 and alg ~= 'swl'
-     and tonumber(redis.call('GET', KEYS[#KEYS - n + i]) or '') ~= receipt_epoch then
+     and tonumber(redis.call('GET', KEYS[#KEYS - m - n + i]) or '') ~= receipt_epoch then
     not_given = not_given - delta
     delta = 0
   end
@@ -165,4 +181,5 @@ for i = 1, n do
   out[i] = math.max(0, remaining)
 end
 out[n + 1] = not_given
+out[n + 2] = repeated and 1 or 0
 return out

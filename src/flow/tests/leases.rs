@@ -287,6 +287,62 @@ fn an_idle_lease_gives_its_units_back_on_the_tick() {
     assert_eq!(step, Step::Pause);
 }
 
+/// A return whose call failed may have been applied or lost: it is kept
+/// and sent again, with the same id (meshlimitd applies an id once), with
+/// the next call that succeeds; only returns that keep failing past
+/// `RESEND_RETURN_MS` are counted unconfirmed. Before, the units of every
+/// failed return stayed charged until their window ended.
+#[test]
+fn a_return_whose_call_failed_is_sent_again_with_its_id() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    h.request("a");
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    let first = h.last_call_body()["settlements"][0].clone();
+    let id = first["id"].as_u64().unwrap_or(0);
+    assert!(id != 0, "{first}");
+    h.answer_batch(h.last_token(), None, "");
+    assert_eq!(h.stat("lease_returns_unconfirmed"), 0, "kept, not given up");
+    // Not a call of its own while meshlimitd fails: with the next that
+    // succeeds.
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    h.request("b");
+    h.wake();
+    h.answer_batch(h.last_token(), Some(200), &answer(&[result(true, 19)]));
+    let again = h.last_call_body();
+    assert_eq!(again["settlements"][0], first, "the same return: {again}");
+    h.answer_batch(
+        h.last_token(),
+        Some(200),
+        r#"{"results":[],"settled":[{"remaining":[17]}]}"#,
+    );
+    assert_eq!(h.stat("lease_returns"), 7);
+    assert_eq!(h.stat("lease_returns_unconfirmed"), 0);
+}
+
+/// Returns that fail for longer than meshlimitd remembers their ids are
+/// given up, and counted.
+#[test]
+fn a_return_that_keeps_failing_is_given_up_and_counted() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    h.request("a");
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    h.answer_batch(h.last_token(), None, "");
+    h.advance(meshlimit_protocol::bounds::RESEND_RETURN_MS);
+    h.request("b");
+    h.wake();
+    h.answer_batch(h.last_token(), Some(200), &answer(&[result(true, 19)]));
+    assert_eq!(h.stat("lease_returns_unconfirmed"), 7);
+    let body = h.last_call_body();
+    assert!(body["settlements"].is_null(), "not sent again: {body}");
+}
+
 /// The tick reads a live lease's slot once the lease could first be due
 /// (an interval after its last hit, or its expiry), not on every tick: a
 /// thousand live leases cost a shared-data read each an interval, not
