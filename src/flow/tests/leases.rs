@@ -294,16 +294,9 @@ fn an_idle_lease_gives_its_units_back_on_the_tick() {
 /// failed return stayed charged until their window ended.
 #[test]
 fn a_return_whose_call_failed_is_sent_again_with_its_id() {
-    let mut h = harness("");
-    let calls = h.lease_for_a(&granted(10, 8));
-    h.request("a");
-    h.advance(1_000);
-    h.tick();
-    assert_eq!(h.calls(), calls + 1);
-    let first = h.last_call_body()["settlements"][0].clone();
+    let (mut h, calls, first) = a_failed_return();
     let id = first["id"].as_u64().unwrap_or(0);
     assert!(id != 0, "{first}");
-    h.answer_batch(h.last_token(), None, "");
     assert_eq!(h.stat("lease_returns_unconfirmed"), 0, "kept, not given up");
     // Not a call of its own while meshlimitd fails: with the next that
     // succeeds.
@@ -323,17 +316,11 @@ fn a_return_whose_call_failed_is_sent_again_with_its_id() {
     assert_eq!(h.stat("lease_returns_unconfirmed"), 0);
 }
 
-/// Returns that fail for longer than meshlimitd remembers their ids are
-/// given up, and counted.
+/// Returns that keep failing for `RESEND_RETURN_MS` (well within the
+/// minute meshlimitd remembers an id) are given up, and counted.
 #[test]
 fn a_return_that_keeps_failing_is_given_up_and_counted() {
-    let mut h = harness("");
-    let calls = h.lease_for_a(&granted(10, 8));
-    h.request("a");
-    h.advance(1_000);
-    h.tick();
-    assert_eq!(h.calls(), calls + 1);
-    h.answer_batch(h.last_token(), None, "");
+    let (mut h, _, _) = a_failed_return();
     h.advance(meshlimit_protocol::bounds::RESEND_RETURN_MS);
     h.request("b");
     h.wake();
@@ -866,4 +853,18 @@ fn a_lost_ask_is_named_in_the_next_call() {
     h.request("a");
     h.wake();
     assert!(h.last_call_body().get("lost").is_none());
+}
+
+/// A lease for "a" that idles and is given back on the tick, in a call
+/// that fails: the harness, the calls before the return's, and the return.
+fn a_failed_return() -> (Harness, usize, serde_json::Value) {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    h.request("a");
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    let sent = h.last_call_body()["settlements"][0].clone();
+    h.answer_batch(h.last_token(), None, "");
+    (h, calls, sent)
 }
