@@ -481,7 +481,16 @@ fn lost_answers_cost_nothing_while_redis_stalls_around_the_timeout() {
         .body;
     let given_back: Vec<&str> = metrics
         .lines()
-        .filter(|l| l.contains("given_back_total") || l.contains("withheld_total"))
+        .filter(|l| {
+            [
+                "given_back_total",
+                "withheld_total",
+                "lost_counters_total",
+                "repeated_total",
+            ]
+            .iter()
+            .any(|m| l.contains(m))
+        })
         .collect();
     eprintln!(
         "{paused} stalls: {admitted} admitted ({fallback} by the fallback), Redis counts {}, {} lease grants, {} answers lost, {} asks lost, {} returns; {given_back:?}",
