@@ -8,8 +8,9 @@
 //! left and was lost on the way (the caller names the ask in its next
 //! call: [`forget_all`]). A check that asked its lease with an id has its
 //! grant recorded by the script (see `limiter::lost`), and every one of
-//! these gives it back through that record, which is marked as it is read:
-//! whichever comes first gives the units back, the others find nothing.
+//! these gives it back through that record, in a settlement whose id is
+//! the ask's: whichever comes first gives the units back, the others find
+//! it applied.
 //! A check without an id is given back by its receipts, as before ids.
 
 use meshlimit_protocol::{Check, CheckOutcome, CheckRequest, LostAsk, Receipt, Settlement};
@@ -155,6 +156,12 @@ pub async fn forget_all(state: &AppState, lost: &[LostAsk]) -> u64 {
     apply(state, &give).await
 }
 
+/// The pauses between attempts at a lost ask's give-back: 25 ms, then
+/// four times longer each, the last 1.6 s (all within the grant record's
+/// ten seconds).
+const FORGET_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(25);
+const FORGET_RETRY_LAST: std::time::Duration = std::time::Duration::from_millis(1_600);
+
 /// Applies give-backs: the units given back in all (on each check's
 /// first limit). Those given back by grant records are counted apart
 /// (`meshlimitd_lost_ask_units_given_back_total`).
@@ -168,13 +175,22 @@ pub async fn apply(state: &AppState, give: &[GiveBack]) -> u64 {
         .collect();
     let forgets = futures_util::future::join_all(give.iter().filter_map(|g| match g {
         GiveBack::Forget { ask, keep } => Some(async move {
-            match state.limiter.forget_ask(ask, *keep).await {
-                Ok(units) => units,
-                Err(e) => {
-                    if let Some(suppressed) = state.error_log.allow() {
-                        warn!(error = %e, suppressed, "cannot give back a lost ask's grant; it stays charged until its window ends");
+            // Tried again when Redis fails (a stall, a failover): a give-back
+            // is applied once whatever the attempts (its settlement's id).
+            let mut pause = FORGET_RETRY_FIRST;
+            loop {
+                match state.limiter.forget_ask(ask, *keep).await {
+                    Ok(units) => break units,
+                    Err(_) if pause <= FORGET_RETRY_LAST => {
+                        tokio::time::sleep(pause).await;
+                        pause *= 4;
                     }
-                    0
+                    Err(e) => {
+                        if let Some(suppressed) = state.error_log.allow() {
+                            warn!(error = %e, suppressed, "cannot give back a lost ask's grant; it stays charged until its window ends");
+                        }
+                        break 0;
+                    }
                 }
             }
         }),

@@ -5,10 +5,12 @@
 //! under the grant key, for ten seconds). When the answer never reaches
 //! its caller (a timeout, a reset, meshlimitd's own 503 while the script
 //! ran on), the caller names the ask in its next call, and meshlimitd
-//! gives back what the record says. Reading the record marks it `lost` in
-//! the same command: a second naming, or meshlimitd's own give-back of
-//! the same decision, finds nothing to give; and a script that had not
-//! run yet when its ask was named grants no lease.
+//! gives back what the record says, in a settlement whose id is the
+//! ask's: meshlimitd applies a settlement's id once, so a second naming,
+//! meshlimitd's own give-back of the same decision, or a give-back tried
+//! again after its Redis call failed (perhaps applied) gives nothing more.
+//! An ask named before its script ran finds no record, and marks it
+//! `lost` (only if it is still missing): the script then grants nothing.
 
 use meshlimit_protocol::{Check, Limit, LostAsk, Receipt, Settlement};
 
@@ -31,14 +33,29 @@ impl Limiter {
             &keys::subject_tag(first.subject_or(&lost.subject)),
             lost.id,
         );
-        let mut pipe = redis::pipe();
-        pipe.cmd("SET")
-            .arg(&key)
-            .arg("lost")
-            .arg("PX")
-            .arg(LOST_MARK_MS)
-            .arg("GET");
-        let (record,): (Option<String>,) = self.query_timed(&pipe).await?;
+        // A record, a mark, or nothing yet: marked lost if still missing,
+        // and read again if the script wrote it meanwhile.
+        let mut record = None;
+        for _ in 0..2 {
+            let mut read = redis::pipe();
+            read.cmd("GET").arg(&key);
+            let (found,): (Option<String>,) = self.query_timed(&read).await?;
+            if found.is_some() {
+                record = found;
+                break;
+            }
+            let mut mark = redis::pipe();
+            mark.cmd("SET")
+                .arg(&key)
+                .arg("lost")
+                .arg("NX")
+                .arg("PX")
+                .arg(LOST_MARK_MS);
+            let (marked,): (Option<String>,) = self.query_timed(&mark).await?;
+            if marked.is_some() {
+                return Ok(0);
+            }
+        }
         let Some((units, clock_us, nonce)) = record.as_deref().and_then(parse_record) else {
             return Ok(0);
         };
@@ -65,10 +82,14 @@ impl Limiter {
                     mac: String::new(),
                 })
                 .collect(),
-            id: 0,
+            // Applied once, whoever gives it back and however often.
+            id: lost.id,
         };
-        self.settle(&settlement).await?;
-        Ok(units.saturating_sub(keep))
+        if self.settle_once(&settlement).await? {
+            Ok(units.saturating_sub(keep))
+        } else {
+            Ok(0)
+        }
     }
 }
 

@@ -13,6 +13,21 @@ impl Limiter {
     /// run per Cluster slot of its limits (one run off a Cluster). Returns
     /// what each limit has left.
     pub async fn settle(&self, settlement: &Settlement) -> Result<Vec<u64>, LimiterError> {
+        Ok(self.apply_settlement(settlement).await?.0)
+    }
+
+    /// Applies a settlement with an id: whether it was applied now (not
+    /// found applied before, see [`Settlement::id`]).
+    pub(super) async fn settle_once(&self, settlement: &Settlement) -> Result<bool, LimiterError> {
+        Ok(!self.apply_settlement(settlement).await?.1)
+    }
+
+    /// What each limit has left, and whether the settlement's id was found
+    /// applied before (nothing was done).
+    async fn apply_settlement(
+        &self,
+        settlement: &Settlement,
+    ) -> Result<(Vec<u64>, bool), LimiterError> {
         let n = settlement.limits.len();
         if settlement.actual.len() != n || settlement.receipts.len() != n {
             return Err(LimiterError::Reply(
@@ -36,7 +51,7 @@ impl Limiter {
             async move { self.run(*slot, &invocation, "settle").await }
         }))
         .await;
-        let mut remaining = vec![0u64; n];
+        let (mut remaining, mut seen_before) = (vec![0u64; n], false);
         for (run, (_, members)) in runs.into_iter().zip(&groups) {
             let values = run?;
             let Some((values, [not_given, repeated])) = values
@@ -53,6 +68,7 @@ impl Limiter {
                 .returns_on_lost_counters((*not_given).max(0) as u64);
             if *repeated == 1 {
                 self.metrics.settlement_repeated();
+                seen_before = true;
             }
             for (&i, &v) in members.iter().zip(values) {
                 if let Some(slot) = remaining.get_mut(i) {
@@ -60,7 +76,7 @@ impl Limiter {
                 }
             }
         }
-        Ok(remaining)
+        Ok((remaining, seen_before))
     }
 
     /// The `SETTLE` run of `settlement`'s limits at `members` (one slot's).
