@@ -72,3 +72,71 @@ fn a_script_whose_answer_was_lost_is_not_run_again() {
     let count = cluster.cli(master, &["GET", &key]);
     assert_eq!(count.trim(), "4", "one check ran once, not twice");
 }
+
+/// A live master that answers one run late while another master is being
+/// failed over (busy, or its host stalled: a fresh-clone `make test` saw
+/// runs on two live masters time out together as a master was killed)
+/// fails that run alone: the ones after it are answered, through the
+/// failover. And redis-rs reports the late answer as an I/O error of kind
+/// `TimedOut`, which meshlimitd's `redis_errors` must count as a timeout,
+/// not as a lost connection (see `LimiterError::kind`).
+#[test]
+fn a_live_master_late_during_a_failover_fails_that_run_alone() {
+    let dir = TempDir::new("cluster-late");
+    let cluster = RedisCluster::start(&unique_host(), dir.path(), 3);
+    let backend = Backend::new(&Options {
+        mode: Mode::Cluster,
+        urls: cluster.seeds().split(',').map(String::from).collect(),
+        sentinel_master: None,
+        ca_pem: None,
+        client_pem: None,
+        timeout: Duration::from_millis(50),
+    })
+    .unwrap();
+    let script = redis::Script::new("return redis.call('INCR', KEYS[1])");
+    let on = |tag: &str| {
+        let mut invocation = script.prepare_invoke();
+        invocation.key(format!("{{{tag}}}:n"));
+        (keys::tag_slot(tag), invocation)
+    };
+    // Two tags on different masters: the live one, and the one killed.
+    let live = "live";
+    let live_master = cluster.master_of(keys::tag_slot(live)).unwrap().port;
+    let dead = (0..)
+        .map(|i| format!("dead-{i}"))
+        .find(|t| cluster.master_of(keys::tag_slot(t)).unwrap().port != live_master)
+        .unwrap();
+    let dead_master = cluster.master_of(keys::tag_slot(&dead)).unwrap().port;
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let run = |tag: &str| -> Result<i64, redis::RedisError> {
+        let (slot, invocation) = on(tag);
+        runtime.block_on(backend.invoke(slot, &invocation))
+    };
+    for _ in 0..3 {
+        run(live).unwrap();
+        run(&dead).unwrap();
+    }
+    // A master dies: its runs fail, and redis-rs' cluster connection, which
+    // the dead node's runs go through, repairs in the background until the
+    // failover is over (seconds).
+    cluster.kill(dead_master);
+    for _ in 0..3 {
+        assert!(run(&dead).is_err());
+    }
+    // Meanwhile the live master is busy for 150 ms: one run is late.
+    std::thread::scope(|s| {
+        s.spawn(|| cluster.cli(live_master, &["EVAL", &busy(150), "0"]));
+        std::thread::sleep(Duration::from_millis(50));
+        let late = run(live).expect_err("no answer within 50 ms");
+        assert!(late.is_timeout(), "{late:?}");
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    // Free again: every run for it is answered, through the failover.
+    let failed: Vec<String> = (0..40)
+        .filter_map(|_| {
+            std::thread::sleep(Duration::from_millis(25));
+            run(live).err().map(|e| e.to_string())
+        })
+        .collect();
+    assert_eq!(failed, Vec::<String>::new(), "runs for the live master");
+}

@@ -54,6 +54,9 @@ impl LimiterError {
     pub fn kind(&self) -> &'static str {
         match self {
             LimiterError::Timeout(_) => "timeout",
+            // A connection's own response timeout (redis-rs), before the
+            // I/O errors it is one of: Redis was slow, not unreachable.
+            LimiterError::Redis(e) if e.is_timeout() => "timeout",
             LimiterError::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
             LimiterError::Redis(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => "auth",
             LimiterError::Redis(_) => "command",
@@ -504,6 +507,26 @@ mod tests {
     use meshlimit_protocol::Limit;
 
     use meshlimit_protocol::Algorithm;
+
+    /// redis-rs reports a connection's response timeout as an I/O error of
+    /// kind `TimedOut` (service/tests/cluster_retry.rs checks it against a
+    /// real Redis): a slow Redis, counted as a timeout, not as a lost
+    /// connection, which would send an operator after the network.
+    #[test]
+    fn a_redis_response_timeout_is_counted_as_a_timeout() {
+        let late = |kind| {
+            LimiterError::Redis(redis::RedisError::from(std::io::Error::new(
+                kind,
+                "timed out",
+            )))
+        };
+        assert_eq!(late(std::io::ErrorKind::TimedOut).kind(), "timeout");
+        assert_eq!(
+            late(std::io::ErrorKind::ConnectionRefused).kind(),
+            "connection"
+        );
+        assert_eq!(late(std::io::ErrorKind::TimedOut).share().kind(), "timeout");
+    }
 
     fn check(n: usize, cost: u64) -> Check {
         Check {
