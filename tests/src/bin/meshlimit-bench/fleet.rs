@@ -169,6 +169,14 @@ impl Fleet {
                 &["x-llm-tokens: 1000"],
             )
         });
+        // The same POST refused by a request limit from the deny cache:
+        // what refusing this request costs at its headers, whatever
+        // refuses it, beside which row 21's own cost is read.
+        targets.push(Target {
+            url: format!("http://{}/v1/chat/completions", self.deny.replica_addr(1)),
+            post: Some(CHAT_BODY),
+            ..replica_target("22. as 4, the POST of 21", &self.deny, &[])
+        });
         for (topology, name) in self.compared.iter().zip([
             "3'. as 3, with the compare build",
             "7'. as 7, with the compare build",

@@ -34,7 +34,8 @@
 //!     decision must cost no more than a lease hit.
 //! 21. as 10, the client's budget spent: refused at the headers, before
 //!     anything goes upstream, which must cost no more than any other
-//!     deny (4).
+//!     deny (4); 22. as 4, the same POST as 21: any deny of that request
+//!     at its headers (its body unread, its HTTP/1.1 connection closed).
 //!
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The throughput targets against the do-nothing filter are
