@@ -1,8 +1,9 @@
 //! `scope: local` rules end to end, through a real Envoy with two workers:
-//! the rule holds exactly across the workers of one Envoy though each
-//! worker draws units ahead from the shared-data counter (src/flow/
-//! local_draws.rs), its RateLimit headers count down one request at a
-//! time, and meshlimitd is never asked.
+//! the rule never admits more than its limit across the workers of one
+//! Envoy though each worker draws units ahead from the shared-data counter
+//! (src/flow/local_draws.rs), and admits all of it once idle draws went
+//! back; its RateLimit headers count down one request at a time, and
+//! meshlimitd is never asked.
 
 // Test code: a failed expectation is a panic, by design.
 #![allow(
@@ -51,6 +52,18 @@ fn stat_reaching(t: &meshlimit_testbed::Topology, name: &str, want: u64) -> u64 
     }
 }
 
+/// Units one worker drew and has not spent when its own requests stop,
+/// at most: one draw, at most a sixteenth of what the counter had left
+/// beyond its last 64 (src/flow/local_draws.rs), here of 300.
+const ONE_DRAW_OF_300: usize = (300 - 64) / 16;
+
+/// Never more than the limit, across the workers; and every unit is
+/// admitted in the end. A worker whose connections stop while it holds
+/// units of a draw keeps them until the root's tick sees them idle (250 to
+/// 500 ms): meanwhile the other worker may refuse, as a fresh-clone `make
+/// test` saw (298 of 300, 429s between 200s). So the burst admits at most
+/// 300, and less only by such a draw per worker; requests sent once the
+/// draws went back reach exactly 300.
 #[test]
 fn a_local_rule_holds_exactly_across_the_workers_of_one_envoy() {
     let t = single_replica(local_rule(300));
@@ -72,11 +85,28 @@ fn a_local_rule_holds_exactly_across_the_workers_of_one_envoy() {
         }
     });
     let statuses = statuses.into_inner().unwrap();
-    let ok = statuses.iter().filter(|s| **s == 200).count();
-    let denied = statuses.iter().filter(|s| **s == 429).count();
-    assert_eq!((ok, denied), (300, 100), "statuses: {statuses:?}");
+    let count = |status: u16| statuses.iter().filter(|s| **s == status).count();
+    let (ok, denied) = (count(200), count(429));
+    assert_eq!(ok + denied, 400, "statuses: {statuses:?}");
+    assert!(
+        (300 - 2 * ONE_DRAW_OF_300..=300).contains(&ok),
+        "{ok} admitted: statuses: {statuses:?}"
+    );
+    // Idle draws go back on the tick; then the rest of the 300, no more.
+    std::thread::sleep(Duration::from_millis(750));
+    let mut conn = Conn::new(&addr);
+    let later: Vec<u16> = (0..40)
+        .map(|_| {
+            conn.get("/api/items", &[("x-api-key", b"hot")])
+                .unwrap()
+                .status
+        })
+        .collect();
+    let later_ok = later.iter().filter(|s| **s == 200).count();
+    eprintln!("burst: {ok} of 400 admitted; after the tick: {later_ok} more");
+    assert_eq!(ok + later_ok, 300, "later: {later:?}");
     assert_eq!(stat_reaching(&t, "meshlimit.local_allowed", 300), 300);
-    assert_eq!(t.stat(1, "meshlimit.local_denied"), 100);
+    assert_eq!(t.stat(1, "meshlimit.local_denied"), 440 - 300);
     assert_eq!(calls_to_meshlimitd(&t), 0, "a local rule never calls");
 }
 
