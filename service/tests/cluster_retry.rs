@@ -30,11 +30,9 @@ fn busy(ms: u64) -> String {
     )
 }
 
-#[test]
-fn a_script_whose_answer_was_lost_is_not_run_again() {
-    let dir = TempDir::new("cluster-retry");
-    let cluster = RedisCluster::start(&unique_host(), dir.path(), 3);
-    let backend = Backend::new(&Options {
+/// meshlimitd's backend for `cluster`, waiting 50 ms for an answer.
+fn cluster_backend(cluster: &RedisCluster) -> Backend {
+    Backend::new(&Options {
         mode: Mode::Cluster,
         urls: cluster.seeds().split(',').map(String::from).collect(),
         sentinel_master: None,
@@ -42,7 +40,14 @@ fn a_script_whose_answer_was_lost_is_not_run_again() {
         client_pem: None,
         timeout: Duration::from_millis(50),
     })
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn a_script_whose_answer_was_lost_is_not_run_again() {
+    let dir = TempDir::new("cluster-retry");
+    let cluster = RedisCluster::start(&unique_host(), dir.path(), 3);
+    let backend = cluster_backend(&cluster);
     let tag = "retry";
     let slot = keys::tag_slot(tag);
     let key = format!("{{{tag}}}:n");
@@ -84,15 +89,7 @@ fn a_script_whose_answer_was_lost_is_not_run_again() {
 fn a_live_master_late_during_a_failover_fails_that_run_alone() {
     let dir = TempDir::new("cluster-late");
     let cluster = RedisCluster::start(&unique_host(), dir.path(), 3);
-    let backend = Backend::new(&Options {
-        mode: Mode::Cluster,
-        urls: cluster.seeds().split(',').map(String::from).collect(),
-        sentinel_master: None,
-        ca_pem: None,
-        client_pem: None,
-        timeout: Duration::from_millis(50),
-    })
-    .unwrap();
+    let backend = cluster_backend(&cluster);
     let script = redis::Script::new("return redis.call('INCR', KEYS[1])");
     let on = |tag: &str| {
         let mut invocation = script.prepare_invoke();
