@@ -51,6 +51,14 @@ fn settle(
         .unwrap_or_else(|| panic!("{v}"))
 }
 
+/// Every algorithm a limit can use.
+const ALGORITHMS: [&str; 4] = [
+    "fixed_window",
+    "sliding_window_counter",
+    "sliding_window_log",
+    "token_bucket",
+];
+
 fn remaining(result: &Value) -> i64 {
     result["limits"][0]["remaining"].as_i64().unwrap()
 }
@@ -58,12 +66,7 @@ fn remaining(result: &Value) -> i64 {
 #[test]
 fn refunds_and_extra_charges_land_in_the_charged_counter_for_every_algorithm() {
     let f = start();
-    for algorithm in [
-        "fixed_window",
-        "sliding_window_counter",
-        "sliding_window_log",
-        "token_bucket",
-    ] {
+    for algorithm in ALGORITHMS {
         let subject = format!("tenant-{algorithm}");
         // Reserve 500 of 1000, use 100: 900 left at once.
         let r = reserve(&f, &subject, algorithm, 500);
@@ -199,12 +202,7 @@ fn debt_settled_after_its_window_ended_is_carried_into_the_current_one() {
 fn a_refund_after_redis_lost_its_state_gives_nothing_back() {
     let mut f = start();
     let mut reserved = Vec::new();
-    for algorithm in [
-        "fixed_window",
-        "sliding_window_counter",
-        "token_bucket",
-        "sliding_window_log",
-    ] {
+    for algorithm in ALGORITHMS {
         let r = reserve(&f, "restarted", algorithm, 100);
         assert_eq!(r["allowed"], true, "{r}");
         // A sliding log needs no epoch (its returns remove its own members).
@@ -271,12 +269,7 @@ fn a_refund_after_redis_lost_its_state_gives_nothing_back() {
 #[test]
 fn a_settlement_with_an_id_is_applied_once() {
     let f = start();
-    for algorithm in [
-        "fixed_window",
-        "sliding_window_counter",
-        "token_bucket",
-        "sliding_window_log",
-    ] {
+    for algorithm in ALGORITHMS {
         let subject = format!("resent-{algorithm}");
         let first = reserve(&f, &subject, algorithm, 100);
         let second = reserve(&f, &subject, algorithm, 100);
