@@ -25,13 +25,16 @@ build: setup-rust
 	$(CARGO) build --release -p meshlimitd
 	@ls -l $(WASM) $(MESHLIMITD)
 
-## lint: formatting and clippy (the filter and protocol crates deny unwrap, expect, panic).
+## lint: formatting and clippy (the filter and protocol crates deny unwrap, expect, panic), the fuzz targets included.
 lint: setup-rust
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --release --target wasm32-wasip1 -p meshlimit -- -D warnings
 	# The timed build of `make bench-timers` holds to the same rules.
 	$(CARGO) clippy --release --target wasm32-wasip1 -p meshlimit --features profile-timers -- -D warnings
+	# The fuzz targets (their own workspace, run by `make fuzz`) build against today's API.
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml --all -- --check
+	$(CARGO) clippy --manifest-path fuzz/Cargo.toml --bins -- -D warnings
 
 ## test: lint, unit tests, meshlimitd on a real redis-server, end to end with real Envoy, deploy/ manifests.
 test: setup build lint

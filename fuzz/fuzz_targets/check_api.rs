@@ -19,11 +19,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         // A batch: each outcome decided, refused or unavailable on its own,
         // or the whole answer unusable; never more outcomes than checks.
         // Settlements: one outcome each, answered or failed.
-        if let Ok((outcomes, settled)) =
+        if let Ok(batch) =
             meshlimit::decision::read_batch_answer(status, Some(data), &[1, 2, 0], 2, false)
         {
-            assert_eq!(outcomes.len(), 3);
-            assert_eq!(settled.len(), 2);
+            assert_eq!(batch.results.len(), 3);
+            assert_eq!(batch.settled.len(), 2);
         }
     }
 });

@@ -5,6 +5,7 @@
 #![no_main]
 
 use meshlimit::tokens::sse::SseGate;
+use meshlimit::tokens::usage::UsageExpr;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let Some((&control, stream)) = data.split_first() else {
@@ -12,7 +13,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     };
     let room = u64::from(control % 8);
     let chunk = usize::from(control / 8).max(1);
-    let mut gate = SseGate::new(Some(vec!["usage".into(), "total_tokens".into()]), 4096);
+    let mut gate = SseGate::new(Some(UsageExpr::single("usage.total_tokens")), 4096);
     let mut out = Vec::new();
     for piece in stream.chunks(chunk) {
         let left = room.saturating_sub(gate.deltas);
@@ -22,5 +23,8 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let left = room.saturating_sub(gate.deltas);
     out.extend(gate.finish(Some(left)).bytes);
     assert!(gate.deltas <= room);
-    assert!(stream.starts_with(&out), "passed bytes are the stream's, in order");
+    assert!(
+        stream.starts_with(&out),
+        "passed bytes are the stream's, in order"
+    );
 });
