@@ -129,7 +129,9 @@ fn draft_policy<'a>(
 ) -> String {
     let mut policy = String::with_capacity(48 * limits.len());
     for (a, status) in limits.iter().zip(statuses).filter(|(a, _)| !a.shadow) {
-        let quota = status.map_or(a.limit.requests, |s| s.limit.max(a.limit.requests));
+        // The quota meshlimitd applied: a live override's, raised or
+        // lowered (a fallback's statuses carry the configured one).
+        let quota = status.map_or(a.limit.requests, |s| s.limit);
         if !policy.is_empty() {
             policy.push_str(", ");
         }
@@ -348,6 +350,21 @@ mod tests {
             h[0].1,
             "\"api/monthly\";q=100, \"api/per-minute\";q=40;w=60"
         );
+    }
+
+    /// A live override that lowered the quota shows too: a client refused
+    /// at 100 is not told its quota is 1000.
+    #[test]
+    fn the_policy_shows_a_lowered_quota() {
+        let lowered = limit("per-minute", 1000, 60_000);
+        let result = CheckResult {
+            allowed: false,
+            limits: vec![st(false, 100, 0, 30_000, 30_000)],
+            receipts: None,
+            leased: 0,
+        };
+        let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&lowered)], &result);
+        assert_eq!(h[0].1, "\"api/per-minute\";q=100;w=60");
     }
 
     #[test]

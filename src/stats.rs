@@ -63,12 +63,13 @@ pub enum Stat {
     LeaseAsksLost,
     LeaseHits,
     LeaseRenewals,
+    LeasesEnded,
     Version,
 }
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 41] = [
+    pub const ALL: [Stat; 42] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -109,6 +110,7 @@ impl Stat {
         Stat::LeaseAsksLost,
         Stat::LeaseHits,
         Stat::LeaseRenewals,
+        Stat::LeasesEnded,
         Stat::Version,
     ];
 
@@ -290,6 +292,11 @@ impl Stat {
                 "meshlimit.lease_renewals",
                 Counter,
                 "renewals asked: calls for a lease running low, that no request waits on",
+            ),
+            Stat::LeasesEnded => (
+                "meshlimit.leases_ended",
+                Counter,
+                "leases ended before their time because meshlimitd refused their renewal (the client is over a limit lowered since the grant, such as by a live override): their units go back, and the client's next request meets the lower limit",
             ),
             Stat::Version => (
                 "meshlimit.version",

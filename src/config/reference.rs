@@ -324,7 +324,7 @@ pub const FIELDS: &[Field] = &[
     Field {
         path: "deny_cache.slots",
         default: "`4096`",
-        meaning: "shared-data slots of the deny cache (24 bytes each); `0` turns it off",
+        meaning: "shared-data slots of the deny cache (32 bytes each); `0` turns it off",
         schema: r#"{"type": "integer", "minimum": 0}"#,
     },
     Field {

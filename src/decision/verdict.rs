@@ -66,13 +66,13 @@ pub fn cached_deny<'c, S: SharedStore>(
         return None;
     }
     candidates.find_map(|a| {
-        let until = cache.denied_until(&a.subject, &a.limit, now_ms)?;
-        let wait = until - now_ms;
+        let deny = cache.denied_until(&a.subject, &a.limit, now_ms)?;
+        let wait = deny.until - now_ms;
         let result = CheckResult {
             allowed: false,
             limits: vec![meshlimit_protocol::LimitStatus {
                 allowed: false,
-                limit: a.limit.requests,
+                limit: deny.quota,
                 remaining: 0,
                 reset_after_ms: wait,
                 retry_after_ms: wait,
@@ -111,7 +111,7 @@ pub fn remember_denials<S: SharedStore>(
             evicted += usize::from(cache.remember(
                 &a.subject,
                 &a.limit,
-                now_ms + status.retry_after_ms,
+                (now_ms + status.retry_after_ms, status.limit),
                 now_ms,
             ));
         }

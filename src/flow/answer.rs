@@ -198,8 +198,12 @@ impl Worker {
                 Job::Renew { check } => {
                     // No request waits: only its grant matters (installed
                     // as the root, whose answer this is).
-                    if let Ok(mut result) = outcome {
-                        self.install_lease(host, now, self.root_context_id, check, &mut result);
+                    match outcome {
+                        Ok(mut result) if result.allowed => {
+                            self.install_lease(host, now, self.root_context_id, check, &mut result);
+                        }
+                        Ok(_) => self.end_lease(host, now, check),
+                        Err(_) => {}
                     }
                 }
                 Job::Settle { .. } | Job::Return { .. } | Job::Lost { .. } => {}
@@ -262,6 +266,9 @@ impl Worker {
                 self.decision_log
                     .result(now, Source::Call, &check.global, &result);
                 self.install_lease(host, now, context_id, check, &mut result);
+                if super::leases::refused_below_its_configured_limit(check, &result) {
+                    self.end_lease(host, now, check);
+                }
                 self.guard
                     .count_shadow(host, &self.metrics, now, &check.global, &result);
                 if let Some(cache) = self.guard.deny_cache(host, now) {
@@ -331,6 +338,11 @@ impl Worker {
                 self.rule_stats.result(host, &scaled, &decided.result, true);
                 self.decision_log
                     .result(now, Source::Fallback, &scaled, &decided.result);
+                // The headers' policy stays the global one (what remains
+                // is this Envoy's share).
+                for (status, applied) in decided.result.limits.iter_mut().zip(&check.global) {
+                    status.limit = applied.limit.requests;
+                }
                 Ok(decided.result)
             }
         };

@@ -37,6 +37,8 @@ pub(super) struct LeaseBook {
     lost: RefCell<std::collections::VecDeque<(u64, LostAsk)>>,
     /// Returns whose calls failed, sent again once a call succeeds.
     pub(super) unconfirmed: super::returns::Unconfirmed,
+    /// Leases ended early, as this worker heard of them.
+    pub(super) ends: super::lease_ends::LeaseEnds,
 }
 
 /// Lost asks kept at most (the oldest go first).
@@ -52,6 +54,7 @@ impl LeaseBook {
         host: &impl Host,
         leases: Option<LeaseConfig>,
         tick_ms: Option<u32>,
+        ends_key: &str,
     ) -> LeaseBook {
         // The busy-check table: as many entries as lease slots.
         let observed = leases.map_or(1, |l| l.slots);
@@ -72,6 +75,7 @@ impl LeaseBook {
             asks: super::ask_backoff::AskBackoff::default(),
             lost: RefCell::new(std::collections::VecDeque::new()),
             unconfirmed: super::returns::Unconfirmed::default(),
+            ends: super::lease_ends::LeaseEnds::new(ends_key),
         }
     }
 

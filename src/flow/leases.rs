@@ -103,6 +103,9 @@ impl Worker {
         let place = check.lease_place(leases.seed, || {
             leases.place(&LeaseIdentity(&check.global), &check.subject)
         });
+        if self.lease_book.ends.heard(host, now) {
+            self.put_back_every_draw(&leases);
+        }
         let mut observer = self.lease_book.observer.borrow_mut();
         let until = now.saturating_add(NEAR_EXPIRY_MS);
         if reused && !observer.can_spend(place.fingerprint, cost, now, until) {
@@ -372,6 +375,61 @@ impl Worker {
         self.send_returns(host, context_id, vec![settlement]);
     }
 
+    /// meshlimitd refused a renewal of `check`'s lease: a check of cost 0
+    /// is refused only when the client's count is over the limit, which
+    /// only a limit lowered since the grant makes (a live override, above
+    /// all). The lease ends: no worker draws from it again, every worker's
+    /// draws go back to it (this one's now, the others' within
+    /// `lease_ends::READ_EVERY_MS`), and its owner gives back what is left
+    /// on its tick, so the client's next request calls and meets the lower
+    /// limit.
+    pub(super) fn end_lease(&self, host: &impl Host, now: u64, check: &Check) {
+        let Some(leases) = self.leases(host, now) else {
+            return;
+        };
+        // Its place as the check's lease asked or drew it.
+        let Some(place) = check
+            .lease
+            .map(|t| t.place)
+            .or_else(|| check.place.0.get().map(|(_, place)| place))
+        else {
+            return;
+        };
+        if !leases.revoke(place, now) {
+            return;
+        }
+        self.metrics.bump(host, Stat::LeasesEnded);
+        // This worker's draws now, the others' at their next read.
+        self.lease_book.ends.announce(host);
+        self.put_back_every_draw(&leases);
+        // Its owner looks at it on the next tick (this worker, when it
+        // installed it).
+        for record in self
+            .lease_book
+            .records
+            .borrow_mut()
+            .iter_mut()
+            .filter(|r| r.slot == place.slot)
+        {
+            record.look_at_ms = 0;
+        }
+    }
+
+    /// Puts every draw this worker holds back in its slot: a lease ended
+    /// early takes back what its draws had left (see `lease_ends`).
+    fn put_back_every_draw<H: Host>(&self, leases: &Leases<'_, H>) {
+        let draws = self.lease_book.observer.borrow_mut().take_all_draws();
+        for (fingerprint, draw) in draws {
+            if leases.put_back(&draw).is_err() {
+                // Put back on a later tick, as an idle draw is.
+                self.lease_book
+                    .observer
+                    .borrow_mut()
+                    .keep_draw(fingerprint, draw);
+            }
+        }
+    }
+
     /// The root's tick: this worker's draws that idled (no hit since the
     /// last tick) or expired go back to their slots, then leases this
     /// worker installed that expired or went idle give their units back.
@@ -472,6 +530,18 @@ impl Worker {
 
 /// Lost asks whose job could not be queued, kept for the next call.
 struct Refused(Vec<meshlimit_protocol::LostAsk>);
+
+/// Whether meshlimitd refused `check` on a limit it applied lower than
+/// the one configured (a live override lowered it): units this Envoy
+/// leased under the configured limit must not go on admitting.
+pub(super) fn refused_below_its_configured_limit(check: &Check, result: &CheckResult) -> bool {
+    !result.allowed
+        && check
+            .global
+            .iter()
+            .zip(&result.limits)
+            .any(|(a, status)| !status.allowed && status.limit < a.limit.requests)
+}
 
 /// The result of a request admitted from a lease: `left` units remain
 /// for it in this worker's draw (a floor: the slot and meshlimitd may

@@ -41,6 +41,7 @@ mod guard;
 mod hit;
 mod hold;
 mod lease_book;
+mod lease_ends;
 mod leases;
 mod local_draws;
 mod local_rules;
@@ -221,6 +222,7 @@ impl Worker {
         let outbox = Outbox::new(host, &config, root_context_id);
         let keys = instance_keys(host, &config);
         let fleet_switch = fleet_switch::FleetSwitch::new(keys.fleet_switch());
+        let lease_ends_key = keys.lease_ends().to_string();
         let guard = Guard::new(&config, keys);
         let metrics = Metrics::define(host);
         metrics.set(host, Stat::Version, crate::stats::version_number());
@@ -232,7 +234,7 @@ impl Worker {
             .any(|r| r.scope == crate::config::Scope::Local);
         let tick_ms = lease_book::tick_ms(config.leases)
             .or((has_local || config.allow_on_headers_stop_iteration).then_some(HOLD_TICK_MS));
-        let lease_book = LeaseBook::new(host, config.leases, tick_ms);
+        let lease_book = LeaseBook::new(host, config.leases, tick_ms, &lease_ends_key);
         // Without the tick, drawn units would not go back once idle.
         let local_draws = local_draws::LocalDraws::new(lease_book.ticking);
         let rule_stats = rule_stats::RuleStats::define(host, &config);

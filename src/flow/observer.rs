@@ -172,6 +172,14 @@ impl Observer {
 
     /// Takes out the draws to account for on this tick: those with no hit
     /// for `idle_ms`, and those expired (or whose clock stepped back).
+    /// Every draw this worker holds, taken out (to be put back).
+    pub(crate) fn take_all_draws(&mut self) -> Vec<(u64, Draw)> {
+        self.entries
+            .iter_mut()
+            .filter_map(|e| Some((e.fingerprint, e.draw.take()?)))
+            .collect()
+    }
+
     pub(crate) fn due_draws(&mut self, now: u64, idle_ms: u64) -> Vec<(u64, Draw)> {
         let mut due = Vec::new();
         for e in &mut self.entries {

@@ -23,6 +23,13 @@ use crate::config::LimitConfig;
 /// ends cached denials within this time.
 pub const MAX_CACHED_DENY_MS: u64 = 500;
 
+/// A deny the cache holds: until when, and at what quota.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CachedDeny {
+    pub until: u64,
+    pub quota: u64,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct DenyCache<'a, S: SharedStore> {
     pub slots: u32,
@@ -46,8 +53,15 @@ impl<S: SharedStore> DenyCache<'_, S> {
             || last > now_ms.saturating_add(MAX_CACHED_DENY_MS)
     }
 
-    /// Until when `subject` is known to be denied on `limit`, if it is.
-    pub fn denied_until(&self, subject: &str, limit: &LimitConfig, now_ms: u64) -> Option<u64> {
+    /// Until when `subject` is known to be denied on `limit`, if it is,
+    /// and the quota meshlimitd refused it at (a live override's, or the
+    /// configured one).
+    pub fn denied_until(
+        &self,
+        subject: &str,
+        limit: &LimitConfig,
+        now_ms: u64,
+    ) -> Option<CachedDeny> {
         let fp = self.fingerprint(subject, limit);
         let (bytes, _) = self.store.get(&self.key(fp)).ok()?;
         let bytes = bytes?;
@@ -58,13 +72,21 @@ impl<S: SharedStore> DenyCache<'_, S> {
         let plausible = until <= now_ms.saturating_add(limit.window_ms)
             && learnt <= now_ms
             && now_ms < learnt.saturating_add(MAX_CACHED_DENY_MS);
-        (stored == fp && until > now_ms && plausible).then_some(until)
+        let quota = le_word(&bytes, 3).unwrap_or(limit.requests);
+        (stored == fp && until > now_ms && plausible).then_some(CachedDeny { until, quota })
     }
 
-    /// Remembers that `subject` is denied on `limit` until `until_ms`.
-    /// Returns true when that evicted another subject's live entry: many
-    /// evictions mean the cache is too small for the abusers at hand.
-    pub fn remember(&self, subject: &str, limit: &LimitConfig, until_ms: u64, now_ms: u64) -> bool {
+    /// Remembers that `subject` is denied on `limit` until `until_ms`, at
+    /// `quota`. Returns true when that evicted another subject's live
+    /// entry: many evictions mean the cache is too small for the abusers
+    /// at hand.
+    pub fn remember(
+        &self,
+        subject: &str,
+        limit: &LimitConfig,
+        (until_ms, quota): (u64, u64),
+        now_ms: u64,
+    ) -> bool {
         let fp = self.fingerprint(subject, limit);
         let key = self.key(fp);
         let evicted = match self.store.get(&key) {
@@ -76,7 +98,7 @@ impl<S: SharedStore> DenyCache<'_, S> {
         // Unconditional write: the slot belongs to the latest deny.
         let _ = self
             .store
-            .overwrite(&key, &le_words(&[fp, until_ms, now_ms]));
+            .overwrite(&key, &le_words(&[fp, until_ms, now_ms, quota]));
         let _ = self
             .store
             .overwrite(self.keys.deny_recent(), &le_words(&[now_ms]));
@@ -100,6 +122,48 @@ mod tests {
     use crate::host::fake::FakeStore;
     use crate::testing;
 
+    /// Until when the cache denies, as before quotas were kept.
+    fn until<S: SharedStore>(
+        c: &DenyCache<'_, S>,
+        subject: &str,
+        limit: &LimitConfig,
+        now: u64,
+    ) -> Option<u64> {
+        c.denied_until(subject, limit, now).map(|d| d.until)
+    }
+
+    /// Remembers a deny at the limit's configured quota.
+    fn remember<S: SharedStore>(
+        c: &DenyCache<'_, S>,
+        subject: &str,
+        limit: &LimitConfig,
+        until_ms: u64,
+        now_ms: u64,
+    ) -> bool {
+        c.remember(subject, limit, (until_ms, limit.requests), now_ms)
+    }
+
+    /// A deny at a live override's quota is served at that quota.
+    #[test]
+    fn a_cached_deny_keeps_the_quota_it_was_refused_at() {
+        let store = FakeStore::default();
+        let keys = Keys::new("t");
+        let c = DenyCache {
+            slots: 16,
+            seed: (1, 2),
+            store: &store,
+            keys: &keys,
+        };
+        c.remember("a", &m(), (5_000, 3), 0);
+        assert_eq!(
+            c.denied_until("a", &m(), 10),
+            Some(CachedDeny {
+                until: 5_000,
+                quota: 3
+            })
+        );
+    }
+
     fn m() -> LimitConfig {
         testing::limit("api/m", 10, 60_000)
     }
@@ -117,13 +181,13 @@ mod tests {
             seed: (1, 2),
             store: &s,
         };
-        assert_eq!(c.denied_until("a", &m(), 0), None);
-        assert!(!c.remember("a", &m(), 500, 0));
-        assert_eq!(c.denied_until("a", &m(), 499), Some(500));
-        assert_eq!(c.denied_until("a", &m(), 500), None);
-        assert!(!c.remember("a", &m(), 5_000, 0));
-        assert_eq!(c.denied_until("a", &h(), 10), None, "per limit");
-        assert_eq!(c.denied_until("b", &m(), 10), None, "per subject");
+        assert_eq!(until(&c, "a", &m(), 0), None);
+        assert!(!remember(&c, "a", &m(), 500, 0));
+        assert_eq!(until(&c, "a", &m(), 499), Some(500));
+        assert_eq!(until(&c, "a", &m(), 500), None);
+        assert!(!remember(&c, "a", &m(), 5_000, 0));
+        assert_eq!(until(&c, "a", &h(), 10), None, "per limit");
+        assert_eq!(until(&c, "b", &m(), 10), None, "per subject");
     }
 
     /// Quota may come back before the deadline (a live override raised in
@@ -139,9 +203,9 @@ mod tests {
             seed: (1, 2),
             store: &s,
         };
-        c.remember("a", &m(), 30_000, 1_000);
-        assert_eq!(c.denied_until("a", &m(), 1_499), Some(30_000));
-        assert_eq!(c.denied_until("a", &m(), 1_500), None);
+        remember(&c, "a", &m(), 30_000, 1_000);
+        assert_eq!(until(&c, "a", &m(), 1_499), Some(30_000));
+        assert_eq!(until(&c, "a", &m(), 1_500), None);
     }
 
     #[test]
@@ -154,7 +218,7 @@ mod tests {
             store: &s,
         };
         assert!(c.quiet(5_000), "nothing learnt yet");
-        c.remember("a", &m(), 30_000, 5_000);
+        remember(&c, "a", &m(), 30_000, 5_000);
         assert!(!c.quiet(5_499));
         assert!(c.quiet(5_500));
         // A wall clock that stepped back a long way: not trusted.
@@ -171,18 +235,18 @@ mod tests {
             seed: (1, 2),
             store: &s,
         };
-        c.remember("abuser", &m(), 9_000, 0);
-        assert_eq!(c.denied_until("innocent", &m(), 10), None);
+        remember(&c, "abuser", &m(), 9_000, 0);
+        assert_eq!(until(&c, "innocent", &m(), 10), None);
         assert!(
-            c.remember("other", &m(), 9_000, 10),
+            remember(&c, "other", &m(), 9_000, 10),
             "a live entry was evicted"
         );
         assert!(
-            !c.remember("late", &m(), 20_000, 9_500),
+            !remember(&c, "late", &m(), 20_000, 9_500),
             "an expired one is not"
         );
         assert_eq!(
-            c.denied_until("abuser", &m(), 10),
+            until(&c, "abuser", &m(), 10),
             None,
             "evicted: a call, not a deny"
         );
@@ -197,10 +261,10 @@ mod tests {
             seed: (1, 2),
             store: &s,
         };
-        c.remember("a", &m(), 5_000, 0);
+        remember(&c, "a", &m(), 5_000, 0);
         let raised = testing::limit("api/m", 100, 60_000);
-        assert_eq!(c.denied_until("a", &raised, 10), None);
-        assert_eq!(c.denied_until("a", &m(), 10), Some(5_000));
+        assert_eq!(until(&c, "a", &raised, 10), None);
+        assert_eq!(until(&c, "a", &m(), 10), Some(5_000));
     }
 
     #[test]
@@ -212,9 +276,9 @@ mod tests {
             seed: (1, 2),
             store: &s,
         };
-        c.remember("a", &m(), 10_050_000, 10_000_000);
-        assert_eq!(c.denied_until("a", &m(), 10_000_000), Some(10_050_000));
-        assert_eq!(c.denied_until("a", &m(), 10_000_000 - 3_600_000), None);
+        remember(&c, "a", &m(), 10_050_000, 10_000_000);
+        assert_eq!(until(&c, "a", &m(), 10_000_000), Some(10_050_000));
+        assert_eq!(until(&c, "a", &m(), 10_000_000 - 3_600_000), None);
     }
 
     #[test]
@@ -227,7 +291,7 @@ mod tests {
             store: &s,
         };
         for i in 0..10_000 {
-            c.remember(&format!("c{i}"), &m(), 1_000, 0);
+            remember(&c, &format!("c{i}"), &m(), 1_000, 0);
         }
         assert!(
             s.data.borrow().len() <= 32 + 1,

@@ -21,6 +21,7 @@ pub(crate) struct Keys {
     breaker: String,
     deny_recent: String,
     fleet_switch: String,
+    lease_ends: String,
 }
 
 impl Keys {
@@ -32,6 +33,7 @@ impl Keys {
             breaker: format!("{prefix}breaker"),
             deny_recent: format!("{prefix}denied-at"),
             fleet_switch: format!("{prefix}fleet-switch"),
+            lease_ends: format!("{prefix}lease-ends"),
             prefix,
         }
     }
@@ -55,6 +57,12 @@ impl Keys {
     /// heard it (see `flow::fleet_switch`).
     pub(crate) fn fleet_switch(&self) -> &str {
         &self.fleet_switch
+    }
+
+    /// How many leases this Envoy's workers ended early (see
+    /// `flow::lease_ends`).
+    pub(crate) fn lease_ends(&self) -> &str {
+        &self.lease_ends
     }
 
     /// A slot of the fallback counters (and of `scope: local` rules).

@@ -557,3 +557,77 @@ fn a_verified_jwt_claim_keys_the_counter() {
     );
     assert!(!keys.contains("mallory"), "{keys}");
 }
+
+/// A live override lowered under a busy client served from leases (1,000
+/// a minute, leased from its first requests; lowered to 100 when it has
+/// used 200): meshlimitd refuses every call at once; the Envoy admits at
+/// most what it held when the override came (units charged under the old
+/// limit) before the first refusal, which ends the lease, and within a
+/// tick (250 ms) every worker refuses the client. (Before, the Envoy spent
+/// every unit it held, and its renewals granted before the override: 360
+/// more requests in one run.) The filter's side:
+/// `flow::tests::leases::a_refused_renewal_ends_the_lease`,
+/// `a_lease_another_worker_ended_takes_back_this_workers_draw`.
+#[test]
+fn a_lowered_live_override_reaches_a_leased_client_within_what_its_envoy_held() {
+    let dir = meshlimit_testbed::procs::TempDir::new("admin-token");
+    let token_file = dir.path().join("admin-token");
+    let token = "admin-0123456789-secret";
+    std::fs::write(&token_file, token).unwrap();
+    let t = Topology::start(TopologyOptions {
+        plugin_config: PluginConfig::new()
+            .limits(json!([{"name": "per-minute", "requests": 1000, "window": "60s"}]))
+            .build(),
+        replicas: 1,
+        front: false,
+        meshlimitd_args: vec![
+            "--admin-token-file".into(),
+            token_file.display().to_string(),
+        ],
+        ..TopologyOptions::default()
+    });
+    wait_for_fresh_window(Duration::from_secs(25));
+    let status = || {
+        meshlimit_testbed::http::get(&t.replica_addr(1), "/api", &[("x-api-key", b"abuser")])
+            .unwrap()
+            .status
+    };
+    assert!((0..200).all(|_| status() == 200));
+    // Units leased to this Envoy and not spent: the ones decided by a
+    // call were not leased (hits are counted on the tick, so not read).
+    let leased = t.stat(1, "meshlimit.lease_units");
+    let called = t.stat(1, "meshlimit.requests_allowed");
+    assert!(leased > 0, "the client is served from leases");
+    let held = leased - (200 - called);
+    let auth = format!("Bearer {token}");
+    let r = meshlimit_testbed::http::request(
+        &t.meshlimitd_addr(),
+        "PUT",
+        "/v1/overrides/api/per-minute",
+        &[("authorization", auth.as_bytes())],
+        br#"{"subject":"hdr:x-api-key:abuser","requests":100}"#,
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Refused once the first call meets the lower limit, on any worker.
+    let admitted = (0..=held).take_while(|_| status() == 200).count() as u64;
+    assert!(
+        admitted <= held,
+        "{admitted} admitted after the override, {held} held"
+    );
+    assert!(t.stat(1, "meshlimit.leases_ended") >= 1);
+    // The other workers' draws go back within a tenth of a second by
+    // their clocks, which a hit reads every 15 hits at least and the
+    // root's tick every 250 ms.
+    std::thread::sleep(Duration::from_millis(350));
+    let later: Vec<u16> = (0..100).map(|_| status()).collect();
+    assert!(later.iter().all(|&s| s == 429), "{later:?}");
+    // Its refusals show the quota that refuses it.
+    let r = meshlimit_testbed::http::get(&t.replica_addr(1), "/api", &[("x-api-key", b"abuser")])
+        .unwrap();
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"api/per-minute\";q=100;w=60")
+    );
+    assert_no_vm_panics(&t);
+}

@@ -868,3 +868,153 @@ fn a_failed_return() -> (Harness, usize, serde_json::Value) {
     h.answer_batch(h.last_token(), None, "");
     (h, calls, sent)
 }
+
+/// A renewal refused (a cost-0 check refused: the client's count is over
+/// its limit, which only a lowered limit does, such as a live override)
+/// ends the lease: the next request calls, to be refused by meshlimitd,
+/// rather than spending what the Envoy still held under the old limit,
+/// and those units go back on the tick.
+#[test]
+fn a_refused_renewal_ends_the_lease() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(13, 8));
+    for _ in 0..7 {
+        let (_, step) = h.request("a");
+        assert_eq!(step, Step::Continue);
+    }
+    h.wake();
+    assert_eq!(h.calls(), calls + 1, "the renewal");
+    let token = h.last_token();
+    h.answer_batch(
+        token,
+        Some(200),
+        &answer(&[r#"{"allowed":false,"leased":0,"limits":[{"allowed":false,"limit":5,"remaining":0,"reset_after_ms":30000,"retry_after_ms":30000}]}"#.to_string()]),
+    );
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Pause, "the lease's last unit is not spent");
+    h.wake();
+    let token = h.last_token();
+    h.answer_batch(token, Some(200), &answer(&[result(false, 0)]));
+    h.tick();
+    let body = h.last_call_body();
+    let back = &body["settlements"][0];
+    assert_eq!(back["limits"][0]["cost"], 1, "{body}");
+    assert_eq!(back["actual"], json!([0]));
+}
+
+/// A lease another worker ended (its renewal refused: the client is over
+/// a limit lowered since the grant) takes back this worker's draw of it
+/// within `READ_EVERY_MS`, though hits read no shared data: the draw goes
+/// back to the slot, the next request calls, and the lease's owner gives
+/// back everything its draws left.
+#[test]
+fn a_lease_another_worker_ended_takes_back_this_workers_draw() {
+    let mut h = harness("");
+    // 64 units with plenty beyond: drawn in halves.
+    let calls = h.lease_for_a(&granted(2_000, 64));
+    // Another worker draws 32 and admits one request from its draw.
+    let mut other = Worker::new(&h.host, config(INTERVAL), ROOT);
+    std::mem::swap(&mut h.worker, &mut other);
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue);
+    std::mem::swap(&mut h.worker, &mut other);
+    // This worker draws 16, finds the lease half spent and asks for a
+    // renewal, which is refused.
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1, "the renewal");
+    assert_eq!(h.last_call_body()["checks"][0]["limits"][0]["cost"], 0);
+    let token = h.last_token();
+    h.answer_batch(
+        token,
+        Some(200),
+        &answer(&[r#"{"allowed":false,"leased":0,"limits":[{"allowed":false,"limit":50,"remaining":0,"reset_after_ms":30000,"retry_after_ms":30000}]}"#.to_string()]),
+    );
+    assert_eq!(h.stat("leases_ended"), 1);
+    // The other worker's draw still has 31 units; a hit reads nothing,
+    // until the read is due.
+    std::mem::swap(&mut h.worker, &mut other);
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue, "not read yet");
+    // Once its clock says so (a hit reads it every 15 hits at least).
+    h.advance(100);
+    let mut admitted = 0;
+    while h.request("a").1 == Step::Continue {
+        admitted += 1;
+        assert!(admitted < READ_EVERY, "its draw went back; it calls");
+    }
+    std::mem::swap(&mut h.worker, &mut other);
+    // The owner gives back what the lease has left: 64 units, less the
+    // requests admitted from it.
+    h.tick();
+    let body = h.last_call_body();
+    let back = 64 - 3 - admitted as u64;
+    assert_eq!(body["settlements"][0]["limits"][0]["cost"], back, "{body}");
+}
+
+/// A request's call refused on a limit meshlimitd applied lower than the
+/// configured one (a live override lowered it) ends the lease as a refused
+/// renewal does: the units this Envoy's other workers drew under the old
+/// limit stop admitting once they hear of it.
+#[test]
+fn a_call_refused_below_the_configured_limit_ends_the_lease() {
+    let mut h = harness("");
+    h.lease_for_a(&granted(2_000, 64));
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue, "this worker draws 32");
+    // The other worker spends the rest, then calls, and is refused at a
+    // limit of 5 where 20 is configured.
+    let mut other = Worker::new(&h.host, config(INTERVAL), ROOT);
+    std::mem::swap(&mut h.worker, &mut other);
+    let mut spent = 0;
+    while h.request("a").1 == Step::Continue {
+        spent += 1;
+        assert!(spent <= 32, "the rest of the lease is 32 units");
+    }
+    // With it goes a renewal the other worker's draws asked for: granted
+    // nothing, so that the request's refusal alone ends the lease.
+    h.wake();
+    let token = h.last_token();
+    h.answer_batch(
+        token,
+        Some(200),
+        &answer(&[
+            r#"{"allowed":true,"leased":0,"limits":[{"allowed":true,"limit":5,"remaining":0,"reset_after_ms":30000,"retry_after_ms":0}]}"#.to_string(),
+            r#"{"allowed":false,"leased":0,"limits":[{"allowed":false,"limit":5,"remaining":0,"reset_after_ms":30000,"retry_after_ms":30000}]}"#.to_string(),
+        ]),
+    );
+    // (Counted in that worker's stats, which the fake host keeps apart.)
+    std::mem::swap(&mut h.worker, &mut other);
+    h.advance(100);
+    let mut admitted = 0;
+    while h.request("a").1 == Step::Continue {
+        admitted += 1;
+        assert!(admitted < READ_EVERY, "its draw of 31 went back");
+    }
+}
+
+/// A refusal at the configured limit is an ordinary one (another replica
+/// spent the rest): the lease stays, and this worker's draw serves on.
+#[test]
+fn a_call_refused_at_the_configured_limit_leaves_the_lease() {
+    let mut h = harness("");
+    h.lease_for_a(&granted(2_000, 64));
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue, "this worker draws 32");
+    let mut other = Worker::new(&h.host, config(INTERVAL), ROOT);
+    std::mem::swap(&mut h.worker, &mut other);
+    while h.request("a").1 == Step::Continue {}
+    h.wake();
+    let token = h.last_token();
+    h.answer_batch(
+        token,
+        Some(200),
+        &answer(&[result(true, 0), result(false, 0)]),
+    );
+    std::mem::swap(&mut h.worker, &mut other);
+    h.advance(100);
+    for _ in 0..30 {
+        assert_eq!(h.request("a").1, Step::Continue, "its draw of 31 serves");
+    }
+}

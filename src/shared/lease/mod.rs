@@ -325,6 +325,20 @@ impl<S: SharedStore> Leases<'_, S> {
         .unwrap_or(false)
     }
 
+    /// Ends the current lease at `place` (see [`Slot::revoke`]); false
+    /// when there was none to end, or the store failed.
+    pub fn revoke(&self, place: Place, now: u64) -> bool {
+        let key = self.keys.lease_slot(place.slot);
+        retry_on_conflict(|| {
+            let (bytes, cas) = self.store.get(&key)?;
+            match Slot::decode(bytes.as_deref()).revoke(place.fingerprint, now) {
+                Some(slot) => self.store.set(&key, &slot.encode(), cas).map(|()| true),
+                None => Ok(false),
+            }
+        })
+        .unwrap_or(false)
+    }
+
     /// Takes an expired or idle lease's units out of its slot.
     pub fn reclaim(&self, slot: u64, lease_id: u64, now: u64) -> Result<Reclaim, StoreError> {
         let key = self.keys.lease_slot(slot);

@@ -299,6 +299,23 @@ impl Slot {
         Some(self)
     }
 
+    /// The slot with its current lease ended (meshlimitd refused a renewal
+    /// of it: the client is over a limit lowered since the grant): nobody
+    /// draws from it again, and it waits aside for the draws out, then its
+    /// owner gives back what is left (see [`Slot::set_current_aside`]).
+    /// `None`: nothing to write (another check's slot, no lease with units,
+    /// or the place aside taken by a live lease: it then runs out as before).
+    pub(crate) fn revoke(mut self, fingerprint: u64, now: u64) -> Option<Slot> {
+        if self.fingerprint != fingerprint || !self.current.holds_units(now) {
+            return None;
+        }
+        if !self.set_current_aside(now) {
+            return None;
+        }
+        self.current = Lease::default();
+        Some(self)
+    }
+
     /// What becomes of lease `lease_id` at `now` (see [`Lease::due`]): when
     /// due, its units are taken out (the slot to write is returned).
     pub(crate) fn reclaim(

@@ -284,7 +284,7 @@ fn flood(n: u64) {
     }
     let _ = writeln!(
         report,
-        "\nShared data is bounded by configuration, not by clients: fallback\ncounters use `local.slots` keys of 160 bytes (4 clients each; 4096 slots =\n640 KiB), the deny cache `deny_cache.slots` keys of 16 bytes (4096 = 64 KiB),\nplus one key each for the breaker and the seed. The wasm VM allocates per\nrequest and frees at the end of the stream. meshlimitd keeps no per-client\nstate (Redis does, with an expiry on every key)."
+        "\nShared data is bounded by configuration, not by clients: fallback\ncounters use `local.slots` keys of 160 bytes (4 clients each; 4096 slots =\n640 KiB), the deny cache `deny_cache.slots` keys of 32 bytes (4096 = 128 KiB),\nplus one key each for the breaker and the seed. The wasm VM allocates per\nrequest and frees at the end of the stream. meshlimitd keeps no per-client\nstate (Redis does, with an expiry on every key)."
     );
     write_report("docs/memory.md", &report);
 }
