@@ -419,9 +419,15 @@ impl Worker {
     /// early takes back what its draws had left (see `lease_ends`).
     fn put_back_every_draw<H: Host>(&self, leases: &Leases<'_, H>) {
         let draws = self.lease_book.observer.borrow_mut().take_all_draws();
+        self.put_back_draws(leases, draws);
+    }
+
+    /// Puts `draws` (each with its check's fingerprint) back in their
+    /// slots; one whose slot cannot be written is kept, to go back on a
+    /// later tick.
+    fn put_back_draws<H: Host>(&self, leases: &Leases<'_, H>, draws: Vec<(u64, Draw)>) {
         for (fingerprint, draw) in draws {
             if leases.put_back(&draw).is_err() {
-                // Put back on a later tick, as an idle draw is.
                 self.lease_book
                     .observer
                     .borrow_mut()
@@ -448,15 +454,7 @@ impl Worker {
             .observer
             .borrow_mut()
             .due_draws(now, u64::from(tick_ms));
-        for (fingerprint, draw) in due {
-            if leases.put_back(&draw).is_err() {
-                // Asked again next tick.
-                self.lease_book
-                    .observer
-                    .borrow_mut()
-                    .keep_draw(fingerprint, draw);
-            }
-        }
+        self.put_back_draws(&leases, due);
         let mut returns = Vec::new();
         let interval_ms = leases.config.interval_ms;
         self.lease_book.records.borrow_mut().retain_mut(|record| {

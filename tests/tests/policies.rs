@@ -165,6 +165,22 @@ fn limits_count_by_a_tenant_and_a_route_together() {
     assert_no_vm_panics(&t);
 }
 
+/// The admin token of [`with_admin_api`]'s meshlimitd.
+const ADMIN_TOKEN: &str = "admin-0123456789-secret";
+
+/// A topology as `options` say, its meshlimitd with the admin API on
+/// ([`ADMIN_TOKEN`]); the directory holds the token's file.
+fn with_admin_api(mut options: TopologyOptions) -> (Topology, meshlimit_testbed::procs::TempDir) {
+    let dir = meshlimit_testbed::procs::TempDir::new("admin-token");
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, ADMIN_TOKEN).unwrap();
+    options.meshlimitd_args.extend([
+        "--admin-token-file".into(),
+        token_file.display().to_string(),
+    ]);
+    (Topology::start(options), dir)
+}
+
 /// A live override through meshlimitd's admin API: a client exhausted at
 /// 20 gets 20 more on both replicas once it is raised to 40 (cached
 /// denials end within a second); deleting it restores 20; an override
@@ -172,18 +188,11 @@ fn limits_count_by_a_tenant_and_a_route_together() {
 /// nothing.
 #[test]
 fn a_live_override_applies_on_every_replica() {
-    let dir = meshlimit_testbed::procs::TempDir::new("admin-token");
-    let token_file = dir.path().join("admin-token");
-    let token = "admin-0123456789-secret";
-    std::fs::write(&token_file, token).unwrap();
-    let t = Topology::start(TopologyOptions {
+    let (t, _dir) = with_admin_api(TopologyOptions {
         plugin_config: PluginConfig::new().build(),
-        meshlimitd_args: vec![
-            "--admin-token-file".into(),
-            token_file.display().to_string(),
-        ],
         ..TopologyOptions::default()
     });
+    let token = ADMIN_TOKEN;
     wait_for_fresh_window(Duration::from_secs(25));
     let admin = |method: &str, body: &str, token: &str| {
         let path = if method == "PUT" {
@@ -570,20 +579,12 @@ fn a_verified_jwt_claim_keys_the_counter() {
 /// `a_lease_another_worker_ended_takes_back_this_workers_draw`.
 #[test]
 fn a_lowered_live_override_reaches_a_leased_client_within_what_its_envoy_held() {
-    let dir = meshlimit_testbed::procs::TempDir::new("admin-token");
-    let token_file = dir.path().join("admin-token");
-    let token = "admin-0123456789-secret";
-    std::fs::write(&token_file, token).unwrap();
-    let t = Topology::start(TopologyOptions {
+    let (t, _dir) = with_admin_api(TopologyOptions {
         plugin_config: PluginConfig::new()
             .limits(json!([{"name": "per-minute", "requests": 1000, "window": "60s"}]))
             .build(),
         replicas: 1,
         front: false,
-        meshlimitd_args: vec![
-            "--admin-token-file".into(),
-            token_file.display().to_string(),
-        ],
         ..TopologyOptions::default()
     });
     wait_for_fresh_window(Duration::from_secs(25));
@@ -599,7 +600,7 @@ fn a_lowered_live_override_reaches_a_leased_client_within_what_its_envoy_held() 
     let called = t.stat(1, "meshlimit.requests_allowed");
     assert!(leased > 0, "the client is served from leases");
     let held = leased - (200 - called);
-    let auth = format!("Bearer {token}");
+    let auth = format!("Bearer {ADMIN_TOKEN}");
     let r = meshlimit_testbed::http::request(
         &t.meshlimitd_addr(),
         "PUT",

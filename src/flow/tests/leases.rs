@@ -953,18 +953,13 @@ fn a_lease_another_worker_ended_takes_back_this_workers_draw() {
     assert_eq!(body["settlements"][0]["limits"][0]["cost"], back, "{body}");
 }
 
-/// A request's call refused on a limit meshlimitd applied lower than the
-/// configured one (a live override lowered it) ends the lease as a refused
-/// renewal does: the units this Envoy's other workers drew under the old
-/// limit stop admitting once they hear of it.
-#[test]
-fn a_call_refused_below_the_configured_limit_ends_the_lease() {
-    let mut h = harness("");
+/// A lease of 64 units with plenty beyond, drawn in halves: this worker
+/// draws 32; another worker spends the rest, then calls, with a renewal
+/// its draws asked for, and gets `answers` (the renewal's, the request's).
+fn the_other_worker_calls_after_the_lease(h: &mut Harness, answers: [String; 2]) {
     h.lease_for_a(&granted(2_000, 64));
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Continue, "this worker draws 32");
-    // The other worker spends the rest, then calls, and is refused at a
-    // limit of 5 where 20 is configured.
     let mut other = Worker::new(&h.host, config(INTERVAL), ROOT);
     std::mem::swap(&mut h.worker, &mut other);
     let mut spent = 0;
@@ -972,20 +967,28 @@ fn a_call_refused_below_the_configured_limit_ends_the_lease() {
         spent += 1;
         assert!(spent <= 32, "the rest of the lease is 32 units");
     }
-    // With it goes a renewal the other worker's draws asked for: granted
-    // nothing, so that the request's refusal alone ends the lease.
     h.wake();
     let token = h.last_token();
-    h.answer_batch(
-        token,
-        Some(200),
-        &answer(&[
+    h.answer_batch(token, Some(200), &answer(&answers));
+    std::mem::swap(&mut h.worker, &mut other);
+}
+
+/// A request's call refused on a limit meshlimitd applied lower than the
+/// configured one (a live override lowered it) ends the lease as a refused
+/// renewal does: the units this Envoy's other workers drew under the old
+/// limit stop admitting once they hear of it.
+#[test]
+fn a_call_refused_below_the_configured_limit_ends_the_lease() {
+    let mut h = harness("");
+    // Refused at a limit of 5 where 20 is configured; the renewal granted
+    // nothing, so that the request's refusal alone ends the lease.
+    the_other_worker_calls_after_the_lease(
+        &mut h,
+        [
             r#"{"allowed":true,"leased":0,"limits":[{"allowed":true,"limit":5,"remaining":0,"reset_after_ms":30000,"retry_after_ms":0}]}"#.to_string(),
             r#"{"allowed":false,"leased":0,"limits":[{"allowed":false,"limit":5,"remaining":0,"reset_after_ms":30000,"retry_after_ms":30000}]}"#.to_string(),
-        ]),
+        ],
     );
-    // (Counted in that worker's stats, which the fake host keeps apart.)
-    std::mem::swap(&mut h.worker, &mut other);
     h.advance(100);
     let mut admitted = 0;
     while h.request("a").1 == Step::Continue {
@@ -999,20 +1002,7 @@ fn a_call_refused_below_the_configured_limit_ends_the_lease() {
 #[test]
 fn a_call_refused_at_the_configured_limit_leaves_the_lease() {
     let mut h = harness("");
-    h.lease_for_a(&granted(2_000, 64));
-    let (_, step) = h.request("a");
-    assert_eq!(step, Step::Continue, "this worker draws 32");
-    let mut other = Worker::new(&h.host, config(INTERVAL), ROOT);
-    std::mem::swap(&mut h.worker, &mut other);
-    while h.request("a").1 == Step::Continue {}
-    h.wake();
-    let token = h.last_token();
-    h.answer_batch(
-        token,
-        Some(200),
-        &answer(&[result(true, 0), result(false, 0)]),
-    );
-    std::mem::swap(&mut h.worker, &mut other);
+    the_other_worker_calls_after_the_lease(&mut h, [result(true, 0), result(false, 0)]);
     h.advance(100);
     for _ in 0..30 {
         assert_eq!(h.request("a").1, Step::Continue, "its draw of 31 serves");
