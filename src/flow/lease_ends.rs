@@ -16,7 +16,14 @@
 
 use std::cell::Cell;
 
+use meshlimit_protocol::CheckResult;
+
+use super::Worker;
+use crate::check::Check;
+use crate::host::Host;
+use crate::shared::lease::Leases;
 use crate::shared::store::{le_word, le_words, retry_on_conflict, SharedStore};
+use crate::stats::Stat;
 
 /// How often a worker holding draws reads whether a lease ended.
 pub(crate) const READ_EVERY_MS: u64 = 100;
@@ -75,6 +82,59 @@ impl LeaseEnds {
         self.seen.set(count);
         moved && !first
     }
+}
+
+impl Worker {
+    /// meshlimitd refused `check` over a limit lowered since its lease was
+    /// granted: a renewal (a check of cost 0 is refused only over a limit),
+    /// or a call at a quota below the configured one (see
+    /// [`refused_below_its_configured_limit`]). The lease ends: no worker draws from it again, every worker's
+    /// draws go back to it (this one's now, the others' within
+    /// `lease_ends::READ_EVERY_MS`), and its owner gives back what is left
+    /// on its tick, so the client's next request calls and meets the lower
+    /// limit.
+    pub(super) fn end_lease(&self, host: &impl Host, now: u64, check: &Check) {
+        let Some(leases) = self.leases(host, now) else {
+            return;
+        };
+        // Its place as the check's lease asked or drew it.
+        let Some(place) = check
+            .lease
+            .map(|t| t.place)
+            .or_else(|| check.place.0.get().map(|(_, place)| place))
+        else {
+            return;
+        };
+        if !leases.revoke(place, now) {
+            return;
+        }
+        self.metrics.bump(host, Stat::LeasesEnded);
+        // This worker's draws now, the others' at their next read.
+        self.lease_book.ends.announce(host);
+        self.put_back_every_draw(&leases);
+        // Its owner looks at it on the next tick (this worker, when it
+        // installed it).
+        super::leases::look_at_next_tick(&mut self.lease_book.records.borrow_mut(), place.slot);
+    }
+
+    /// Puts every draw this worker holds back in its slot: a lease ended
+    /// early takes back what its draws had left.
+    pub(super) fn put_back_every_draw<H: Host>(&self, leases: &Leases<'_, H>) {
+        let draws = self.lease_book.observer.borrow_mut().take_all_draws();
+        self.put_back_draws(leases, draws);
+    }
+}
+
+/// Whether meshlimitd refused `check` on a limit it applied lower than
+/// the one configured (a live override lowered it): units this Envoy
+/// leased under the configured limit must not go on admitting.
+pub(super) fn refused_below_its_configured_limit(check: &Check, result: &CheckResult) -> bool {
+    !result.allowed
+        && check
+            .global
+            .iter()
+            .zip(&result.limits)
+            .any(|(a, status)| !status.allowed && status.limit < a.limit.requests)
 }
 
 #[cfg(test)]

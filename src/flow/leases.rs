@@ -64,7 +64,7 @@ pub(super) struct LeaseRecord {
 
 impl Worker {
     /// The lease slots, when leases are on.
-    fn leases<'a, H: Host>(&'a self, host: &'a H, now: u64) -> Option<Leases<'a, H>> {
+    pub(super) fn leases<'a, H: Host>(&'a self, host: &'a H, now: u64) -> Option<Leases<'a, H>> {
         Some(Leases {
             config: self.config.leases?,
             seed: self.guard.seed(host, now),
@@ -353,9 +353,7 @@ impl Worker {
             let mut records = self.lease_book.records.borrow_mut();
             // A grant may replace a lease this worker installed there:
             // look at that one on the next tick, not when it was due.
-            for record in records.iter_mut().filter(|r| r.slot == ticket.place.slot) {
-                record.look_at_ms = 0;
-            }
+            look_at_next_tick(&mut records, ticket.place.slot);
             records.push(LeaseRecord {
                 slot: ticket.place.slot,
                 lease_id,
@@ -375,57 +373,10 @@ impl Worker {
         self.send_returns(host, context_id, vec![settlement]);
     }
 
-    /// meshlimitd refused a renewal of `check`'s lease: a check of cost 0
-    /// is refused only when the client's count is over the limit, which
-    /// only a limit lowered since the grant makes (a live override, above
-    /// all). The lease ends: no worker draws from it again, every worker's
-    /// draws go back to it (this one's now, the others' within
-    /// `lease_ends::READ_EVERY_MS`), and its owner gives back what is left
-    /// on its tick, so the client's next request calls and meets the lower
-    /// limit.
-    pub(super) fn end_lease(&self, host: &impl Host, now: u64, check: &Check) {
-        let Some(leases) = self.leases(host, now) else {
-            return;
-        };
-        // Its place as the check's lease asked or drew it.
-        let Some(place) = check
-            .lease
-            .map(|t| t.place)
-            .or_else(|| check.place.0.get().map(|(_, place)| place))
-        else {
-            return;
-        };
-        if !leases.revoke(place, now) {
-            return;
-        }
-        self.metrics.bump(host, Stat::LeasesEnded);
-        // This worker's draws now, the others' at their next read.
-        self.lease_book.ends.announce(host);
-        self.put_back_every_draw(&leases);
-        // Its owner looks at it on the next tick (this worker, when it
-        // installed it).
-        for record in self
-            .lease_book
-            .records
-            .borrow_mut()
-            .iter_mut()
-            .filter(|r| r.slot == place.slot)
-        {
-            record.look_at_ms = 0;
-        }
-    }
-
-    /// Puts every draw this worker holds back in its slot: a lease ended
-    /// early takes back what its draws had left (see `lease_ends`).
-    fn put_back_every_draw<H: Host>(&self, leases: &Leases<'_, H>) {
-        let draws = self.lease_book.observer.borrow_mut().take_all_draws();
-        self.put_back_draws(leases, draws);
-    }
-
     /// Puts `draws` (each with its check's fingerprint) back in their
     /// slots; one whose slot cannot be written is kept, to go back on a
     /// later tick.
-    fn put_back_draws<H: Host>(&self, leases: &Leases<'_, H>, draws: Vec<(u64, Draw)>) {
+    pub(super) fn put_back_draws<H: Host>(&self, leases: &Leases<'_, H>, draws: Vec<(u64, Draw)>) {
         for (fingerprint, draw) in draws {
             if leases.put_back(&draw).is_err() {
                 self.lease_book
@@ -529,16 +480,12 @@ impl Worker {
 /// Lost asks whose job could not be queued, kept for the next call.
 struct Refused(Vec<meshlimit_protocol::LostAsk>);
 
-/// Whether meshlimitd refused `check` on a limit it applied lower than
-/// the one configured (a live override lowered it): units this Envoy
-/// leased under the configured limit must not go on admitting.
-pub(super) fn refused_below_its_configured_limit(check: &Check, result: &CheckResult) -> bool {
-    !result.allowed
-        && check
-            .global
-            .iter()
-            .zip(&result.limits)
-            .any(|(a, status)| !status.allowed && status.limit < a.limit.requests)
+/// The leases this worker installed in `slot` are looked at on its next
+/// tick, whenever they were due.
+pub(super) fn look_at_next_tick(records: &mut [LeaseRecord], slot: u64) {
+    for record in records.iter_mut().filter(|r| r.slot == slot) {
+        record.look_at_ms = 0;
+    }
 }
 
 /// The result of a request admitted from a lease: `left` units remain
