@@ -1,13 +1,14 @@
 //! Leases ended early, as every worker of the Envoy hears of them.
 //!
 //! meshlimitd refuses a lease's renewal only when the client is over a
-//! limit lowered since the grant (a live override, above all). The worker
-//! that hears it ends the lease in its slot (`Leases::revoke`), but the
+//! limit lowered since the grant (a live override, above all), and a
+//! call refused at a quota below the configured one says the same. The
+//! worker that hears it ends the lease in its slot (`Leases::revoke`), but the
 //! draws other workers hold live in their own memory, and a hit reads no
 //! shared data: they would go on admitting under the old limit until spent
 //! (in halves, a draw can be half the lease). So the ending worker counts
-//! it in one shared-data word, and a worker holding draws reads that word
-//! at most every [`READ_EVERY_MS`] on its hits; when it moved, the worker
+//! it in one shared-data word, and every worker reads that word at most
+//! every [`READ_EVERY_MS`] on its lease hits; when it moved, the worker
 //! puts every draw it holds back in its slot (the ended lease takes its
 //! draws' units back, to be given back; a live one simply lends them again
 //! on the next hit). Ends are rare, so putting back every draw costs
