@@ -28,6 +28,9 @@ pub(super) struct Budget {
     pub(super) held: Held,
     /// RateLimit headers held with the response headers.
     pub(super) held_headers: Headers,
+    /// Bytes of the response body still to come by its `content-length`
+    /// (see [`Budget::body_ends`]).
+    pub(super) body_left: Option<u64>,
 }
 
 /// Where the response is.
@@ -52,6 +55,20 @@ pub(super) enum Held {
 }
 
 impl Budget {
+    /// Whether a response chunk of `size` bytes ends the body for the
+    /// client. Envoy's HTTP/1 codec hands the body on, then its end in an
+    /// empty chunk of its own; a client reading by `content-length` has
+    /// the whole response with the chunk that completes the length, so
+    /// that chunk is the end that waits for the settlement.
+    pub(super) fn body_ends(&mut self, size: usize, end_of_stream: bool) -> bool {
+        let Some(left) = self.body_left.as_mut() else {
+            return end_of_stream;
+        };
+        let had = *left;
+        *left = left.saturating_sub(size as u64);
+        end_of_stream || (had > 0 && *left == 0)
+    }
+
     pub(super) fn cost(&self) -> Option<&TokenCost> {
         self.check.tokens.as_deref()
     }

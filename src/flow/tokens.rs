@@ -85,6 +85,7 @@ impl Worker {
                 unbounded: false,
                 held: Held::No,
                 held_headers: Vec::new(),
+                body_left: None,
             },
         );
     }
@@ -221,6 +222,9 @@ impl Worker {
             }
             return true;
         }
+        b.body_left = host
+            .response_header("content-length")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok());
         let content_type = host
             .response_header("content-type")
             .unwrap_or_default()
@@ -255,6 +259,7 @@ impl Worker {
         let Some(mut b) = self.budgets.borrow_mut().remove(&id) else {
             return true;
         };
+        let end_of_stream = b.body_ends(size, end_of_stream);
         let response = std::mem::replace(&mut b.response, Response::Done);
         let go_on = match response {
             Response::NotYet | Response::Done => {

@@ -195,13 +195,25 @@ fn concurrent_reservations_never_exceed_the_budget_and_settle_exactly() {
 }
 
 /// A request reserving 1,000 that uses 100 gives 900 back at once: the
-/// next request, on the other replica, reserves them.
+/// next request, on the other replica, reserves them. "At once": the
+/// client reads the response by its `content-length`, and Envoy's codec
+/// hands the body's end on in a chunk of its own, after the body; the
+/// refund is in Redis before the client has the last byte.
 #[test]
 fn a_refund_is_free_for_the_next_request_on_the_other_replica() {
     let t = llm_topology(llm_config(usual_cost(), budget(1_000)), 2);
     wait_for_fresh_window(Duration::from_secs(10));
     let first = chat(&t, 1, "refund", 1_000, false, &[("x-llm-tokens", "100")]);
     assert_eq!(first.status, 200);
+    assert!(
+        first.header("content-length").is_some(),
+        "read by its length"
+    );
+    assert_eq!(
+        counter(&t, "refund"),
+        100,
+        "settled before the body was whole"
+    );
     let second = chat(&t, 2, "refund", 900, false, &[("x-llm-tokens", "900")]);
     assert_eq!(second.status, 200, "900 were given back: {}", second.body);
     let third = chat(&t, 1, "refund", 1, false, &[("x-llm-tokens", "1")]);

@@ -56,10 +56,17 @@ impl Harness {
     }
 
     fn response_headers(&self, stream: &mut Stream, status: &str, content_type: &str) -> bool {
-        *self.host.upstream_headers.borrow_mut() = vec![
-            (":status".into(), status.as_bytes().to_vec()),
-            ("content-type".into(), content_type.as_bytes().to_vec()),
-        ];
+        self.response_headers_with(
+            stream,
+            &[(":status", status), ("content-type", content_type)],
+        )
+    }
+
+    fn response_headers_with(&self, stream: &mut Stream, headers: &[(&str, &str)]) -> bool {
+        *self.host.upstream_headers.borrow_mut() = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect();
         self.host.enter(stream.context_id);
         self.worker.on_response_headers(&self.host, stream)
     }
@@ -135,6 +142,49 @@ fn a_reservation_read_from_the_body_is_settled_in_the_next_batch() {
         ),
         (300, 120, 180)
     );
+}
+
+/// Envoy's HTTP/1 codec hands a response's body on, then its end in an
+/// empty chunk of its own; a client reading by `content-length` has the
+/// whole body with the first. The chunk that completes the length is the
+/// response's end: it waits for the settlement, so the client cannot send
+/// its next request before its unused units are free (a CI run of
+/// `tests/tests/tokens.rs` saw the next request refused for them).
+#[test]
+fn the_chunk_that_completes_the_content_length_waits_for_the_settlement() {
+    let mut h = harness_with(token_config("1000"));
+    let (mut s, _) = h.post("a");
+    h.wake();
+    h.answer_batch(1, Some(200), &answer(&[reserved(0)]));
+    h.host.take_acted();
+    let body = br#"{"usage":{"total_tokens":100}}"#;
+    let length = body.len().to_string();
+    assert!(h.response_headers_with(
+        &mut s,
+        &[
+            (":status", "200"),
+            ("content-type", "application/json"),
+            ("content-length", &length)
+        ],
+    ));
+    let (_, go_on) = h.response_body(&s, &body[..10], false);
+    assert!(go_on, "chunks before it pass as they come");
+    let (_, go_on) = h.response_body(&s, &body[10..], false);
+    assert!(!go_on, "the body is whole: it waits for the settlement");
+    h.wake();
+    assert_eq!(h.last_call_body()["settlements"][0]["actual"], json!([100]));
+    h.answer_batch(
+        h.last_token(),
+        Some(200),
+        r#"{"results":[],"settled":[{"remaining":[900]}]}"#,
+    );
+    assert_eq!(h.host.take_acted(), [Acted::ResumedResponse(s.context_id)]);
+    let (_, go_on) = h.response_body(&s, b"", true);
+    assert!(go_on, "the codec's empty end goes on");
+    let calls = h.calls();
+    h.wake();
+    assert_eq!(h.calls(), calls, "settled once");
+    assert_eq!(h.stat("tokens_settled"), 100);
 }
 
 #[test]
