@@ -23,13 +23,14 @@ use super::observer::Observer;
 use super::{Job, Queued, Step, Stream, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
 use crate::host::Host;
-use crate::shared::lease::{self, AskFor, Draw, Grant, Leases, Place, Reclaim, Take};
+use crate::shared::lease::{AskFor, Draw, Grant, Leases, Place, Reclaim, Take};
 use crate::stats::Stat;
 
 /// What a request's check found in its lease slot.
 pub(super) enum Lookup {
-    /// Admitted from the lease, with this many units left (a floor) and
-    /// the window whole again this much later (see [`hit_result`]).
+    /// Admitted from the lease, with this many units left for the client
+    /// (as its draw knows it: `Draw::remaining`) and the window whole
+    /// again this much later (see [`hit_result`]).
     Hit { remaining: u64, reset_after_ms: u64 },
     /// No units for it: its call asks for this lease, if any.
     Miss(Option<LeaseTicket>),
@@ -120,10 +121,8 @@ impl Worker {
             // Rare (two busy checks in one entry): its slot gets it back now.
             let _ = leases.put_back(&draw);
         }
-        // What the request reports as remaining: this worker's draw, and
-        // the slot's units when it just drew (a floor either way).
-        let (draw, remaining) = match observer.spend(place.fingerprint, cost, now) {
-            Some(draw) => (draw, draw.left),
+        let draw = match observer.spend(place.fingerprint, cost, now) {
+            Some(draw) => draw,
             None => {
                 let (draw, renewal) =
                     match self.draw(&leases, &mut observer, place, want, check, now) {
@@ -134,9 +133,10 @@ impl Worker {
                 if let Some(Renewal { ticket, runway_ms }) = renewal {
                     self.renew(host, context_id, check, ticket, runway_ms);
                 }
-                (draw, draw.left.saturating_add(draw.in_slot))
+                draw
             }
         };
+        let remaining = draw.remaining();
         // Counted in bulk: a hostcall per request is a tenth of what a hit
         // costs.
         if let Some(hits) = self.lease_book.count_hit() {
@@ -222,17 +222,16 @@ impl Worker {
             renewal: false,
             id: self.lease_book.next_lease_id(),
         };
-        if let Take::Hit(draw) | Take::Renew(draw, _) = take {
+        if let Take::Hit(draw) | Take::Renew { draw, .. } = take {
             if let Some(other) = kept {
                 let _ = leases.put_back(&other);
             }
             observer.keep_draw(place.fingerprint, draw);
             let renewal = match take {
-                Take::Renew(_, units) => {
+                Take::Renew { units, held, .. } => {
                     // How long what is left lasts at the check's pace (a
                     // renewal near its window's end asks for less).
-                    let left = draw.left.saturating_add(draw.in_slot);
-                    let runway_ms = left.saturating_mul(interval) / want.max(1);
+                    let runway_ms = held.saturating_mul(interval) / want.max(1);
                     let ticket = LeaseTicket {
                         renewal: true,
                         ..ticket(units)
@@ -344,7 +343,7 @@ impl Worker {
             units,
             expires_ms: ticket.asked_ms.saturating_add(lifetime.unwrap_or(0)),
             reset_at_ms: ticket.asked_ms.saturating_add(reset.unwrap_or(0)),
-            plenty: lease::plenty_beyond(units, left_beyond.unwrap_or(0)),
+            beyond: left_beyond.unwrap_or(0),
         };
         let room = self.lease_book.records.borrow().len() < leases.config.slots as usize;
         if room && lifetime.is_some() && leases.install(ticket.place, grant, now) {
@@ -489,8 +488,7 @@ pub(super) fn look_at_next_tick(records: &mut [LeaseRecord], slot: u64) {
 }
 
 /// The result of a request admitted from a lease: `left` units remain
-/// for it in this worker's draw (a floor: the slot and meshlimitd may
-/// hold more), on every limit.
+/// for the client (see [`Lookup::Hit`]), on every limit.
 pub(super) fn hit_result(check: &Check, left: u64, reset_after_ms: u64) -> CheckResult {
     CheckResult {
         allowed: true,

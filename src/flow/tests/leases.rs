@@ -105,13 +105,13 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
     let calls = h.lease_for_a(&granted(13, 5));
     assert_eq!((h.stat("lease_grants"), h.stat("lease_units")), (1, 5));
     // A small lease is drawn one unit at a time; each request reports
-    // what the lease has left.
-    for left in [4, 3, 2, 1, 0] {
+    // what the client has left: the lease's units and the 13 meshlimitd
+    // had beyond them.
+    for left in [17, 16, 15, 14, 13] {
         let (mut s, step) = h.request("a");
         assert_eq!(step, Step::Continue, "a hit goes on at once");
         h.worker.on_response_headers(&h.host, &mut s);
         let headers = h.host.response_headers.borrow();
-        // What remains is what this worker holds: never more than is true.
         assert!(
             headers.iter().any(|(c, k, v)| *c == s.context_id
                 && k.to_lowercase() == "ratelimit"
@@ -142,6 +142,47 @@ fn a_busy_client_is_served_from_its_lease_without_a_call() {
     // Other clients are not served from a's lease.
     let (_, step) = h.request("b");
     assert_eq!(step, Step::Pause);
+}
+
+impl Harness {
+    /// `a`'s next request, admitted at once, and the `r` its `RateLimit`
+    /// header reports.
+    fn remaining_on_a_hit(&mut self) -> u64 {
+        let (mut s, step) = self.request("a");
+        assert_eq!(step, Step::Continue, "a hit goes on at once");
+        self.worker.on_response_headers(&self.host, &mut s);
+        let headers = self.host.response_headers.borrow();
+        headers
+            .iter()
+            .filter(|(c, k, _)| *c == s.context_id && k.eq_ignore_ascii_case("ratelimit"))
+            .find_map(|(_, _, v)| v.split(";r=").nth(1)?.split(';').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no r= for the hit: {headers:?}"))
+    }
+}
+
+/// Issue 35, truthful headers: a client pacing itself by `r` on a leased
+/// limit read the worker's draw alone (single figures, and 0 each time a
+/// draw was spent) while meshlimitd and its Envoy held most of its quota.
+/// Through one worker, a hit now reports what the client has left: what
+/// meshlimitd had beyond the leases at its latest grant, plus the units
+/// this Envoy still holds; one less per request, across a renewal, to 0
+/// at the limit.
+#[test]
+fn a_lease_hit_reports_what_the_client_has_left_one_less_per_request() {
+    let mut h = harness("");
+    // The request that gets the lease leaves 12: 8 leased, 4 beyond.
+    let calls = h.lease_for_a(&granted(4, 8));
+    let mut seen: Vec<u64> = (0..7).map(|_| h.remaining_on_a_hit()).collect();
+    // The seventh found a quarter of the lease left and asked for the
+    // next: granted 4, the last 4 meshlimitd had.
+    h.wake();
+    assert_eq!(h.calls(), calls + 1, "the renewal");
+    let token = h.last_token();
+    h.answer_batch(token, Some(200), &answer(&[granted(0, 4)]));
+    assert_eq!(h.stat("lease_grants"), 2);
+    seen.extend((0..5).map(|_| h.remaining_on_a_hit()));
+    assert_eq!(seen, [11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]);
+    assert_eq!(h.calls(), calls + 1, "every one from the leases");
 }
 
 /// The hostcalls of a request admitted from a lease: its headers, the
@@ -756,7 +797,7 @@ fn a_lease_hit_says_so_in_the_decision_log() {
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Continue);
     assert!(logged(&[
-        "INFO decision allowed from lease: api/per-minute subject \"hdr:x-api-key:a\" allowed remaining 4 of 20"
+        "INFO decision allowed from lease: api/per-minute subject \"hdr:x-api-key:a\" allowed remaining 17 of 20"
     ]));
 }
 

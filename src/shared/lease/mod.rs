@@ -90,10 +90,10 @@ pub(crate) struct Draw {
     pub drawn: u64,
     /// Units of the draw not spent yet.
     pub left: u64,
-    /// Units the lease still had in the slot once this was drawn: the
-    /// drawing request's `RateLimit` counts them with `left` (they are this
-    /// client's too); the requests spending the draw later know `left` only.
-    pub in_slot: u64,
+    /// What the client had left beyond this draw when it was drawn
+    /// ([`Slot::rest`]): each request spending the draw reports `left`
+    /// and this as its `RateLimit` remaining.
+    pub rest: u64,
     pub expires_ms: u64,
     pub reset_at_ms: u64,
     pub last_hit_ms: u64,
@@ -103,6 +103,12 @@ impl Draw {
     /// Whether it may admit at `now` (see [`Slot::usable`]).
     pub(crate) fn usable(&self, now: u64) -> bool {
         live(now, self.expires_ms, self.last_hit_ms)
+    }
+
+    /// What a request that spent from it reports as remaining: the draw's
+    /// units left and what the client had beyond it when it was drawn.
+    pub(crate) fn remaining(&self) -> u64 {
+        self.left.saturating_add(self.rest)
     }
 }
 
@@ -162,9 +168,11 @@ pub(crate) enum Take {
     /// units remain after the request).
     Hit(Draw),
     /// A hit that found its lease running low (half of it left in
-    /// the slot): the worker asks for the next one now, for `want` units,
-    /// so that the check's requests never wait for it.
-    Renew(Draw, u64),
+    /// the slot): the worker asks for the next one now, for `units`, so
+    /// that the check's requests never wait for it; `held` is what the
+    /// lease still has, the draw's units and the slot's (how long they
+    /// last at the check's pace says when the renewal must go).
+    Renew { draw: Draw, units: u64, held: u64 },
     /// No usable lease: call, asking for `want` more units (0: none).
     Miss { want: u64 },
     /// The slot holds another check's units: try the check's other slot.
@@ -181,8 +189,9 @@ pub(crate) struct Grant {
     /// A renewal's: it may replace a lease that still has units (they go
     /// back with the replaced lease, by its owner).
     pub renewal: bool,
-    /// See [`plenty_beyond`].
-    pub plenty: bool,
+    /// What meshlimitd had left on the tightest limit once it granted
+    /// the units (see [`plenty_beyond`] and [`Slot::rest`]).
+    pub beyond: u64,
 }
 
 /// What the granting worker's tick found.

@@ -24,10 +24,10 @@ pub(super) struct Lease {
     pub(super) reset_at_ms: u64,
     /// The last draw from the lease (idle leases go back).
     pub(super) last_hit_ms: u64,
-    /// meshlimitd had plenty left beyond this lease when it granted it
-    /// ([`plenty_beyond`]): workers draw half of it to its last units, as
-    /// a worker refused for what another holds would still be admitted.
-    pub(super) plenty: bool,
+    /// What meshlimitd had left on the check's tightest limit once it
+    /// granted this lease: the client's beyond every lease charged until
+    /// then (`RateLimit` on a hit counts it; see [`Slot::rest`]).
+    pub(super) beyond: u64,
 }
 
 /// One slot's state: the check it is for, and up to two leases.
@@ -49,6 +49,14 @@ pub(crate) struct Slot {
 }
 
 impl Lease {
+    /// Whether meshlimitd had plenty left beyond this lease when it
+    /// granted it ([`plenty_beyond`]): workers draw half of it to its last
+    /// units, as a worker refused for what another holds would still be
+    /// admitted.
+    pub(super) fn plenty(&self) -> bool {
+        plenty_beyond(self.granted, self.beyond)
+    }
+
     /// Whether it holds units someone may still use or give back. A lease
     /// expired for [`ABANDONED_AFTER_MS`] whose units nobody took back has
     /// lost its owner (the worker was replaced by a configuration push).
@@ -166,6 +174,23 @@ impl Slot {
         self.current.settle(draw) || self.previous.settle(draw)
     }
 
+    /// What the client has left beyond the draws out, as this slot knows
+    /// it at `now`: the units of its usable current and next leases, and
+    /// what meshlimitd had beyond them at the latest of their grants (the
+    /// next lease's, granted after the current one was charged). Through
+    /// one worker that is exactly what the client can still do; what other
+    /// workers or replicas admitted since that grant it does not see, nor
+    /// what they hold (see docs/leases.md, "Headers").
+    pub(super) fn rest(&self, now: u64) -> u64 {
+        let current = Some(&self.current).filter(|l| l.usable(now));
+        let next = Some(&self.next).filter(|l| l.usable(now));
+        let beyond = next.or(current).map_or(0, |l| l.beyond);
+        [current, next]
+            .into_iter()
+            .flatten()
+            .fold(beyond, |sum, l| sum.saturating_add(l.units))
+    }
+
     /// The slot after a worker puts back `draw`; `None`: nothing to write.
     pub(crate) fn put_back(mut self, draw: &Draw) -> Option<Slot> {
         self.settle(draw).then_some(self)
@@ -202,7 +227,7 @@ impl Slot {
         if lease.usable(now) && lease.units >= cost {
             let low = lease.units.saturating_mul(2) <= lease.granted;
             // At least the request's cost: `left` is what is drawn beyond it.
-            let drawn = if lease.plenty {
+            let drawn = if lease.plenty() {
                 lease.units.div_ceil(2).max(cost)
             } else if lease.units >= cost.saturating_mul(DRAW_HALF_FROM) {
                 // No more than this worker spends in a while at its own
@@ -220,25 +245,26 @@ impl Slot {
             lease.units -= drawn;
             lease.lent = lease.lent.saturating_add(drawn);
             lease.last_hit_ms = now;
-            let draw = Draw {
+            let mut draw = Draw {
                 slot: place.slot,
                 lease_id: lease.lease_id,
                 drawn,
                 left: drawn - cost,
-                in_slot: lease.units,
+                rest: 0,
                 expires_ms: lease.expires_ms,
                 reset_at_ms: lease.reset_at_ms,
                 last_hit_ms: now,
             };
+            draw.rest = self.rest(now);
             let next_due = self.next.lease_id == 0 || !self.next.holds_units(now);
             if low && next_due && want > 0 && now >= self.asking_until_ms {
-                let held = draw.left.saturating_add(draw.in_slot);
+                let held = draw.left.saturating_add(self.current.units);
                 let units = ask_for.renewal_units(want, draw.expires_ms, held, now);
                 // None needed: no ask goes out, and none is counted as out
                 // (a miss after the window turns asks at once).
                 if units > 0 {
                     self.asking_until_ms = now + ask_for.renewal_ms;
-                    return (Some(self), Take::Renew(draw, units));
+                    return (Some(self), Take::Renew { draw, units, held });
                 }
             }
             return (Some(self), Take::Hit(draw));
@@ -273,7 +299,7 @@ impl Slot {
             lease_id: grant.lease_id,
             units: grant.units,
             granted: grant.units,
-            plenty: grant.plenty,
+            beyond: grant.beyond,
             lent: 0,
             expires_ms: grant.expires_ms,
             reset_at_ms: grant.reset_at_ms,
@@ -364,7 +390,7 @@ impl Slot {
             reset_at_ms: w(at + 4),
             last_hit_ms: w(at + 5),
             granted: w(at + 6),
-            plenty: w(at + 7) != 0,
+            beyond: w(at + 7),
         };
         Slot {
             fingerprint: w(0),
@@ -385,7 +411,7 @@ impl Slot {
                 l.reset_at_ms,
                 l.last_hit_ms,
                 l.granted,
-                u64::from(l.plenty),
+                l.beyond,
             ]
         };
         let mut words = [0u64; WORDS];

@@ -46,7 +46,7 @@ fn gives_back(units: u64, expired: bool) -> Reclaim {
 /// The draw a hit gave.
 fn drawn(take: Take) -> Draw {
     match take {
-        Take::Hit(draw) | Take::Renew(draw, _) => draw,
+        Take::Hit(draw) | Take::Renew { draw, .. } => draw,
         Take::Miss { .. } | Take::Occupied => panic!("no draw: {take:?}"),
     }
 }
@@ -58,7 +58,7 @@ fn grant(units: u64, expires_ms: u64) -> Grant {
         expires_ms,
         reset_at_ms: expires_ms,
         renewal: false,
-        plenty: false,
+        beyond: 0,
     }
 }
 
@@ -139,7 +139,7 @@ fn the_last_units_of_a_lease_are_drawn_one_request_at_a_time() {
     // be admitted by its call.
     assert!(plenty_beyond(5, 80) && !plenty_beyond(5, 79));
     let plenty = Grant {
-        plenty: true,
+        beyond: 80,
         ..grant(5, 5_000)
     };
     let mut slot = Slot::default().install(1, plenty, 10).unwrap();
@@ -178,7 +178,7 @@ fn a_worker_draws_no_more_than_its_own_pace_spends_in_a_tick() {
     // Far from the limit, the worker's pace does not matter: a worker
     // refused for what another holds would be admitted by its call.
     let plenty = Grant {
-        plenty: true,
+        beyond: 3_200,
         ..grant(200, 5_000)
     };
     let slot = Slot::default().install(1, plenty, 10).unwrap();
@@ -316,7 +316,7 @@ fn test_draw(slot: u64) -> Draw {
         lease_id: 7,
         drawn: 3,
         left: 3,
-        in_slot: 0,
+        rest: 0,
         expires_ms: 1_000,
         reset_at_ms: 1_000,
         last_hit_ms: 10,
@@ -374,7 +374,10 @@ fn a_lease_down_to_half_asks_once_for_the_next_which_replaces_it() {
     let (slot, t) = take(slot, 1, 20);
     assert!(matches!(t, Take::Hit(_)), "64 left: {t:?}");
     let (slot, t) = take(slot, 1, 21);
-    assert!(matches!(t, Take::Renew(_, BUSY)), "32 left: {t:?}");
+    assert!(
+        matches!(t, Take::Renew { units: BUSY, .. }),
+        "32 left: {t:?}"
+    );
     let (slot, t) = take(slot, 1, 22);
     assert!(matches!(t, Take::Hit(_)), "one ask at a time: {t:?}");
     let (slot, t) = take(slot, 1, 23);
