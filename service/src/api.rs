@@ -137,7 +137,7 @@ async fn decide_within(state: &AppState, request: CheckRequest, budget: Duration
                     });
                 }
             }
-            answer(decided)
+            answer(&request, decided)
         }
         Ok(Err(_)) => error(StatusCode::SERVICE_UNAVAILABLE, "not decided"),
         Err(_) => {
@@ -158,10 +158,13 @@ async fn decide_within(state: &AppState, request: CheckRequest, budget: Duration
     }
 }
 
-/// A decided call as HTTP.
-fn answer(decided: Decided) -> Response {
+/// A decided call as HTTP, with the receipts its caller asked for.
+fn answer(request: &CheckRequest, decided: Decided) -> Response {
     match decided {
-        Decided::Answered(response) => Json(response).into_response(),
+        Decided::Answered(mut response) => {
+            crate::app::receipts::keep_the_callers(request, &mut response);
+            Json(response).into_response()
+        }
         Decided::Refused(reason) => error(StatusCode::BAD_REQUEST, reason),
         Decided::Unavailable(e) => error(StatusCode::SERVICE_UNAVAILABLE, e),
     }

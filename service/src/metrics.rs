@@ -187,7 +187,7 @@ impl Metrics {
         let abandoned_given_back = Counter::default();
         registry.register(
             "abandoned_units_given_back",
-            "Units given back because their decision finished after its caller gave up (leases, reservations)",
+            "Units given back because their decision finished after its caller gave up (requests' costs, leases, reservations)",
             abandoned_given_back.clone(),
         );
         let late_leases_withheld = Counter::default();

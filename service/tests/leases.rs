@@ -297,6 +297,82 @@ fn what_a_decision_leased_after_its_caller_gave_up_goes_back() {
     assert_metric(&f, "meshlimitd_abandoned_units_given_back_total 201");
 }
 
+/// meshlimitd started with a shared token, and a call to its check API
+/// with the token and `headers` besides.
+fn start_with_token() -> (meshlimit_testbed::procs::TempDir, Standalone) {
+    let dir = meshlimit_testbed::procs::TempDir::new("token");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "correct-horse-battery\n").unwrap();
+    let f = Standalone::start(
+        Path::new(env!("CARGO_BIN_EXE_meshlimitd")),
+        &[
+            "--redis-timeout-ms",
+            "5000",
+            "--auth-token-file",
+            token_file.to_str().unwrap(),
+        ],
+    );
+    (dir, f)
+}
+
+fn call_with_token(
+    f: &Standalone,
+    body: &Value,
+    headers: &[(&str, &[u8])],
+) -> meshlimit_testbed::http::Response {
+    let mut all: Vec<(&str, &[u8])> = vec![("authorization", b"Bearer correct-horse-battery")];
+    all.extend_from_slice(headers);
+    meshlimit_testbed::http::request(
+        &f.service.addr,
+        "POST",
+        "/v1/check",
+        &all,
+        body.to_string().as_bytes(),
+    )
+    .unwrap()
+}
+
+/// A plain check (no lease, no reservation: a request's unit) whose caller
+/// gave up while its script was held up: the caller decided the request
+/// by its fallback, so the unit the script charged goes back too, on
+/// every algorithm, and with the fleet's token (meshlimitd signs what it
+/// gives back itself). On the old code it stayed charged: a unit per
+/// lost answer, each counted twice (by the fallback, and in Redis). An
+/// answered plain check still carries no receipts.
+#[test]
+fn what_a_plain_check_charged_after_its_caller_gave_up_goes_back() {
+    let (_dir, f) = start_with_token();
+    for algorithm in [
+        "fixed_window",
+        "sliding_window_counter",
+        "sliding_window_log",
+        "token_bucket",
+    ] {
+        let l = limit(algorithm, 1000);
+        let check = |subject: &str| json!({"checks": [{"subject": subject, "limits": [&l]}]});
+        // The scripts are loaded, as on a running meshlimitd.
+        let warm = call_with_token(&f, &check("warm"), &[]);
+        assert_eq!(warm.status, 200, "{}", warm.body);
+        let answered: Value = serde_json::from_str(&warm.body).unwrap();
+        assert!(
+            answered["results"][0].get("receipts").is_none(),
+            "{answered}"
+        );
+        f.redis.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
+        let r = call_with_token(&f, &check("stalled"), &[("x-meshlimit-timeout-ms", b"50")]);
+        assert_eq!(r.status, 503, "{algorithm}: {}", r.body);
+        std::thread::sleep(std::time::Duration::from_millis(800));
+        let after: Value =
+            serde_json::from_str(&call_with_token(&f, &check("stalled"), &[]).body).unwrap();
+        assert_eq!(
+            remaining(&after["results"][0], 0),
+            999,
+            "{algorithm}: only this check is charged: {after}"
+        );
+    }
+    assert_metric(&f, "meshlimitd_abandoned_units_given_back_total 4");
+}
+
 /// A decision that took over half its caller's budget is answered without
 /// its lease: the answer may reach the caller after the caller's own
 /// timeout (which began before meshlimitd read the call), and a grant in

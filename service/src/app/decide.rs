@@ -232,7 +232,11 @@ fn decided_outcome(
 ) -> CheckOutcome {
     match decided {
         Some(Ok(mut result)) => {
-            if let Some(key) = &state.receipt_key {
+            if let Some(key) = state
+                .receipt_key
+                .as_ref()
+                .filter(|_| super::receipts::for_the_caller(check, &result))
+            {
                 key.sign(check, &mut result);
             }
             if state.admin_tokens.is_some() {

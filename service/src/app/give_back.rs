@@ -33,11 +33,13 @@ pub enum GiveBack {
 /// caller no longer waits for the answer (its deadline passed while the
 /// scripts ran): the caller decides those requests without meshlimitd,
 /// so a lease or reservation charged for it would only keep units from
-/// every other replica until its window ends. Each check with receipts
-/// (a lease granted, or a reservation) is given back all it was charged:
-/// its cost and its lease. A check without receipts charged its cost
-/// alone, and stays charged (one unit a request, as before leases).
-/// Returns the units given back.
+/// every other replica until its window ends, and the request's own cost
+/// would count it twice (by the caller's fallback, and in Redis). Each
+/// admitted check is given back all it was charged, its cost and its
+/// lease: by its grant record when it named its ask, else by its
+/// receipts (every admitted result has them; those the caller did not
+/// ask for are signed here, as the settlement is verified like any
+/// other). Returns the units given back.
 pub async fn give_back(state: &AppState, request: &CheckRequest, decided: &Decided) -> u64 {
     let Decided::Answered(response) = decided else {
         return 0;
@@ -53,11 +55,14 @@ pub async fn give_back(state: &AppState, request: &CheckRequest, decided: &Decid
                         return Some(GiveBack::Forget { ask, keep: 0 });
                     }
                 }
-                let receipts = result.receipts.clone()?;
+                let mut signed = result.clone();
+                if let Some(key) = &state.receipt_key {
+                    key.sign(check, &mut signed);
+                }
                 Some(GiveBack::Settle(charged(
                     check,
                     result.leased,
-                    receipts,
+                    signed.receipts?,
                     false,
                 )))
             }
@@ -74,8 +79,8 @@ pub async fn give_back(state: &AppState, request: &CheckRequest, decided: &Decid
 /// timeout (which began before meshlimitd read the call, and ends when
 /// Envoy says so), and a grant in a lost answer is charged to nobody. So
 /// a late answer carries no lease: each admitted check's `leased` is 0
-/// (its statuses' `remaining` counts those units again), and a check that
-/// asked no receipt of its own loses the lease's receipts. Returns what
+/// (its statuses' `remaining` counts those units again; the answer then
+/// keeps only the receipts its check asked for). Returns what
 /// gives the leased units back, to be applied after the answer has gone
 /// (the request's own cost stays charged).
 pub fn withhold_leases(request: &CheckRequest, decided: &mut Decided) -> Vec<GiveBack> {
@@ -102,9 +107,6 @@ pub fn withhold_leases(request: &CheckRequest, decided: &mut Decided) -> Vec<Giv
         });
         for status in &mut result.limits {
             status.remaining = status.remaining.saturating_add(leased).min(status.limit);
-        }
-        if !check.receipt {
-            result.receipts = None;
         }
     }
     give

@@ -18,7 +18,9 @@
 //! stay charged until their windows end (never more admitted).
 
 use hmac::{Hmac, KeyInit, Mac};
-use meshlimit_protocol::{Check, CheckResult, Limit, Receipt, Settlement};
+use meshlimit_protocol::{
+    Check, CheckOutcome, CheckRequest, CheckResponse, CheckResult, Limit, Receipt, Settlement,
+};
 use sha2::Sha256;
 
 /// What the receipt key is derived for: never the token itself, so a MAC
@@ -60,6 +62,27 @@ impl std::fmt::Display for Forged {
                 f,
                 "limits[{place}].cost: more than receipts[{place}] covers ({covered})"
             ),
+        }
+    }
+}
+
+/// Whether the caller gets `result`'s receipts: it asked for them (a
+/// reservation), or it was granted a lease (returned by them). An
+/// admitted check's result carries receipts all the same, for meshlimitd
+/// to give back what it was charged should its caller give up on the
+/// answer (`give_back`); those are neither signed nor sent.
+pub fn for_the_caller(check: &Check, result: &CheckResult) -> bool {
+    check.receipt || result.leased > 0
+}
+
+/// Takes out of a call's answer the receipts its caller did not ask for
+/// (see [`for_the_caller`]).
+pub fn keep_the_callers(request: &CheckRequest, response: &mut CheckResponse) {
+    for (check, outcome) in request.checks.iter().zip(response.results.iter_mut()) {
+        if let CheckOutcome::Decided(result) = outcome {
+            if !for_the_caller(check, result) {
+                result.receipts = None;
+            }
         }
     }
 }

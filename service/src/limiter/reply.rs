@@ -43,10 +43,12 @@ pub(super) fn epochs(check: &Check, values: &[i64]) -> Vec<u64> {
 }
 
 /// Whether a result carries receipts: its check asked for them (a
-/// reservation), or it was granted a lease (whose unused units are given
-/// back by them).
+/// reservation), or it was admitted (a lease's unused units are given
+/// back by them, and so is everything an admitted check was charged when
+/// its caller gave up on the answer). The API sends the caller only
+/// those it asked for or needs (`app::receipts::for_the_caller`).
 pub(super) fn wants_receipts(check: &Check, result: &CheckResult) -> bool {
-    check.receipt || result.leased > 0
+    check.receipt || result.allowed
 }
 
 /// The lease a check asks for, as the scripts take it: units wanted and
