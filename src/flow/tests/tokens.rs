@@ -48,6 +48,20 @@ impl Harness {
         (stream, step)
     }
 
+    /// A POST from `id` whose fixed reservation meshlimitd admitted, with
+    /// `remaining` left: the stream, resumed.
+    fn admitted_post(&mut self, id: &str, remaining: u64) -> Stream {
+        let (s, _) = self.post(id);
+        self.wake();
+        self.answer_batch(
+            self.last_token(),
+            Some(200),
+            &answer(&[reserved(remaining)]),
+        );
+        self.host.take_acted();
+        s
+    }
+
     fn request_body(&self, stream: &mut Stream, body: &[u8], end: bool) -> Step {
         *self.host.request_body.borrow_mut() = body.to_vec();
         self.host.enter(stream.context_id);
@@ -153,10 +167,7 @@ fn a_reservation_read_from_the_body_is_settled_in_the_next_batch() {
 #[test]
 fn the_chunk_that_completes_the_content_length_waits_for_the_settlement() {
     let mut h = harness_with(token_config("1000"));
-    let (mut s, _) = h.post("a");
-    h.wake();
-    h.answer_batch(1, Some(200), &answer(&[reserved(0)]));
-    h.host.take_acted();
+    let mut s = h.admitted_post("a", 0);
     let body = br#"{"usage":{"total_tokens":100}}"#;
     let length = body.len().to_string();
     assert!(h.response_headers_with(
@@ -290,10 +301,7 @@ fn with_meshlimitd_away_a_reservation_is_settled_in_the_local_counters() {
 #[test]
 fn a_settlement_goes_alone_when_the_root_cannot_be_woken() {
     let mut h = harness_with(token_config("40"));
-    let (mut s, _) = h.post("a");
-    h.wake();
-    h.answer_batch(1, Some(200), &answer(&[reserved(960)]));
-    h.host.take_acted();
+    let mut s = h.admitted_post("a", 960);
     h.host.queue_fails.set(true);
     assert!(h.response_headers(&mut s, "200", "application/json"));
     let (_, go_on) = h.response_body(&s, br#"{"usage":{"total_tokens":10}}"#, true);
