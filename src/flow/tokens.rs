@@ -230,6 +230,12 @@ impl Worker {
             .unwrap_or_default()
             .to_ascii_lowercase();
         b.response = if content_type.starts_with(b"text/event-stream") {
+            // The gate may take the usage event out, or end the stream at
+            // the budget: the body the client gets is not the length the
+            // upstream framed (Envoy then frames it itself: chunked).
+            if b.body_left.is_some() {
+                host.remove_response_header("content-length");
+            }
             SseGate::new(cost.usage.sse_json.clone(), cost.max_body_bytes)
                 .hiding_usage_event(b.check.usage_asked_for_client)
                 .into()

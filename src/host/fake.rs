@@ -504,6 +504,14 @@ impl Host for FakeHost {
         true
     }
 
+    fn remove_response_header(&self, name: &str) -> bool {
+        self.hostcall("remove_header_map_value");
+        self.upstream_headers
+            .borrow_mut()
+            .retain(|(k, _)| !k.eq_ignore_ascii_case(name));
+        true
+    }
+
     fn replace_request_body(&self, size: usize, bytes: &[u8]) -> bool {
         self.hostcall("set_buffer_bytes");
         let mut body = self.request_body.borrow_mut();

@@ -217,6 +217,9 @@ pub trait Host: SharedStore {
     /// Removes a header of the current request (before it goes upstream:
     /// in its headers callback).
     fn remove_request_header(&self, name: &str) -> bool;
+    /// Removes a header of the current response (in its headers callback,
+    /// before it goes to the client).
+    fn remove_response_header(&self, name: &str) -> bool;
     /// Replaces the first `size` bytes of the request body Envoy holds
     /// with `bytes` (in a body callback, the body buffered whole).
     fn replace_request_body(&self, size: usize, bytes: &[u8]) -> bool;

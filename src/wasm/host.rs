@@ -211,6 +211,10 @@ impl Host for WasmHost {
         hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None).is_ok()
     }
 
+    fn remove_response_header(&self, name: &str) -> bool {
+        hostcalls::set_map_value(MapType::HttpResponseHeaders, name, None).is_ok()
+    }
+
     fn replace_request_body(&self, size: usize, bytes: &[u8]) -> bool {
         hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, bytes).is_ok()
     }

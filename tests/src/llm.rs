@@ -19,6 +19,7 @@
 //! | `x-llm-status` | answer this status with an error body | 200 |
 //! | `x-llm-delay-ms` | wait before the answer, and between events | 0 |
 //! | `x-llm-shape` | `openai`, `anthropic` or `gemini` | `openai` |
+//! | `x-llm-framing` | a stream's: `chunked`, or `length` (all of it at once, with a `content-length`) | `chunked` |
 //!
 //! It counts the completion tokens it actually wrote to the socket, so a
 //! test can compare what the budget settled with what was delivered.
@@ -266,6 +267,26 @@ fn answer(stream: &mut TcpStream, req: &Request, written: &AtomicU64) -> bool {
             written.fetch_add(tokens, Ordering::Relaxed);
         }
         return sent.is_ok();
+    }
+    if req.header("x-llm-framing") == Some("length") {
+        // The whole stream at once, framed by its length (as an upstream
+        // that buffers does): a client reads it by its content-length.
+        let in_end = in_body && (shape != Shape::OpenAi || asked_usage);
+        let events: Vec<String> = shape
+            .start(prompt, in_body)
+            .into_iter()
+            .chain((0..tokens).map(|i| shape.delta(i, prompt, in_body)))
+            .chain(shape.end(prompt, tokens, in_end))
+            .collect();
+        let body = events.concat();
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n{usage_header}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        if stream.write_all(answer.as_bytes()).is_ok() {
+            written.fetch_add(tokens, Ordering::Relaxed);
+        }
+        return false;
     }
     let head = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n{usage_header}transfer-encoding: chunked\r\nconnection: close\r\n\r\n"

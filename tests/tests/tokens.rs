@@ -227,6 +227,40 @@ fn events(r: &Response) -> Vec<String> {
     llm::events(&r.body)
 }
 
+/// An event stream an upstream framed by its `content-length` (it
+/// buffered the stream): the filter asked for the usage event on the
+/// client's behalf and takes it out, so the body the client gets is
+/// shorter than the length the upstream said. The response goes to the
+/// client without that length (chunked), its events whole, and is charged
+/// the usage it reported. (It went with the upstream's length, longer than
+/// the body: a client reading by it waits for bytes that never come.)
+#[test]
+fn a_stream_framed_by_its_length_reaches_the_client_whole() {
+    let t = llm_topology(llm_config(usual_cost(), budget(10_000)), 1);
+    wait_for_fresh_window(Duration::from_secs(10));
+    let r = chat(
+        &t,
+        1,
+        "framed",
+        200,
+        true,
+        &[
+            ("x-llm-tokens", "20"),
+            ("x-llm-prompt", "5"),
+            ("x-llm-framing", "length"),
+        ],
+    );
+    assert_eq!(r.status, 200);
+    if let Some(length) = r.header("content-length") {
+        assert_eq!(length, r.body.len().to_string(), "the length is the body's");
+    }
+    let data = events(&r);
+    assert_eq!(data.len(), 20 + 2, "20 deltas, finish, [DONE]: {data:?}");
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(counter(&t, "framed"), 25, "charged the reported usage");
+    assert_no_vm_panics(&t);
+}
+
 /// A stream is charged exactly what its last event reports; without a
 /// usage event, it settles at its reservation.
 #[test]

@@ -198,6 +198,31 @@ fn the_chunk_that_completes_the_content_length_waits_for_the_settlement() {
     assert_eq!(h.stat("tokens_settled"), 100);
 }
 
+/// An event stream framed by its `content-length`: the gate may take the
+/// usage event out or end the stream at the budget, so the client must
+/// not be told the upstream's length (Envoy frames the body it gets).
+#[test]
+fn an_event_stream_goes_without_the_upstreams_content_length() {
+    let mut h = harness_with(token_config("40"));
+    let mut s = h.admitted_post("a", 960);
+    assert!(h.response_headers_with(
+        &mut s,
+        &[
+            (":status", "200"),
+            ("content-type", "text/event-stream"),
+            ("content-length", "2970")
+        ],
+    ));
+    let headers = h.host.upstream_headers.borrow();
+    assert!(
+        !headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-length")),
+        "{headers:?}"
+    );
+    assert!(headers.iter().any(|(k, _)| k == "content-type"));
+}
+
 #[test]
 fn a_body_with_no_reservation_reserves_the_default_and_one_above_the_capacity_is_refused() {
     let mut h = harness_with(token_config(
