@@ -61,6 +61,7 @@ pub enum Stat {
     LeaseReturnsUnconfirmed,
     AnswersLost,
     LeaseAsksLost,
+    ReservationsLost,
     LeaseHits,
     LeaseRenewals,
     LeasesEnded,
@@ -69,7 +70,7 @@ pub enum Stat {
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 42] = [
+    pub const ALL: [Stat; 43] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -108,6 +109,7 @@ impl Stat {
         Stat::LeaseReturnsUnconfirmed,
         Stat::AnswersLost,
         Stat::LeaseAsksLost,
+        Stat::ReservationsLost,
         Stat::LeaseHits,
         Stat::LeaseRenewals,
         Stat::LeasesEnded,
@@ -316,12 +318,17 @@ impl Stat {
             Stat::AnswersLost => (
                 "meshlimit.answers_lost",
                 Counter,
-                "checks whose call's answer was lost (a timeout, a 503, a failed connection): decided by failure_mode, and perhaps charged in Redis all the same (a unit each; a lease asked with one is given back, see lease_asks_lost)",
+                "checks whose call's answer was lost (a timeout, a 503, a failed connection): decided by failure_mode; what meshlimitd charged for one it answered 503 in time is given back, and so is a lease asked or a reservation made with one (see lease_asks_lost, reservations_lost), while a plain check whose answer left meshlimitd and came too late may stay charged a unit",
             ),
             Stat::LeaseAsksLost => (
                 "meshlimit.lease_asks_lost",
                 Counter,
                 "lease asks whose answer was lost (a timeout, a 503, a failed connection), named in a later call so that their grants go back",
+            ),
+            Stat::ReservationsLost => (
+                "meshlimit.reservations_lost",
+                Counter,
+                "token reservations (and top-ups) whose answer was lost (a timeout, a 503, a failed connection), named in a later call so that what they reserved goes back (the fallback reserved and settled them)",
             ),
             Stat::LeaseHits => (
                 "meshlimit.lease_hits",

@@ -62,8 +62,10 @@ pub struct CheckRequest {
     pub lost: Vec<LostAsk>,
 }
 
-/// A lease ask whose answer was lost: the check it came with (its subject
-/// and limits, as sent) and the ask's id.
+/// A lease ask, or a reservation (see [`Check::id`]), whose answer was
+/// lost: the check it came with (its subject and limits, as sent) and its
+/// id. What goes back is what the script recorded, whatever costs the
+/// limits name.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LostAsk {
     pub subject: String,
@@ -154,6 +156,15 @@ pub struct Check {
     /// is ignored, never an error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<String>,
+    /// A reservation's id (random, per caller), 0 for none. With an id
+    /// and [`Check::receipt`], the script that charges the reservation
+    /// records what it charged on each limit, for a short while, under the
+    /// id, as it does a lease's grant (see [`LeaseAsk::id`]): if the answer
+    /// is lost, the caller names the check in [`CheckRequest::lost`] and
+    /// the reservation goes back, exactly once; one named lost before its
+    /// script ran is charged nothing.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub id: u64,
 }
 
 /// A quota lease asked with a check: at most `units` more units on every
@@ -171,7 +182,8 @@ pub struct LeaseAsk {
     /// while, under the id: if its answer is lost, the caller names the
     /// ask in [`CheckRequest::lost`] and the grant goes back, exactly once
     /// (a record given back is marked, and an ask named lost before its
-    /// script ran is granted nothing).
+    /// script ran is charged nothing: its caller decided the request without
+    /// meshlimitd).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub id: u64,
 }

@@ -199,7 +199,7 @@ impl Metrics {
         let lost_asks_given_back = Counter::default();
         registry.register(
             "lost_ask_units_given_back",
-            "Units given back for lease asks whose answers were lost, as their callers named them (or as meshlimitd gave them up itself)",
+            "Units given back for lease asks and reservations whose answers were lost, as their callers named them (or as meshlimitd gave them up itself)",
             lost_asks_given_back.clone(),
         );
         let returns_on_lost_counters = Counter::default();

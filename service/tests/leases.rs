@@ -447,7 +447,7 @@ fn name_lost(f: &Standalone, subject: &str, l: &Value, id: u64) {
 /// A lease asked with an id and granted, whose answer the caller says it
 /// lost: the grant goes back (request and lease alike: the caller decided
 /// that request without meshlimitd), once however often it is named; an
-/// ask named lost before its script ran is granted nothing; and an ask
+/// ask named lost before its script ran is charged nothing; and an ask
 /// meshlimitd itself gave back (its caller's deadline passed) is not given
 /// back a second time when its caller names it.
 #[test]
@@ -477,13 +477,21 @@ fn a_lost_grant_goes_back_exactly_once() {
         "given back whole, once"
     );
     assert_metric(&f, "meshlimitd_lost_ask_units_given_back_total 201");
-    // Named lost before it ran: it runs, decides its request, leases nothing.
+    // Named lost before it ran: its caller decided the request without
+    // meshlimitd, so it runs and charges nothing (answered refused).
     name_lost(&f, "early", &l, 8);
     let early = ask_with_id(&f, "early", &l, 200, 8);
     assert_eq!(
         (early["allowed"].clone(), leased(&early)),
-        (json!(true), 0),
+        (json!(false), 0),
         "{early}"
+    );
+    assert_eq!(
+        f.redis
+            .cli(&["GET", "ml:{e:early}:hot/fixed_window:fw:60000"])
+            .trim(),
+        "",
+        "nothing charged"
     );
     // Given back by meshlimitd when its caller gave up, then named lost.
     ask(&f, "warm", std::slice::from_ref(&l), 0, 1);
@@ -505,4 +513,52 @@ fn a_lost_grant_goes_back_exactly_once() {
     let after = ask(&f, "both", std::slice::from_ref(&l), 0, 1);
     assert_eq!(remaining(&after, 0), 999, "given back once: {after}");
     assert_metric(&f, "meshlimitd_lost_ask_units_given_back_total 402");
+}
+
+/// A reservation (a token budget's check, `receipt`) asked with an id,
+/// whose answer the caller lost: named in a later call, what its script
+/// charged goes back, on each limit what that limit was charged (here 300
+/// on the token budget, 1 on the request limit beside it), once however
+/// often it is named, and never more than was charged whatever costs the
+/// naming claims. The caller settled it in its fallback's counters. On
+/// the old code only lease asks had records: the 300 stayed charged until
+/// the window ended.
+#[test]
+fn a_lost_reservation_goes_back_exactly_once() {
+    let f = start();
+    let reserve = |cost: u64| {
+        json!([
+            {"name": "llm/tokens", "requests": 10_000, "window_ms": 60_000, "cost": cost,
+             "algorithm": "fixed_window"},
+            {"name": "llm/requests", "requests": 1000, "window_ms": 60_000,
+             "algorithm": "fixed_window"}
+        ])
+    };
+    let check =
+        json!({"subject": "lost-tokens", "limits": reserve(300), "receipt": true, "id": 21});
+    let answer = f.check(&json!({"checks": [check]}));
+    assert_eq!(answer["results"][0]["allowed"], true, "{answer}");
+    let counters = || {
+        [
+            "ml:{e:lost-tokens}:llm/tokens:fw:60000",
+            "ml:{e:lost-tokens}:llm/requests:fw:60000",
+        ]
+        .map(|k| f.redis.cli(&["GET", k]).trim().parse::<u64>().unwrap_or(0))
+    };
+    assert_eq!(counters(), [300, 1]);
+    // Named with costs it was never charged: the record decides.
+    let lost = json!({"lost": [{"subject": "lost-tokens", "limits": reserve(9_000), "id": 21}]});
+    for _ in 0..3 {
+        let r = meshlimit_testbed::http::request(
+            &f.service.addr,
+            "POST",
+            "/v1/check",
+            &[],
+            lost.to_string().as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(counters(), [0, 0], "given back whole, once");
 }

@@ -120,6 +120,7 @@ pub fn plan(cfg: &Config, req: &impl RequestView, method: &str, path: &str) -> P
         prompt: 0,
         usage_asked_for_client: false,
         lease: None,
+        id: 0,
         place: Default::default(),
         hit_policy: Default::default(),
     }))

@@ -213,8 +213,8 @@ impl Worker {
 
     /// What a check's call came to, for what it asked: a lost answer is
     /// counted (the check may have been charged while its request was
-    /// decided without meshlimitd), and a lease ask in it is named lost
-    /// later; asks shrink after lost answers.
+    /// decided without meshlimitd), and a lease ask or a reservation in it
+    /// is named lost later; asks shrink after lost answers.
     fn heard<T>(
         &self,
         host: &impl Host,
@@ -228,7 +228,7 @@ impl Worker {
         }
         if asked_and_lost(outcome) {
             self.metrics.bump(host, Stat::AnswersLost);
-            if asked {
+            if asked || check.id != 0 {
                 self.ask_lost(host, check, now);
             }
         }

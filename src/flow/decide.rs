@@ -190,6 +190,10 @@ impl Worker {
         }
         let mut check = Rc::unwrap_or_clone(check);
         check.lease = ask;
+        if check.tokens.is_some() {
+            // Named if its answer is lost: what it reserved goes back.
+            check.id = self.lease_book.next_lease_id();
+        }
         if self.outbox.batching() || check.answer_outlives_request() {
             self.enqueue(host, stream, now, check, local)
         } else {

@@ -90,6 +90,11 @@ impl LeaseBook {
         }
     }
 
+    /// When the oldest ask kept was lost, if any.
+    pub(super) fn oldest_lost_ms(&self) -> Option<u64> {
+        self.lost.borrow().front().map(|(at, _)| *at)
+    }
+
     /// The lost asks still worth naming at `now`, taken.
     pub(super) fn take_lost(&self, now: u64) -> Vec<LostAsk> {
         self.lost

@@ -434,21 +434,24 @@ impl Worker {
         self.flush_deferred(host, now);
     }
 
-    /// An ask whose answer was lost (a timeout, a 503, a failed
-    /// connection: its script may have run): kept, and named in a call
-    /// once one succeeds, so that what it was granted goes back (see
-    /// `LeaseAsk::id`).
+    /// A lease ask or a reservation whose answer was lost (a timeout, a
+    /// 503, a failed connection: its script may have run): kept, and
+    /// named in a call once one succeeds, so that what it was charged goes
+    /// back (see `LeaseAsk::id`, `Check::id`: the request was decided
+    /// without meshlimitd).
     pub(super) fn ask_lost(&self, host: &impl Host, check: &Check, now: u64) {
         let wire = check.to_wire();
-        let Some(id) = wire.lease.map(|a| a.id).filter(|id| *id != 0) else {
-            return;
+        let (id, stat) = match wire.lease.map(|a| a.id).filter(|id| *id != 0) {
+            Some(id) => (id, Stat::LeaseAsksLost),
+            None if wire.id != 0 => (wire.id, Stat::ReservationsLost),
+            None => return,
         };
         let lost = meshlimit_protocol::LostAsk {
             subject: wire.subject,
             limits: wire.limits,
             id,
         };
-        self.metrics.bump(host, Stat::LeaseAsksLost);
+        self.metrics.bump(host, stat);
         self.lease_book.note_lost([lost], now);
     }
 
@@ -464,6 +467,20 @@ impl Worker {
         }
     }
 
+    /// The root's tick: asks lost at least [`NAME_ON_TICK_AFTER_MS`] ago
+    /// that no call of this worker has named since (its traffic may have
+    /// gone to its Envoy's other workers, or stopped) go in a call of
+    /// their own, once the breaker says meshlimitd answers again.
+    pub(super) fn name_lost_on_tick(&self, host: &impl Host, now: u64) {
+        let waited = self
+            .lease_book
+            .oldest_lost_ms()
+            .is_some_and(|at| now.saturating_sub(at) >= NAME_ON_TICK_AFTER_MS);
+        if waited && self.guard.gate(host, now) == crate::shared::breaker::Gate::Call {
+            self.send_lost(host, self.root_context_id, now);
+        }
+    }
+
     fn send_lost_job(
         &self,
         host: &impl Host,
@@ -475,6 +492,10 @@ impl Worker {
             .map_err(|_| Refused(kept))
     }
 }
+
+/// A lost ask waits this long for a call of its worker's traffic to name
+/// it before the tick sends it alone (a call that fails keeps it).
+const NAME_ON_TICK_AFTER_MS: u64 = 500;
 
 /// Lost asks whose job could not be queued, kept for the next call.
 struct Refused(Vec<meshlimit_protocol::LostAsk>);

@@ -397,7 +397,8 @@ impl Worker {
 
     /// Asks for `units` more for a stream (answered in [`Self::on_top_up`]).
     pub(super) fn top_up(&self, host: &impl Host, id: u32, b: &mut Budget, units: u64) {
-        let check = b.check.top_up(units);
+        let mut check = b.check.top_up(units);
+        check.id = self.lease_book.next_lease_id();
         b.topping_up = true;
         let job = Job::TopUp {
             check: check.clone(),

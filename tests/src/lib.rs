@@ -16,6 +16,7 @@
 
 pub mod fake;
 pub mod http;
+pub mod late;
 pub mod llm;
 pub mod otlp;
 pub mod plugin;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::fake::{Behavior, FakeService};
 use crate::http::{self, Response};
+use crate::late::LateProxy;
 use crate::procs::{wait_until, Proc, TempDir};
 use crate::render::{self, indent_block, render, PLUGIN_CONFIG_INDENT};
 use crate::services::{self, unique_host, Meshlimitd, RedisCluster, RedisServer};
@@ -60,6 +61,10 @@ pub struct TopologyOptions {
     /// carries it (`service.auth_token`), as the shipped manifests do:
     /// receipts are then signed, and settlements verified.
     pub shared_token: bool,
+    /// The replicas reach meshlimitd through a [`LateProxy`] (on
+    /// [`LATE_PROXY_PORT`]) that can hold its answers back
+    /// ([`Topology::late`]).
+    pub late_answers: bool,
 }
 
 /// The shared token of topologies with [`TopologyOptions::shared_token`].
@@ -67,6 +72,9 @@ pub const SHARED_TOKEN: &str = "meshlimit-testbed-shared-token";
 
 /// meshlimitd's gRPC port (the rate limit service), when it serves one.
 pub const GRPC_PORT: u16 = 18081;
+
+/// Where the replicas reach meshlimitd with [`TopologyOptions::late_answers`].
+pub const LATE_PROXY_PORT: u16 = 18082;
 
 impl Default for TopologyOptions {
     fn default() -> Self {
@@ -85,6 +93,7 @@ impl Default for TopologyOptions {
             hold_headers: false,
             rls_config_dir: None,
             shared_token: false,
+            late_answers: false,
         }
     }
 }
@@ -106,6 +115,7 @@ pub struct Topology {
     replicas: Vec<Proc>,
     front: Option<Proc>,
     fake: Option<FakeService>,
+    late: Option<LateProxy>,
 }
 
 impl Topology {
@@ -123,6 +133,7 @@ impl Topology {
             replicas: Vec::new(),
             front: None,
             fake: None,
+            late: None,
         };
         if let Some(behavior) = t.options.fake.clone() {
             t.fake = Some(FakeService::start(&t.meshlimitd_addr(), behavior));
@@ -133,6 +144,12 @@ impl Topology {
                 t.start_redis();
             }
             t.start_meshlimitd();
+        }
+        if t.options.late_answers {
+            t.late = Some(LateProxy::start(
+                &t.addr(LATE_PROXY_PORT),
+                &t.meshlimitd_addr(),
+            ));
         }
         let wait_healthy =
             t.options.start_service && !matches!(t.options.fake, Some(Behavior::Unhealthy));
@@ -185,6 +202,15 @@ impl Topology {
         self.addr(MESHLIMITD_PORT)
     }
 
+    /// Holds meshlimitd's answers back this long on their way to the
+    /// replicas (0: none); needs [`TopologyOptions::late_answers`].
+    pub fn late(&self, delay: Duration) {
+        self.late
+            .as_ref()
+            .expect("the topology has no late proxy: set late_answers")
+            .delay(delay);
+    }
+
     // ---- configs ----
 
     pub fn base_vars(&self, admin_port: u16, listen_port: u16) -> BTreeMap<&'static str, String> {
@@ -226,7 +252,15 @@ impl Topology {
             ),
             ("MESHLIMITD_DISCOVERY", "STATIC".into()),
             ("MESHLIMITD_HOST", self.host.clone()),
-            ("MESHLIMITD_PORT", MESHLIMITD_PORT.to_string()),
+            (
+                "MESHLIMITD_PORT",
+                if self.options.late_answers {
+                    LATE_PROXY_PORT
+                } else {
+                    MESHLIMITD_PORT
+                }
+                .to_string(),
+            ),
             ("UPSTREAM_DISCOVERY", "STATIC".into()),
             ("UPSTREAM_HOST", self.host.clone()),
             ("UPSTREAM_PORT", UPSTREAM_PORT.to_string()),
@@ -521,6 +555,7 @@ impl Drop for Topology {
         self.front.take();
         self.replicas.clear();
         self.fake.take();
+        self.late.take();
         self.upstream.take();
         self.meshlimitd.take();
         self.redis.take();

@@ -227,6 +227,52 @@ fn events(r: &Response) -> Vec<String> {
     llm::events(&r.body)
 }
 
+/// A reservation whose answer meshlimitd sent in time, but that reached
+/// Envoy after the call's timeout (held back on the way by the testbed's
+/// late proxy): the filter decided the request by its fallback, which
+/// reserved and settled it in its own counters, and named the reservation
+/// once meshlimitd answered again; what the script charged in Redis came
+/// back. On the old code the 1,000 reserved stayed charged until the
+/// window ended: each answer lost so burnt a reservation of the client's
+/// budget.
+#[test]
+fn a_reservation_whose_answer_came_too_late_is_given_back() {
+    let t = Topology::start(TopologyOptions {
+        plugin_config: PluginConfig::new()
+            .rules(json!([{
+                "name": "llm",
+                "match": {"path_prefix": "/v1/"},
+                "cost": usual_cost(),
+                "limits": budget(10_000)
+            }]))
+            .set_in("service", "timeout", json!("50ms"))
+            .build(),
+        replicas: 1,
+        front: false,
+        llm: true,
+        late_answers: true,
+        ..TopologyOptions::default()
+    });
+    wait_for_fresh_window(Duration::from_secs(20));
+    t.late(Duration::from_millis(200));
+    let lost = chat(&t, 1, "late", 1_000, false, &[("x-llm-tokens", "100")]);
+    assert_eq!(lost.status, 200, "admitted by the fallback: {}", lost.body);
+    assert_eq!(
+        counter_reaches(&t, "late", 1_000),
+        1_000,
+        "meshlimitd charged the reservation"
+    );
+    assert_eq!(stat(&t, "reservations_lost"), 1);
+    t.late(Duration::ZERO);
+    // The next call that succeeds names it (or, when this request goes to
+    // the Envoy's other worker, the tick of the worker that lost it): it
+    // goes back, and this request's own usage is all that stays charged.
+    let next = chat(&t, 1, "late", 10, false, &[("x-llm-tokens", "7")]);
+    assert_eq!(next.status, 200, "{}", next.body);
+    assert_eq!(counter_reaches(&t, "late", 7), 7, "given back");
+    assert_no_vm_panics(&t);
+}
+
 /// An event stream an upstream framed by its `content-length` (it
 /// buffered the stream): the filter asked for the usage event on the
 /// client's behalf and takes it out, so the body the client gets is

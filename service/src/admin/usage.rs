@@ -45,6 +45,7 @@ pub(super) async fn get_usage(
         receipt: false,
         lease: None,
         trace: None,
+        id: 0,
     };
     // Validated as a request's check would be (cost 1); read at cost 0,
     // which only lease renewals may send.

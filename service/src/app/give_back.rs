@@ -50,7 +50,9 @@ pub async fn give_back(state: &AppState, request: &CheckRequest, decided: &Decid
         .zip(&response.results)
         .filter_map(|(check, outcome)| match outcome {
             CheckOutcome::Decided(result) if result.allowed => {
-                if result.leased > 0 {
+                // Recorded (a lease granted, or a reservation, with an
+                // id): by the record, which its caller may name too.
+                if result.leased > 0 || check.receipt {
                     if let Some(ask) = lost_ask_of(check) {
                         return Some(GiveBack::Forget { ask, keep: 0 });
                     }

@@ -196,6 +196,7 @@ mod tests {
                 receipt: false,
                 lease: None,
                 trace: None,
+                id: 0,
             }],
             settlements: Vec::new(),
             lost: Vec::new(),

@@ -1,8 +1,10 @@
-//! Lease asks whose answers were lost: their grants go back, exactly once.
+//! Lease asks and reservations whose answers were lost: what their scripts
+//! charged goes back, exactly once.
 //!
-//! A check that asks for a lease with an id has its grant recorded by the
-//! script that grants it (`decide.lua`: `<units charged> <clock> <nonce>`
-//! under the grant key, for ten seconds). When the answer never reaches
+//! A check that asks for a lease with an id, or reserves with one (a token
+//! budget's, `Check::id`), has what it was charged recorded by the script
+//! that admits it (`decide.lua`: `<units charged on each limit> <clock>
+//! <nonce>` under the grant key, for ten seconds). When the answer never reaches
 //! its caller (a timeout, a reset, meshlimitd's own 503 while the script
 //! ran on), the caller names the ask in its next call, and meshlimitd
 //! gives back what the record says, in a settlement whose id is the
@@ -10,7 +12,10 @@
 //! meshlimitd's own give-back of the same decision, or a give-back tried
 //! again after its Redis call failed (perhaps applied) gives nothing more.
 //! An ask named before its script ran finds no record, and marks it
-//! `lost` (only if it is still missing): the script then grants nothing.
+//! `lost` (only if it is still missing): the script then charges nothing
+//! (its caller decided the request without meshlimitd). What goes back is
+//! what the record says each limit was charged, never what the naming
+//! claims.
 
 use meshlimit_protocol::{Check, Limit, LostAsk, Receipt, Settlement};
 
@@ -59,17 +64,23 @@ impl Limiter {
         let Some((units, clock_us, nonce)) = record.as_deref().and_then(parse_record) else {
             return Ok(0);
         };
+        // What the record says each limit was charged: never what the
+        // naming claims.
+        let Some(units) = per_limit(&units, lost.limits.len()) else {
+            return Ok(0);
+        };
         let settlement = Settlement {
             subject: lost.subject.clone(),
             limits: lost
                 .limits
                 .iter()
-                .map(|l| Limit {
-                    cost: units,
+                .zip(&units)
+                .map(|(l, units)| Limit {
+                    cost: *units,
                     ..l.clone()
                 })
                 .collect(),
-            actual: vec![keep.min(units); lost.limits.len()],
+            actual: units.iter().map(|u| keep.min(*u)).collect(),
             receipts: (1..=lost.limits.len())
                 .map(|place| Receipt {
                     clock_us,
@@ -86,7 +97,8 @@ impl Limiter {
             id: lost.id,
         };
         if self.settle_once(&settlement).await? {
-            Ok(units.saturating_sub(keep))
+            let first = units.first().copied().unwrap_or(0);
+            Ok(first.saturating_sub(keep))
         } else {
             Ok(0)
         }
@@ -96,7 +108,7 @@ impl Limiter {
 /// The lost ask that names `check`'s lease ask (its own decision, given
 /// back by meshlimitd), if it asked with an id.
 pub fn lost_ask_of(check: &Check) -> Option<LostAsk> {
-    let id = check.lease.map(|a| a.id).filter(|id| *id != 0)?;
+    let id = record_id(check)?;
     Some(LostAsk {
         subject: check.subject.clone(),
         limits: check.limits.clone(),
@@ -104,14 +116,37 @@ pub fn lost_ask_of(check: &Check) -> Option<LostAsk> {
     })
 }
 
-/// A grant record: the units its check was charged (cost and lease), the
-/// run's clock and the check's nonce; `None` for a `lost` mark.
-fn parse_record(record: &str) -> Option<(u64, u64, &str)> {
+/// The id `check`'s script records its charge under, if any: a lease
+/// ask's (with units), or a reservation's (see `Check::id`).
+pub(crate) fn record_id(check: &Check) -> Option<u64> {
+    let ask = check.lease.filter(|a| a.units > 0).map(|a| a.id);
+    ask.or(check.receipt.then_some(check.id))
+        .filter(|id| *id != 0)
+}
+
+/// A record: the units its check was charged on each limit (cost and
+/// lease; one figure for every limit in records of older meshlimitds),
+/// the run's clock and the check's nonce; `None` for a `lost` mark.
+fn parse_record(record: &str) -> Option<(Vec<u64>, u64, &str)> {
     let mut parts = record.split(' ');
-    let units = parts.next()?.parse().ok()?;
+    let units = parts
+        .next()?
+        .split(',')
+        .map(|u| u.parse().ok())
+        .collect::<Option<Vec<u64>>>()?;
     let clock_us = parts.next()?.parse().ok()?;
     let nonce = parts.next().filter(|n| !n.is_empty())?;
     parts.next().is_none().then_some((units, clock_us, nonce))
+}
+
+/// The units each of `limits` limits was charged, by a record's figures:
+/// one for all, or one each; `None` when they do not match the limits.
+fn per_limit(units: &[u64], limits: usize) -> Option<Vec<u64>> {
+    match units {
+        [all] => Some(vec![*all; limits]),
+        each if each.len() == limits => Some(each.to_vec()),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -122,10 +157,32 @@ mod tests {
     fn records_are_read_whole_and_marks_are_not_records() {
         assert_eq!(
             parse_record("41 1700000000000000 ab.1.2"),
-            Some((41, 1_700_000_000_000_000, "ab.1.2"))
+            Some((vec![41], 1_700_000_000_000_000, "ab.1.2"))
         );
-        for bad in ["lost", "", "41", "41 x n", "41 1 ", "41 1 n extra"] {
+        assert_eq!(
+            parse_record("300,1,0 17 n"),
+            Some((vec![300, 1, 0], 17, "n"))
+        );
+        for bad in [
+            "lost",
+            "",
+            "41",
+            "41 x n",
+            "41 1 ",
+            "41 1 n extra",
+            "4,,1 1 n",
+            "4,x 1 n",
+            "-1 1 n",
+        ] {
             assert_eq!(parse_record(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_records_figures_are_one_for_all_limits_or_one_each() {
+        assert_eq!(per_limit(&[5], 3), Some(vec![5, 5, 5]));
+        assert_eq!(per_limit(&[300, 1], 2), Some(vec![300, 1]));
+        assert_eq!(per_limit(&[300, 1], 3), None);
+        assert_eq!(per_limit(&[], 1), None);
     }
 }

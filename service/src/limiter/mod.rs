@@ -329,16 +329,17 @@ impl Limiter {
         nonce
     }
 
-    /// The key of the grant record of `check`'s lease ask, when it asks
-    /// with an id (see [`meshlimit_protocol::LeaseAsk::id`]): beside its
-    /// first limit's counter, in the run's slot.
+    /// The key of the record of what `check` was charged, when it asks
+    /// for a lease or reserves with an id (see
+    /// [`meshlimit_protocol::LeaseAsk::id`], [`meshlimit_protocol::Check::id`]):
+    /// beside its first limit's counter, in the run's slot.
     fn grant_key(&self, check: &Check) -> Option<String> {
-        let ask = check.lease.filter(|a| a.id != 0 && a.units > 0)?;
+        let id = lost::record_id(check)?;
         let first = check.limits.first()?;
         Some(keys::grant_key(
             &self.prefix,
             &keys::subject_tag(first.subject_in(check)),
-            ask.id,
+            id,
         ))
     }
 
@@ -547,6 +548,7 @@ mod tests {
             receipt: false,
             lease: None,
             trace: None,
+            id: 0,
         }
     }
 

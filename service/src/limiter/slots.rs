@@ -109,6 +109,7 @@ impl Limiter {
             receipt: check.receipt,
             lease: None,
             trace: None,
+            id: 0,
         };
         // No lease (nor grant record): a check spread over slots
         // is decided per request. Epochs for the receipts asked; a

@@ -124,10 +124,12 @@ end
 -- ARGV[a + 1 .. a + ARGS_PER_LIMIT * n]. `want` and `share` ask for a
 -- lease (0 and 1 for none): up to `want` units more on every limit, at
 -- most what the tightest limit has left after the request divided by
--- `share`. `grant` is the KEYS index of the ask's grant record, or nil:
--- a grant is recorded there ('<units charged> <clock> <nonce>', the
--- request's cost and the lease), and an ask already named lost there
--- ('lost') is granted nothing. `epochs` is nil, or the KEYS offset of the
+-- `share`. `grant` is the KEYS index of the check's record, or nil (a
+-- lease ask's, or a reservation's, with an id): what an admitted check
+-- charged is recorded there when it was granted a lease or reserved
+-- ('<units charged on each limit, comma-separated> <clock> <nonce>': the
+-- request's cost and the lease), and a check already named lost there
+-- ('lost') is charged nothing. `epochs` is nil, or the KEYS offset of the
 -- limits' epoch keys (limit i's at KEYS[epochs + i]): when the check has
 -- receipts (it asked for them, `receipt`, or was granted a lease), each
 -- limit charged replies its subject's epoch (see touch_epoch; 0
@@ -223,7 +225,11 @@ end
 -- is under MIN_LEASE_SHARE; none on a limit under MIN_LEASED_LIMIT, on a
 -- sliding log (its members carry times) or where a limit does not fit.
 local leased = 0
-if grant and redis.call('GET', KEYS[grant]) == 'lost' then want = 0 end
+if grant and redis.call('GET', KEYS[grant]) == 'lost' then
+  -- Named lost before this run: its caller decided the request without
+  -- meshlimitd, and reads no answer. Charged nothing (answered refused).
+  want, allowed = 0, 0
+end
 if allowed == 1 and want > 0 then
   leased = want
   for i = 1, n do
@@ -238,8 +244,12 @@ if allowed == 1 and want > 0 then
     leased = math.min(leased, fits)
   end
 end
-if grant and leased > 0 then
-  redis.call('SET', KEYS[grant], num(st[1].cost + leased) .. ' ' .. num(now_us) .. ' ' .. nonce,
+if grant and allowed == 1 and (leased > 0 or receipt) then
+  -- What each limit was charged (a reservation's limits may differ; a
+  -- shadow limit that did not fit was charged nothing).
+  local units = {}
+  for i = 1, n do units[i] = st[i].fits and num(st[i].cost + leased) or '0' end
+  redis.call('SET', KEYS[grant], table.concat(units, ',') .. ' ' .. num(now_us) .. ' ' .. nonce,
              'PX', GRANT_RECORD_MS)
 end
 local out = { allowed, leased }

@@ -158,6 +158,7 @@ fn plan(domains: &Domains, request: &RateLimitRequest) -> Result<Plan, String> {
         receipt: false,
         lease: None,
         trace: None,
+        id: 0,
     });
     Ok(Plan { check, slots })
 }

@@ -34,7 +34,7 @@ fn granted_until(remaining: u64, leased: u64, reset_after_ms: u64) -> String {
 
 impl Harness {
     /// The root's tick.
-    fn tick(&self) {
+    pub(super) fn tick(&self) {
         self.host.enter(ROOT);
         self.worker.on_tick(&self.host);
     }

@@ -198,6 +198,69 @@ fn the_chunk_that_completes_the_content_length_waits_for_the_settlement() {
     assert_eq!(h.stat("tokens_settled"), 100);
 }
 
+/// A reservation whose call timed out (its script may have run): the
+/// fallback reserved it, so meshlimitd's charge is named in the next call
+/// that succeeds, by the id the check went with, and goes back (see
+/// `service/tests/leases.rs` `a_lost_reservation_goes_back_exactly_once`).
+#[test]
+fn a_lost_reservation_is_named_in_the_next_call() {
+    let mut h = harness_with(token_config("40"));
+    let (s, _) = h.post("a");
+    h.wake();
+    let sent = h.last_call_body()["checks"][0].clone();
+    let id = sent["id"].as_u64().unwrap_or(0);
+    assert!(id != 0 && sent["receipt"] == true, "{sent}");
+    h.answer_batch(h.last_token(), None, "");
+    assert_eq!(
+        (
+            h.stat("answers_lost"),
+            h.stat("reservations_lost"),
+            h.stat("lease_asks_lost")
+        ),
+        (1, 1, 0)
+    );
+    assert_eq!(
+        h.host.take_acted(),
+        [Acted::Resumed(s.context_id)],
+        "the fallback admits it"
+    );
+    let (_, _) = h.post("b");
+    h.wake();
+    assert!(
+        h.last_call_body().get("lost").is_none(),
+        "not before a call succeeds"
+    );
+    h.answer_batch(h.last_token(), Some(200), &answer(&[reserved(960)]));
+    let named = h.last_call_body();
+    assert_eq!(
+        named["lost"],
+        json!([{"subject": sent["subject"], "limits": sent["limits"], "id": id}]),
+        "{named}"
+    );
+}
+
+/// A lost reservation whose worker gets no more requests (its client's
+/// next ones went to the Envoy's other workers): the root's tick names it
+/// in a call of its own, half a second on, once the breaker is closed.
+#[test]
+fn a_lost_reservation_is_named_by_the_tick_when_no_call_comes() {
+    let mut h = harness_with(token_config("40"));
+    h.post("a");
+    h.wake();
+    let sent = h.last_call_body()["checks"][0].clone();
+    h.answer_batch(h.last_token(), None, "");
+    let calls = h.calls();
+    h.tick();
+    assert_eq!(h.calls(), calls, "not at once");
+    h.advance(600);
+    h.tick();
+    h.wake();
+    assert_eq!(h.calls(), calls + 1, "a call of its own");
+    let named = h.last_call_body();
+    assert_eq!(named["lost"][0]["id"], sent["id"], "{named}");
+    assert_eq!(named["checks"], json!([]), "{named}");
+}
+
 /// An event stream framed by its `content-length`: the gate may take the
 /// usage event out or end the stream at the budget, so the client must
 /// not be told the upstream's length (Envoy frames the body it gets).
