@@ -87,6 +87,12 @@ impl Guard {
         }
     }
 
+    /// Whether the breaker is closed (meshlimitd answered the last calls),
+    /// read only: see `Breaker::is_closed`.
+    pub(super) fn breaker_closed(&self, host: &impl Host) -> bool {
+        self.breaker(host).is_closed()
+    }
+
     /// This plugin instance's shared-data keys.
     pub(super) fn keys(&self) -> &Keys {
         &self.keys

@@ -476,7 +476,10 @@ impl Worker {
             .lease_book
             .oldest_lost_ms()
             .is_some_and(|at| now.saturating_sub(at) >= NAME_ON_TICK_AFTER_MS);
-        if waited && self.guard.gate(host, now) == crate::shared::breaker::Gate::Call {
+        // Read only: `gate` would make the tick a half-open breaker's one
+        // probe, and no request could probe while asks wait (a Redis
+        // outage's recovery then waited for them to expire).
+        if waited && self.guard.breaker_closed(host) {
             self.send_lost(host, self.root_context_id, now);
         }
     }

@@ -576,6 +576,30 @@ fn the_local_fallback_enforces_this_envoys_share() {
     assert_eq!(h.stat("service_errors.connection"), 15);
 }
 
+/// Asks lost while meshlimitd fails wait for it; the root's tick, which
+/// names asks that no call named, never takes a half-open breaker's one
+/// probe: a request still probes. (A tick that took it kept a Redis
+/// outage's replicas on the fallback for as long as asks waited, ten
+/// seconds: `tests/tests/e2e.rs`
+/// `redis_outage_falls_back_per_replica_and_recovers` failed so.)
+#[test]
+fn the_tick_never_takes_the_half_open_breakers_probe() {
+    let mut h = harness(ONE_CALL);
+    for _ in 0..5 {
+        let (mut s, _) = h.request("a");
+        h.answer_check(&mut s, Some(503), r#"{"error":"redis down"}"#);
+    }
+    assert_eq!(h.stat("breaker_opened"), 1);
+    assert!(h.stat("lease_asks_lost") > 0, "asks wait to be named");
+    let calls = h.calls();
+    h.advance(600);
+    h.tick();
+    h.wake();
+    assert_eq!(h.calls(), calls, "nothing named while the breaker is open");
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Pause, "the request probes");
+}
+
 #[test]
 fn a_4xx_never_trips_the_breaker_but_5xx_do() {
     let mut h = harness(ONE_CALL);

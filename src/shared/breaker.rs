@@ -77,6 +77,14 @@ impl<S: SharedStore> Breaker<'_, S> {
         .unwrap_or(Gate::Skip)
     }
 
+    /// Whether the breaker is closed, read without taking part in it: a
+    /// half-open breaker's [`Breaker::gate`] makes its caller the one
+    /// probe, which must then call.
+    pub fn is_closed(&self) -> bool {
+        self.load()
+            .map_or(true, |(state, _)| state.open_until_ms == 0)
+    }
+
     /// Records a call's outcome.
     pub fn record(&self, success: bool, now_ms: u64) -> Transition {
         retry_on_conflict(|| {
