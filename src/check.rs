@@ -103,9 +103,10 @@ pub struct Check {
     pub usage_asked_for_client: bool,
     /// The lease this check asks for with its call, if any.
     pub lease: Option<LeaseTicket>,
-    /// A reservation's id, given when its call is made (0: none): if the
-    /// answer is lost, the check is named in a later call and what its
-    /// script charged goes back (see `meshlimit_protocol::Check::id`).
+    /// A reservation's id, given when its call is made (0: none; only
+    /// token-priced checks get one): if the answer is lost, the check is
+    /// named in a later call and what its script charged goes back (see
+    /// `meshlimit_protocol::Check::id`).
     pub id: u64,
     /// Where its lease lives, once looked up, and the seed that placed it
     /// (see [`Check::lease_place`]).
@@ -204,7 +205,7 @@ impl Check {
                 id: t.id,
             }),
             trace: None,
-            id: if self.tokens.is_some() { self.id } else { 0 },
+            id: self.id,
         }
     }
 

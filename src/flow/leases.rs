@@ -471,11 +471,12 @@ impl Worker {
     /// that no call of this worker has named since (its traffic may have
     /// gone to its Envoy's other workers, or stopped) go in a call of
     /// their own, once the breaker says meshlimitd answers again.
-    pub(super) fn name_lost_on_tick(&self, host: &impl Host, now: u64) {
-        let waited = self
-            .lease_book
-            .oldest_lost_ms()
-            .is_some_and(|at| now.saturating_sub(at) >= NAME_ON_TICK_AFTER_MS);
+    pub(super) fn name_lost_on_tick(&self, host: &impl Host) {
+        let Some(lost_at) = self.lease_book.oldest_lost_ms() else {
+            return;
+        };
+        let now = host.now_ms();
+        let waited = now.saturating_sub(lost_at) >= NAME_ON_TICK_AFTER_MS;
         // Read only: `gate` would make the tick a half-open breaker's one
         // probe, and no request could probe while asks wait (a Redis
         // outage's recovery then waited for them to expire).

@@ -403,7 +403,7 @@ impl Worker {
             }
             host.set_effective_context(self.root_context_id);
         }
-        self.name_lost_on_tick(host, host.now_ms());
+        self.name_lost_on_tick(host);
         self.lease_tick(host);
         self.local_draws_tick(host);
         self.rule_stats.flush(host);

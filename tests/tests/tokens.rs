@@ -28,14 +28,17 @@ const LIMIT: &str = "llm/tokens";
 
 /// A config with one rule on `/v1/` priced by `cost`, with `limits`.
 fn llm_config(cost: Value, limits: Value) -> String {
-    PluginConfig::new()
-        .rules(json!([{
-            "name": "llm",
-            "match": {"path_prefix": "/v1/"},
-            "cost": cost,
-            "limits": limits
-        }]))
-        .build()
+    llm_plugin(cost, limits).build()
+}
+
+/// [`llm_config`], before it is built (for other settings beside).
+fn llm_plugin(cost: Value, limits: Value) -> PluginConfig {
+    PluginConfig::new().rules(json!([{
+        "name": "llm",
+        "match": {"path_prefix": "/v1/"},
+        "cost": cost,
+        "limits": limits
+    }]))
 }
 
 /// The usual token cost: reserve the request's max_tokens (default 100,
@@ -238,13 +241,7 @@ fn events(r: &Response) -> Vec<String> {
 #[test]
 fn a_reservation_whose_answer_came_too_late_is_given_back() {
     let t = Topology::start(TopologyOptions {
-        plugin_config: PluginConfig::new()
-            .rules(json!([{
-                "name": "llm",
-                "match": {"path_prefix": "/v1/"},
-                "cost": usual_cost(),
-                "limits": budget(10_000)
-            }]))
+        plugin_config: llm_plugin(usual_cost(), budget(10_000))
             .set_in("service", "timeout", json!("50ms"))
             .build(),
         replicas: 1,
