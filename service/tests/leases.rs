@@ -15,6 +15,7 @@
 
 use std::path::Path;
 
+use meshlimit_testbed::procs::eventually;
 use meshlimit_testbed::services::Standalone;
 use serde_json::{json, Value};
 
@@ -287,7 +288,9 @@ fn what_a_decision_leased_after_its_caller_gave_up_goes_back() {
     assert_eq!(r.status, 503, "{}", r.body);
     assert!(started.elapsed() < std::time::Duration::from_millis(250));
     // The script runs once the pause ends; what it granted goes back.
-    std::thread::sleep(std::time::Duration::from_millis(800));
+    eventually(GIVE_BACK_WITHIN, || {
+        metrics(&f).contains("meshlimitd_abandoned_units_given_back_total 201")
+    });
     let after = ask(&f, "stalled", std::slice::from_ref(&l), 0, 1);
     assert_eq!(
         remaining(&after, 0),
@@ -404,7 +407,9 @@ fn a_late_decision_sends_no_lease_and_gives_it_back() {
     assert!(result.get("leased").is_none(), "no lease: {answer}");
     assert!(result.get("receipts").is_none(), "{answer}");
     assert_eq!(result["limits"][0]["remaining"], 999, "{answer}");
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    eventually(GIVE_BACK_WITHIN, || {
+        metrics(&f).contains("meshlimitd_late_lease_units_withheld_total 200")
+    });
     let after = ask(&f, "late", std::slice::from_ref(&l), 0, 1);
     assert_eq!(
         remaining(&after, 0),
@@ -417,11 +422,20 @@ fn a_late_decision_sends_no_lease_and_gives_it_back() {
     assert_eq!(quick["leased"], 200, "{quick}");
 }
 
+/// How long a give-back meshlimitd applies after its answer may take
+/// here (milliseconds when the machine is idle).
+const GIVE_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// meshlimitd's metrics page.
+fn metrics(f: &Standalone) -> String {
+    meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[])
+        .unwrap()
+        .body
+}
+
 /// meshlimitd's metrics hold `line`.
 fn assert_metric(f: &Standalone, line: &str) {
-    let metrics = meshlimit_testbed::http::get(&f.service.addr, "/metrics", &[])
-        .unwrap()
-        .body;
+    let metrics = metrics(f);
     assert!(metrics.contains(line), "{line}: {metrics}");
 }
 
@@ -468,7 +482,12 @@ fn a_lost_grant_goes_back_exactly_once() {
     for _ in 0..3 {
         name_lost(&f, "lost", &l, 7);
     }
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    eventually(GIVE_BACK_WITHIN, || {
+        f.redis
+            .cli(&["GET", "ml:{e:lost}:hot/fixed_window:fw:60000"])
+            .trim()
+            .is_empty()
+    });
     assert_eq!(
         f.redis
             .cli(&["GET", "ml:{e:lost}:hot/fixed_window:fw:60000"])
@@ -480,6 +499,13 @@ fn a_lost_grant_goes_back_exactly_once() {
     // Named lost before it ran: its caller decided the request without
     // meshlimitd, so it runs and charges nothing (answered refused).
     name_lost(&f, "early", &l, 8);
+    // The naming is applied after its answer: wait for its mark.
+    eventually(GIVE_BACK_WITHIN, || {
+        f.redis
+            .cli(&["GET", "ml:{e:early}:grant:0000000000000008"])
+            .trim()
+            == "lost"
+    });
     let early = ask_with_id(&f, "early", &l, 200, 8);
     assert_eq!(
         (early["allowed"].clone(), leased(&early)),
@@ -509,7 +535,12 @@ fn a_lost_grant_goes_back_exactly_once() {
     assert_eq!(r.status, 503, "{}", r.body);
     std::thread::sleep(std::time::Duration::from_millis(600));
     name_lost(&f, "both", &l, 9);
+    // A second give-back would show as a counter under 1 (the warm-up's
+    // unit is "warm"'s): wait out the naming's give-back.
     std::thread::sleep(std::time::Duration::from_millis(200));
+    eventually(GIVE_BACK_WITHIN, || {
+        metrics(&f).contains("meshlimitd_lost_ask_units_given_back_total 402")
+    });
     let after = ask(&f, "both", std::slice::from_ref(&l), 0, 1);
     assert_eq!(remaining(&after, 0), 999, "given back once: {after}");
     assert_metric(&f, "meshlimitd_lost_ask_units_given_back_total 402");
@@ -559,6 +590,6 @@ fn a_lost_reservation_goes_back_exactly_once() {
         .unwrap();
         assert_eq!(r.status, 200, "{}", r.body);
     }
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    eventually(GIVE_BACK_WITHIN, || counters() == [0, 0]);
     assert_eq!(counters(), [0, 0], "given back whole, once");
 }

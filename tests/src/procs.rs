@@ -99,6 +99,23 @@ pub fn rss_kib(pid: Option<u32>) -> u64 {
         .unwrap_or(0)
 }
 
+/// Polls `holds` every 20 ms until it does or `within` has passed, and
+/// says which: for effects that meshlimitd applies after its answer (a
+/// give-back is spawned, not awaited), so that a test asserts the end
+/// state, with its values, instead of sleeping a guess.
+pub fn eventually(within: Duration, mut holds: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if holds() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Polls `ready` until it holds, or panics with the process's output.
 pub fn wait_until(proc: &mut Proc, what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
