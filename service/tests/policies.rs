@@ -18,7 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use meshlimit_protocol::{Calendar, CalendarUnit};
 use meshlimit_testbed::http;
-use meshlimit_testbed::procs::TempDir;
+use meshlimit_testbed::procs::{eventually, TempDir};
 use meshlimit_testbed::services::{unique_host, Meshlimitd, RedisCluster, Standalone};
 use serde_json::{json, Value};
 
@@ -275,29 +275,79 @@ fn the_admin_api_is_off_unless_configured() {
     assert_eq!(r.status, 404, "{}", r.body);
 }
 
+/// A real 3-master Redis Cluster and a meshlimitd deciding on it (with
+/// `extra` arguments), stopped in that order.
+struct OnCluster {
+    service: Meshlimitd,
+    cluster: RedisCluster,
+    _dir: TempDir,
+}
+
+impl OnCluster {
+    fn start(tag: &str, extra: &[&str]) -> OnCluster {
+        let dir = TempDir::new(tag);
+        let host = unique_host();
+        let cluster = RedisCluster::start(&host, dir.path(), 3);
+        let mut args = vec!["--redis-mode", "cluster"];
+        args.extend_from_slice(extra);
+        let service =
+            Meshlimitd::start_binary(binary(), &host, &cluster.seeds(), dir.path(), &args);
+        OnCluster {
+            service,
+            cluster,
+            _dir: dir,
+        }
+    }
+
+    /// Every node's port.
+    fn ports(&self) -> Vec<u16> {
+        self.cluster
+            .seeds()
+            .split(',')
+            .filter_map(|s| s.rsplit(':').next()?.parse().ok())
+            .collect()
+    }
+
+    /// The value of `key`, wherever its slot lives.
+    fn get(&self, key: &str) -> String {
+        let port = self.ports().first().copied().unwrap();
+        self.cluster
+            .cli(port, &["-c", "GET", key])
+            .trim()
+            .to_string()
+    }
+
+    /// The route cap's counter and `client`'s, of limits named
+    /// `<prefix>/cap` and `<prefix>/client` (fixed windows of a minute).
+    fn counters(&self, prefix: &str, client: &str) -> [i64; 2] {
+        let tag = meshlimitd::keys::subject_tag;
+        [
+            format!("ml:{{{}}}:{prefix}/cap:fw:60000", tag("*")),
+            format!("ml:{{{}}}:{prefix}/client:fw:60000", tag(client)),
+        ]
+        .map(|k| self.get(&k).parse::<i64>().unwrap_or(0))
+    }
+}
+
+/// Subjects (`prefix` and a number) whose counters are not in the slot of
+/// the route cap's (`*`).
+fn clients_off_the_caps_slot(prefix: &str, n: usize) -> Vec<String> {
+    let slot = |s: &str| meshlimitd::keys::tag_slot(&meshlimitd::keys::subject_tag(s));
+    (0..100)
+        .map(|i| format!("{prefix}{i}"))
+        .filter(|c| slot(c) != slot("*"))
+        .take(n)
+        .collect()
+}
+
 /// On a Redis Cluster, a check whose counters live in different slots is
 /// decided slot by slot; when one slot denies, what the others charged is
 /// given back, for every algorithm of the per-client limit.
 #[test]
 fn a_check_across_cluster_slots_charges_nothing_when_denied() {
-    let dir = TempDir::new("xslot");
-    let host = unique_host();
-    let cluster = RedisCluster::start(&host, dir.path(), 3);
-    let service = Meshlimitd::start_binary(
-        binary(),
-        &host,
-        &cluster.seeds(),
-        dir.path(),
-        &["--redis-mode", "cluster"],
-    );
-    let addr = &service.addr;
-    let slot = |s: &str| meshlimitd::keys::tag_slot(&meshlimitd::keys::subject_tag(s));
-    // Clients whose counters are not in the route cap's slot.
-    let clients: Vec<String> = (0..100)
-        .map(|i| format!("c{i}"))
-        .filter(|c| slot(c) != slot("*"))
-        .take(4)
-        .collect();
+    let on = OnCluster::start("xslot", &[]);
+    let addr = &on.service.addr;
+    let clients = clients_off_the_caps_slot("c", 4);
     for algorithm in [
         "fixed_window",
         "sliding_window_counter",
@@ -355,6 +405,126 @@ fn a_check_across_cluster_slots_charges_nothing_when_denied() {
     .unwrap();
     let v: Value = serde_json::from_str(&r.body).unwrap();
     assert_eq!(v["settled"][0]["remaining"], json!([90, 90]), "{v}");
+}
+
+/// A reservation whose limits live in several Cluster slots (a route cap
+/// `*` and a per-client budget) is decided by one run per slot; each run
+/// records what it charged in its own slot, so a reservation whose answer
+/// was lost goes back whole and once, like one decided by a single run
+/// (issue 35). One that was denied (its other slot's charge refunded at
+/// once) gives nothing more when named; one named before its runs is
+/// charged nothing.
+#[test]
+fn a_lost_reservation_across_cluster_slots_goes_back_exactly_once() {
+    let on = OnCluster::start("xslot-lost", &[]);
+    let addr = &on.service.addr;
+    let client = clients_off_the_caps_slot("lost", 1).remove(0);
+    let limits = |cap: u64, cost: u64| {
+        json!([
+            {"name": "lost/cap", "requests": cap, "window_ms": 60_000,
+             "algorithm": "fixed_window", "subject": "*", "cost": cost},
+            {"name": "lost/client", "requests": 10_000, "window_ms": 60_000,
+             "algorithm": "fixed_window", "cost": cost}
+        ])
+    };
+    let post = |body: Value| {
+        let r = http::request(addr, "POST", "/v1/check", &[], body.to_string().as_bytes()).unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        serde_json::from_str::<Value>(&r.body).unwrap()
+    };
+    let reserve = |id: u64, cap: u64, cost: u64| {
+        post(
+            json!({"checks": [{"subject": client, "limits": limits(cap, cost),
+                                "receipt": true, "id": id}]}),
+        )["results"][0]
+            .clone()
+    };
+    let name_lost = |id: u64| {
+        // Named with costs it was never charged: the records decide.
+        post(json!({"lost": [{"subject": client, "limits": limits(10_000, 9_000), "id": id}]}));
+    };
+    let counters = || on.counters("lost", &client);
+    // Give-backs are applied after the answer.
+    let settled =
+        |expected: [i64; 2]| eventually(Duration::from_secs(5), || counters() == expected);
+
+    // Admitted, its answer lost: named three times, given back once.
+    assert!(allowed(&reserve(31, 10_000, 300)));
+    assert_eq!(counters(), [300, 300]);
+    for _ in 0..3 {
+        name_lost(31);
+    }
+    settled([0, 0]);
+    assert_eq!(counters(), [0, 0], "given back whole, once");
+
+    // Denied by the cap: the client's charge was refunded at once, and
+    // naming it lost gives nothing more.
+    assert!(allowed(&reserve(40, 100, 50)));
+    assert!(!allowed(&reserve(41, 100, 60)));
+    assert_eq!(counters(), [50, 50]);
+    name_lost(41);
+    std::thread::sleep(Duration::from_millis(200));
+    settled([50, 50]);
+    assert_eq!(
+        counters(),
+        [50, 50],
+        "a denied reservation had nothing left to give"
+    );
+
+    // Named before its runs: its caller decided without meshlimitd, and
+    // the runs charge nothing.
+    name_lost(50);
+    let marked = |k: String| on.get(&k) == "lost";
+    eventually(Duration::from_secs(5), || {
+        use meshlimitd::keys::{grant_key, subject_tag};
+        marked(grant_key("ml:", &subject_tag("*"), 50))
+            && marked(grant_key("ml:", &subject_tag(&client), 50))
+    });
+    assert!(!allowed(&reserve(50, 10_000, 20)));
+    assert_eq!(counters(), [50, 50], "charged nothing");
+}
+
+/// A plain check whose limits live in several Cluster slots, whose caller
+/// gave up while its runs were held up (every master paused): the caller
+/// decided that request by its fallback, so what each run charged goes
+/// back, as it does for a check decided by one run. On the old code a
+/// check spread over slots had no receipts unless it asked for them, and
+/// kept its unit on every limit.
+#[test]
+fn a_plain_check_across_cluster_slots_whose_caller_gave_up_goes_back() {
+    let on = OnCluster::start("xslot-abandoned", &["--redis-timeout-ms", "5000"]);
+    let addr = &on.service.addr;
+    let clients = clients_off_the_caps_slot("gave-up", 2);
+    let both = [
+        limit("gave-up/cap", 1000, Some("*")),
+        limit("gave-up/client", 1000, None),
+    ];
+    // The scripts are loaded on every master, as on a running meshlimitd.
+    assert!(allowed(&decide(addr, &clients[0], &both)));
+    for port in on.ports() {
+        on.cluster.cli(port, &["CLIENT", "PAUSE", "300", "WRITE"]);
+    }
+    let body = json!({"checks": [{"subject": clients[1], "limits": both}]});
+    let r = http::request(
+        addr,
+        "POST",
+        "/v1/check",
+        &[("x-meshlimit-timeout-ms", b"50")],
+        body.to_string().as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    let counters = || on.counters("gave-up", &clients[1]);
+    // The runs go on once the pause ends (meshlimitd waits for Redis
+    // longer than its caller did); what they charged goes back (the cap
+    // keeps the warm-up's unit).
+    eventually(Duration::from_secs(5), || {
+        http::get(addr, "/metrics", &[]).is_ok_and(|r| {
+            r.body
+                .contains("meshlimitd_abandoned_units_given_back_total 1")
+        })
+    });
+    assert_eq!(counters(), [1, 0], "only the warm-up is charged");
 }
 
 /// A token bucket's units are measured in its emission interval, which a

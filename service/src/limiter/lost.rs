@@ -28,15 +28,53 @@ const LOST_MARK_MS: u64 = meshlimit_protocol::bounds::GRANT_RECORD_MS;
 impl Limiter {
     /// Gives back what the lost ask `lost` was granted, if it was and
     /// nothing gave it back yet, less `keep` units on every limit (the
-    /// request's own, when it was answered): the units given back.
+    /// request's own, when it was answered): the units given back on its
+    /// first limit.
     pub async fn forget_ask(&self, lost: &LostAsk, keep: u64) -> Result<u64, LimiterError> {
-        let Some(first) = lost.limits.first() else {
+        // On a Cluster, a check whose limits live in several slots was
+        // decided by one run per slot, each recording its own charge in
+        // its own slot (`check_across_slots`): each part goes back by its
+        // own record, once.
+        let groups = if self.backend.is_cluster() {
+            super::slots::by_slot(&lost.limits, &lost.subject)
+        } else {
+            vec![(0, (0..lost.limits.len()).collect())]
+        };
+        let mut first = None;
+        for (_, members) in groups {
+            let limits: Vec<Limit> = members
+                .iter()
+                .filter_map(|&i| lost.limits.get(i))
+                .map(|l| Limit {
+                    subject: Some(l.subject_or(&lost.subject).to_string()),
+                    ..l.clone()
+                })
+                .collect();
+            let units = self
+                .forget_part(&lost.subject, &limits, lost.id, keep)
+                .await?;
+            first.get_or_insert(units);
+        }
+        Ok(first.unwrap_or(0))
+    }
+
+    /// [`Limiter::forget_ask`] for `limits` (each with its own subject),
+    /// all in one slot, whose run recorded its charge under `id` by the
+    /// first of them: the units given back on that one.
+    pub(super) async fn forget_part(
+        &self,
+        subject: &str,
+        limits: &[Limit],
+        id: u64,
+        keep: u64,
+    ) -> Result<u64, LimiterError> {
+        let Some(first) = limits.first() else {
             return Ok(0);
         };
         let key = keys::grant_key(
             &self.prefix,
-            &keys::subject_tag(first.subject_or(&lost.subject)),
-            lost.id,
+            &keys::subject_tag(first.subject_or(subject)),
+            id,
         );
         // A record, a mark, or nothing yet: marked lost if still missing,
         // and read again if the script wrote it meanwhile.
@@ -66,13 +104,12 @@ impl Limiter {
         };
         // What the record says each limit was charged: never what the
         // naming claims.
-        let Some(units) = per_limit(&units, lost.limits.len()) else {
+        let Some(units) = per_limit(&units, limits.len()) else {
             return Ok(0);
         };
         let settlement = Settlement {
-            subject: lost.subject.clone(),
-            limits: lost
-                .limits
+            subject: subject.to_string(),
+            limits: limits
                 .iter()
                 .zip(&units)
                 .map(|(l, units)| Limit {
@@ -81,7 +118,7 @@ impl Limiter {
                 })
                 .collect(),
             actual: units.iter().map(|u| keep.min(*u)).collect(),
-            receipts: (1..=lost.limits.len())
+            receipts: (1..=limits.len())
                 .map(|place| Receipt {
                     clock_us,
                     nonce: nonce.to_string(),
@@ -94,7 +131,7 @@ impl Limiter {
                 })
                 .collect(),
             // Applied once, whoever gives it back and however often.
-            id: lost.id,
+            id,
         };
         if self.settle_once(&settlement).await? {
             let first = units.first().copied().unwrap_or(0);

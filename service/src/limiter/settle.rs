@@ -34,18 +34,11 @@ impl Limiter {
                 "a settlement needs one actual and one receipt per limit".into(),
             ));
         }
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, limit) in settlement.limits.iter().enumerate() {
-            let slot = if self.backend.is_cluster() {
-                keys::tag_slot(&keys::subject_tag(limit.subject_or(&settlement.subject)))
-            } else {
-                0
-            };
-            match groups.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((slot, vec![i])),
-            }
-        }
+        let groups = if self.backend.is_cluster() {
+            super::slots::by_slot(&settlement.limits, &settlement.subject)
+        } else {
+            vec![(0, (0..n).collect())]
+        };
         let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
             let invocation = self.settle_invocation(settlement, members);
             async move { self.run(*slot, &invocation, "settle").await }

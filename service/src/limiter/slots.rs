@@ -21,14 +21,11 @@ impl Limiter {
         &self,
         check: &Check,
     ) -> Result<CheckResult, LimiterError> {
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, limit) in check.limits.iter().enumerate() {
-            let slot = keys::tag_slot(&keys::subject_tag(limit.subject_in(check)));
-            match groups.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((slot, vec![i])),
-            }
-        }
+        let groups = by_slot(&check.limits, &check.subject);
+        // A reservation with an id has each run's charge recorded in that
+        // run's slot, by the run's first limit, as `forget_ask` finds it
+        // (no lease is granted across slots, so nothing else is).
+        let recorded = super::lost::record_id(check).filter(|_| check.receipt);
         let runs = futures_util::future::join_all(groups.iter().map(|(slot, members)| {
             // Each limit carries its own subject from here on (the refund
             // needs it without the check).
@@ -40,17 +37,27 @@ impl Limiter {
                     ..limit.clone()
                 })
                 .collect();
-            self.decide_part(check, *slot, limits)
+            self.decide_part(check, *slot, limits, recorded)
         }))
         .await;
         let allowed = runs
             .iter()
             .all(|r| matches!(r, Ok((_, result)) if result.allowed));
         if !allowed {
-            // Give back what the runs that admitted charged.
+            // Give back what the runs that admitted charged. A run that
+            // recorded its charge is given back by its record, once: its
+            // caller may name the check lost too.
             let refunds = runs.iter().filter_map(|run| {
                 let (limits, result) = run.as_ref().ok()?;
-                result.allowed.then(|| self.refund(limits, result))
+                result.allowed.then_some(async move {
+                    match recorded {
+                        Some(id) => self
+                            .forget_part(&check.subject, limits, id, 0)
+                            .await
+                            .map(drop),
+                        None => self.refund(limits, result).await,
+                    }
+                })
             });
             for refund in futures_util::future::join_all(refunds).await {
                 if let Err(e) = refund {
@@ -62,8 +69,10 @@ impl Limiter {
         let mut receipts_of: Vec<Option<Receipt>> = vec![None; check.limits.len()];
         for (run, (_, members)) in runs.into_iter().zip(&groups) {
             let (limits, result) = run?;
-            let receipts = result.receipts.filter(|_| check.receipt);
-            for (&i, receipt) in members.iter().zip(receipts.into_iter().flatten()) {
+            // Every admitted run's receipts, asked for or not: meshlimitd
+            // gives back by them what an abandoned check was charged (the
+            // API sends its caller only those it asked for).
+            for (&i, receipt) in members.iter().zip(result.receipts.into_iter().flatten()) {
                 if let Some(slot) = receipts_of.get_mut(i) {
                     *slot = Some(receipt);
                 }
@@ -82,7 +91,7 @@ impl Limiter {
         if limits.len() != check.limits.len() {
             return Err(LimiterError::Reply("a limit was not decided".into()));
         }
-        let receipts = (check.receipt && allowed)
+        let receipts = allowed
             .then(|| receipts_of.into_iter().collect::<Option<Vec<_>>>())
             .flatten();
         Ok(CheckResult {
@@ -94,12 +103,14 @@ impl Limiter {
     }
 
     /// Decides the limits of `check` that live in `slot` (each carrying
-    /// its own subject) in one run: what it charged, and where.
+    /// its own subject) in one run: what it charged, and where; recorded
+    /// under `record` when set.
     async fn decide_part(
         &self,
         check: &Check,
         slot: u16,
         limits: Vec<Limit>,
+        record: Option<u64>,
     ) -> Result<(Vec<Limit>, CheckResult), LimiterError> {
         let mut invocation = self.scripts.check.prepare_invoke();
         let nonce = self.add_fixed_args(&mut invocation);
@@ -109,20 +120,20 @@ impl Limiter {
             receipt: check.receipt,
             lease: None,
             trace: None,
-            id: 0,
+            id: record.unwrap_or(0),
         };
-        // No lease (nor grant record): a check spread over slots
-        // is decided per request. Epochs for the receipts asked; a
-        // refund when another slot denies follows its charge by a
-        // round trip, and goes without.
-        let follow = super::follow(&part, false);
+        // No lease: a check spread over slots is decided per request.
+        // Epochs for the receipts asked; a refund when another slot
+        // denies follows its charge by a round trip, and goes without.
+        let grant = record.and_then(|_| self.grant_key(&part));
+        let follow = super::follow(&part, grant.is_some());
         invocation
             .arg(0)
             .arg(1)
             .arg(u8::from(follow.grant))
             .arg(follow.epochs as u8);
         self.add_limits(&mut invocation, &part, &limits);
-        self.add_follow(&mut invocation, &part, &limits, None);
+        self.add_follow(&mut invocation, &part, &limits, grant);
         let what = super::script_label(std::iter::once(check));
         let values = self.run(slot, &invocation, what).await?;
         let (clock, reply) = split_clock(&values)?;
@@ -157,4 +168,20 @@ impl Limiter {
         }
         self.settle(&refund).await.map(drop)
     }
+}
+
+/// `limits` grouped by the Cluster slot of their subjects (`subject` for
+/// those without their own), each group's members in order, the groups in
+/// the order of their first member: how a check spread over slots is run,
+/// and how its records are found again.
+pub(super) fn by_slot(limits: &[Limit], subject: &str) -> Vec<(u16, Vec<usize>)> {
+    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+    for (i, limit) in limits.iter().enumerate() {
+        let slot = keys::tag_slot(&keys::subject_tag(limit.subject_or(subject)));
+        match groups.iter_mut().find(|(s, _)| *s == slot) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((slot, vec![i])),
+        }
+    }
+    groups
 }
