@@ -198,6 +198,7 @@ pub fn envoy_stats(admin: &str, filter: &str) -> Vec<(String, u64)> {
 pub struct Conn {
     addr: String,
     stream: Option<std::io::BufReader<TcpStream>>,
+    connects: u32,
 }
 
 impl Conn {
@@ -205,7 +206,14 @@ impl Conn {
         Conn {
             addr: addr.to_string(),
             stream: None,
+            connects: 0,
         }
+    }
+
+    /// How many TCP connections it has made: more than one means a
+    /// request went on a new connection (perhaps to another Envoy worker).
+    pub fn connects(&self) -> u32 {
+        self.connects
     }
 
     /// One GET; reconnects once if the kept connection was closed.
@@ -223,6 +231,7 @@ impl Conn {
         use std::io::BufRead;
         if self.stream.is_none() {
             let s = TcpStream::connect(&self.addr)?;
+            self.connects += 1;
             s.set_read_timeout(Some(Duration::from_secs(10)))?;
             s.set_nodelay(true)?;
             self.stream = Some(std::io::BufReader::new(s));
