@@ -266,6 +266,7 @@ impl Worker {
                 self.decision_log
                     .result(now, Source::Call, &check.global, &result);
                 self.install_lease(host, now, context_id, check, &mut result);
+                self.count_leased_units(host, now, check, &mut result);
                 if super::lease_ends::refused_below_its_configured_limit(check, &result) {
                     self.end_lease(host, now, check);
                 }

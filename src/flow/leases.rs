@@ -50,7 +50,8 @@ pub(super) struct Renewal {
 
 /// A lease this worker installed: what giving its units back needs.
 pub(super) struct LeaseRecord {
-    slot: u64,
+    /// The lease slot it was installed in.
+    pub(super) slot: u64,
     lease_id: u64,
     check: Check,
     receipts: Vec<Receipt>,
@@ -304,8 +305,7 @@ impl Worker {
     }
 
     /// An admitted answer granted a lease: its units go in the check's
-    /// slot (or straight back when the slot still holds units), and the
-    /// statuses count them as what remains, since they are this client's.
+    /// slot (or straight back when the slot still holds units).
     /// `context_id` is the current stream's (the context to return to).
     pub(super) fn install_lease(
         &self,
@@ -328,9 +328,6 @@ impl Worker {
             // Not from this meshlimitd's script: nothing to return them by.
             return;
         };
-        for status in &mut result.limits {
-            status.remaining = status.remaining.saturating_add(units);
-        }
         let Some(leases) = self.leases(host, now) else {
             return;
         };

@@ -42,6 +42,7 @@ mod hit;
 mod hold;
 mod lease_book;
 mod lease_ends;
+mod leased_remaining;
 mod leases;
 mod local_draws;
 mod local_rules;

@@ -321,6 +321,24 @@ impl<S: SharedStore> Leases<'_, S> {
         })
     }
 
+    /// The units the slot of `place` holds for its check, after a later
+    /// answer said meshlimitd had `fresh` left beyond the leases (see
+    /// [`Slot::heard`]); `None` when it holds no usable lease of the
+    /// check, or the store failed.
+    pub fn heard(&self, place: Place, fresh: u64, now: u64) -> Option<u64> {
+        let key = self.keys.lease_slot(place.slot);
+        retry_on_conflict(|| {
+            let (bytes, cas) = self.store.get(&key)?;
+            let (slot, held) = Slot::decode(bytes.as_deref()).heard(place.fingerprint, fresh, now);
+            if let Some(slot) = slot {
+                self.store.set(&key, &slot.encode(), cas)?;
+            }
+            Ok(held)
+        })
+        .ok()
+        .flatten()
+    }
+
     /// Installs a grant; false when it must go back at once.
     pub fn install(&self, place: Place, grant: Grant, now: u64) -> bool {
         let key = self.keys.lease_slot(place.slot);

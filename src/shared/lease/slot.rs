@@ -191,6 +191,39 @@ impl Slot {
             .fold(beyond, |sum, l| sum.saturating_add(l.units))
     }
 
+    /// The units this slot's usable leases of check `fingerprint` hold,
+    /// once a later answer of meshlimitd says it had `fresh` left beyond
+    /// every lease then: the leases' "beyond" is lowered to it (never
+    /// raised: an answer older than a grant says more). A request whose
+    /// call a renewal's grant preceded in the same batch (the renewal's
+    /// script ran first, before the request's own unit) counts these
+    /// units, and the hits after it count the lowered "beyond" (see
+    /// [`Slot::rest`]). `None` when the slot holds no usable lease of the
+    /// check; the slot, when it changed.
+    pub(crate) fn heard(
+        mut self,
+        fingerprint: u64,
+        fresh: u64,
+        now: u64,
+    ) -> (Option<Slot>, Option<u64>) {
+        if self.fingerprint != fingerprint {
+            return (None, None);
+        }
+        let mut changed = false;
+        for lease in [&mut self.current, &mut self.next] {
+            if lease.usable(now) && fresh < lease.beyond {
+                lease.beyond = fresh;
+                changed = true;
+            }
+        }
+        let usable = [self.current, self.next].map(|l| l.usable(now).then_some(l.units));
+        if usable == [None, None] {
+            return (None, None);
+        }
+        let held = usable.into_iter().flatten().sum();
+        (changed.then_some(self), Some(held))
+    }
+
     /// The slot after a worker puts back `draw`; `None`: nothing to write.
     pub(crate) fn put_back(mut self, draw: &Draw) -> Option<Slot> {
         self.settle(draw).then_some(self)
