@@ -125,7 +125,8 @@ impl Limiter {
         // No lease: a check spread over slots is decided per request.
         // Epochs for the receipts asked; a refund when another slot
         // denies follows its charge by a round trip, and goes without.
-        let grant = record.and_then(|_| self.grant_key(&part));
+        // Recorded when `record` is set (the part's id; no receipt, no id).
+        let grant = self.grant_key(&part);
         let follow = super::follow(&part, grant.is_some());
         invocation
             .arg(0)
