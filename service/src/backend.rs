@@ -44,7 +44,15 @@ pub struct Options {
     /// PEM certificate and key meshlimitd presents to Redis (mutual TLS,
     /// for a Redis with `tls-auth-clients yes`).
     pub client_pem: Option<(Vec<u8>, Vec<u8>)>,
+    /// `--redis-timeout-ms`: how long connecting may take (at least
+    /// 100 ms), and how long a script run may take before it counts as a
+    /// failure (see `Limiter::run`).
     pub timeout: Duration,
+    /// How long a connection awaits a command's answer before it gives up
+    /// on it. Longer than `timeout`: a script that ran slow is still
+    /// awaited, so that what it charged for a caller who gave up on it is
+    /// known and goes back (`crate::limiter::LATE_ANSWERS_AWAITED`).
+    pub response_timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +83,7 @@ pub struct SentinelMaster {
     sentinel: Mutex<SentinelClient>,
     connection: Mutex<Option<MultiplexedConnection>>,
     timeout: Duration,
+    response_timeout: Duration,
 }
 
 /// The CA and client certificate to use, if any was given (otherwise
@@ -165,7 +174,7 @@ impl Backend {
                 };
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(options.timeout.max(Duration::from_millis(100))))
-                    .set_response_timeout(Some(options.timeout))
+                    .set_response_timeout(Some(options.response_timeout))
                     // Reconnect quickly and give up quickly: a caller waiting
                     // on a reconnect loop is past the filter's timeout. The
                     // next command after a failure starts a new attempt.
@@ -180,7 +189,7 @@ impl Backend {
                 let mut builder =
                     ClusterClientBuilder::new(options.urls.iter().map(String::as_str))
                         .connection_timeout(options.timeout.max(Duration::from_millis(100)))
-                        .response_timeout(options.timeout);
+                        .response_timeout(options.response_timeout);
                 if let Some(certs) = tls_certs(options) {
                     builder = builder.certs(certs);
                 }
@@ -190,6 +199,7 @@ impl Backend {
                     seed,
                     tls_certs(options),
                     options.timeout,
+                    options.response_timeout,
                 ))))
             }
             Mode::Sentinel => {
@@ -202,6 +212,7 @@ impl Backend {
                     sentinel: Mutex::new(sentinel),
                     connection: Mutex::new(None),
                     timeout: options.timeout,
+                    response_timeout: options.response_timeout,
                 })))
             }
         }
@@ -226,13 +237,18 @@ impl Backend {
         }
     }
 
-    /// A call got no answer in time. A Sentinel master that went silent
-    /// (stopped, partitioned, powered off) never fails a call, it only lets
-    /// it time out: the cached connection is dropped here, so the next call
-    /// asks the sentinels which master to use.
-    pub async fn timed_out(&self) {
-        if let Backend::Sentinel(master) = self {
-            *master.connection.lock().await = None;
+    /// A run for `slot` got no answer within `--redis-timeout-ms` (it is
+    /// still awaited). A Sentinel master that went silent (stopped,
+    /// partitioned, powered off) never fails a call, it only lets it time
+    /// out: the cached connection is dropped here, so the next call asks
+    /// the sentinels which master to use. A Cluster master's own
+    /// connection is left to the cluster connection for a while, as when
+    /// it fails.
+    pub async fn timed_out(&self, slot: u16) {
+        match self {
+            Backend::Sentinel(master) => *master.connection.lock().await = None,
+            Backend::Cluster(cluster) => cluster.timed_out(slot).await,
+            Backend::Standalone(_) => {}
         }
     }
 
@@ -312,15 +328,24 @@ impl SentinelMaster {
         if let Some(conn) = slot.as_ref() {
             return Ok(conn.clone());
         }
-        let client = self.sentinel.lock().await.async_get_client().await?;
-        let conn = tokio::time::timeout(
-            self.timeout.max(Duration::from_millis(250)),
-            client.get_multiplexed_async_connection(),
-        )
-        .await
-        .map_err(|_| {
-            RedisError::from((redis::ErrorKind::Io, "timed out connecting to the master"))
-        })??;
+        let config =
+            redis::AsyncConnectionConfig::new().set_response_timeout(Some(self.response_timeout));
+        // Bounded as a whole: the slot stays locked meanwhile, and a run
+        // that outlives its timeout is still awaited (`Limiter::run`).
+        let connect = async {
+            let client = self.sentinel.lock().await.async_get_client().await?;
+            client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+        };
+        let conn = tokio::time::timeout(self.timeout.max(Duration::from_millis(250)), connect)
+            .await
+            .map_err(|_| {
+                RedisError::from((
+                    redis::ErrorKind::Io,
+                    "timed out finding or connecting to the master",
+                ))
+            })??;
         *slot = Some(conn.clone());
         Ok(conn)
     }
@@ -349,6 +374,7 @@ mod tests {
             ca_pem: None,
             client_pem: None,
             timeout: Duration::from_millis(50),
+            response_timeout: Duration::from_millis(50),
         }
     }
 

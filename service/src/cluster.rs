@@ -52,7 +52,11 @@ pub struct Cluster {
     /// Background slot-map reads, at most one per `REFRESH_EVERY`.
     refresh: AtMostEvery,
     epoch: Instant,
+    /// `--redis-timeout-ms`: connecting, and reading the slot map.
     timeout: Duration,
+    /// How long a direct connection awaits a run's answer (see
+    /// `backend::Options::response_timeout`).
+    response_timeout: Duration,
 }
 
 #[derive(Default)]
@@ -79,6 +83,7 @@ impl Cluster {
         seed: ConnectionInfo,
         certs: Option<redis::TlsCertificates>,
         timeout: Duration,
+        response_timeout: Duration,
     ) -> Cluster {
         Cluster {
             builder: Mutex::new(Some(builder)),
@@ -91,6 +96,7 @@ impl Cluster {
             refresh: AtMostEvery::default(),
             epoch: Instant::now(),
             timeout,
+            response_timeout,
         }
     }
 
@@ -157,14 +163,28 @@ impl Cluster {
         self.timeout.max(Duration::from_millis(250))
     }
 
+    /// A run for `slot` got no answer within `--redis-timeout-ms` (it is
+    /// still awaited on its connection): the slot's master is left to the
+    /// cluster connection for a while, and the slot map read again, as
+    /// when a direct run fails.
+    pub async fn timed_out(&self, slot: u16) {
+        if let Some((host, port)) = self.master_of(slot) {
+            self.pause(&format!("{host}:{port}")).await;
+            self.refresh_soon();
+        }
+    }
+
+    /// The master the slot map names for `slot`.
+    fn master_of(&self, slot: u16) -> Option<(String, u16)> {
+        let map = self.map.read().ok()?;
+        let owner = *map.owner.get(usize::from(slot))?;
+        map.masters.get(usize::from(owner)).cloned()
+    }
+
     /// The master of `slot` and a connection to it, if the map names one
     /// and it is not paused.
     async fn direct_for(&self, slot: u16) -> Option<(String, MultiplexedConnection)> {
-        let (host, port) = {
-            let map = self.map.read().ok()?;
-            let owner = *map.owner.get(usize::from(slot))?;
-            map.masters.get(usize::from(owner))?.clone()
-        };
+        let (host, port) = self.master_of(slot)?;
         let addr = format!("{host}:{port}");
         {
             let mut direct = self.direct.lock().await;
@@ -211,12 +231,15 @@ impl Cluster {
             let Ok(mut conn) = self.open(&host, port).await else {
                 continue;
             };
-            let reply: RedisResult<Vec<String>> = redis::cmd("CONFIG")
-                .arg("GET")
-                .arg("cluster-require-full-coverage")
-                .query_async(&mut conn)
-                .await;
-            if reply.is_ok_and(|r| r.get(1).is_some_and(|v| v == "yes")) {
+            let mut config_get = redis::cmd("CONFIG");
+            config_get.arg("GET").arg("cluster-require-full-coverage");
+            // Readiness waits for this: a node slow to answer says nothing.
+            let reply = tokio::time::timeout(
+                self.patience(),
+                config_get.query_async::<Vec<String>>(&mut conn),
+            )
+            .await;
+            if reply.is_ok_and(|r| r.is_ok_and(|r| r.get(1).is_some_and(|v| v == "yes"))) {
                 requiring.push(format!("{host}:{port}"));
             }
         }
@@ -240,7 +263,7 @@ impl Cluster {
         };
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.patience()))
-            .set_response_timeout(Some(self.timeout));
+            .set_response_timeout(Some(self.response_timeout));
         client
             .get_multiplexed_async_connection_with_config(&config)
             .await

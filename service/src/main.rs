@@ -82,7 +82,9 @@ struct Args {
     /// Largest accepted request body; larger ones get 413.
     #[arg(long, env = "MESHLIMITD_MAX_BODY_BYTES", default_value_t = 1 << 20)]
     max_body_bytes: usize,
-    /// Time allowed for one Redis script run before answering 503.
+    /// Time a Redis script run may take before it counts as a failure
+    /// (its caller's own deadline answers the caller; the run is still
+    /// awaited, so what it charged for a caller who gave up goes back).
     #[arg(long, env = "MESHLIMITD_REDIS_TIMEOUT_MS", default_value_t = 50)]
     redis_timeout_ms: u64,
     /// Checks decided at once; more wait for a slot (see --queue-timeout-ms).
@@ -309,6 +311,8 @@ fn backend_options(args: &Args) -> Result<backend::Options, String> {
         ca_pem,
         client_pem,
         timeout: Duration::from_millis(args.redis_timeout_ms.max(1)),
+        response_timeout: Duration::from_millis(args.redis_timeout_ms)
+            .max(meshlimitd::limiter::LATE_ANSWERS_AWAITED),
     })
 }
 

@@ -53,6 +53,7 @@ pub struct Metrics {
     responses: Family<StatusLabel, Counter>,
     check_failures: Family<KindLabel, Counter>,
     abandoned_given_back: Counter,
+    late_script_answers: Family<ResultLabel, Counter>,
     late_leases_withheld: Counter,
     lost_asks_given_back: Counter,
     returns_on_lost_counters: Counter,
@@ -190,6 +191,15 @@ impl Metrics {
             "Units given back because their decision finished after its caller gave up (requests' costs, leases, reservations)",
             abandoned_given_back.clone(),
         );
+        let late_script_answers = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "late_script_answers",
+            "Script runs slower than --redis-timeout-ms (each also counted in redis_errors as a timeout), still awaited: answered (what they charged for callers who gave up goes back) or unanswered (the connection gave up on them too, and what they charged stays)",
+            late_script_answers.clone(),
+        );
+        for result in ["answered", "unanswered"] {
+            let _ = late_script_answers.get_or_create(&ResultLabel { result });
+        }
         let late_leases_withheld = Counter::default();
         registry.register(
             "late_lease_units_withheld",
@@ -244,6 +254,7 @@ impl Metrics {
         Metrics {
             overloaded,
             abandoned_given_back,
+            late_script_answers,
             late_leases_withheld,
             lost_asks_given_back,
             returns_on_lost_counters,
@@ -367,6 +378,14 @@ impl Metrics {
     /// A settlement whose id was applied before (it changed nothing).
     pub fn settlement_repeated(&self) {
         self.settlements_repeated.inc();
+    }
+
+    /// A run slower than the Redis timeout ended: `answered` or not.
+    pub fn late_script_answer(&self, answered: bool) {
+        let result = if answered { "answered" } else { "unanswered" };
+        self.late_script_answers
+            .get_or_create(&ResultLabel { result })
+            .inc();
     }
 
     pub fn abandoned_given_back(&self, units: u64) {

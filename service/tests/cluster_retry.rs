@@ -39,6 +39,7 @@ fn cluster_backend(cluster: &RedisCluster) -> Backend {
         ca_pem: None,
         client_pem: None,
         timeout: Duration::from_millis(50),
+        response_timeout: Duration::from_millis(50),
     })
     .unwrap()
 }

@@ -376,6 +376,66 @@ fn what_a_plain_check_charged_after_its_caller_gave_up_goes_back() {
     assert_metric(&f, "meshlimitd_abandoned_units_given_back_total 4");
 }
 
+/// The same with meshlimitd's own Redis timeout (the default 50 ms)
+/// shorter than the stall: a run slower than it counts as a Redis timeout
+/// but is still awaited, so what it charged for the caller who gave up
+/// goes back: a plain check's unit, and a lease asked without an id
+/// (which has no grant record its caller could name). On the old code
+/// meshlimitd dropped the run at its timeout and never learnt what it
+/// charged: both stayed charged (remaining 798 and 998 here, and
+/// nothing given back).
+#[test]
+fn a_run_slower_than_the_redis_timeout_is_still_awaited_and_given_back() {
+    let f = start();
+    let l = limit("fixed_window", 1000);
+    let call = |check: Value| {
+        meshlimit_testbed::http::request(
+            &f.service.addr,
+            "POST",
+            "/v1/check",
+            &[("x-meshlimit-timeout-ms", b"20")],
+            json!({"checks": [check]}).to_string().as_bytes(),
+        )
+        .unwrap()
+    };
+    for (subject, check, given_back) in [
+        (
+            "leased",
+            leased_check("leased", std::slice::from_ref(&l), 200, 1),
+            201,
+        ),
+        ("plain", json!({"subject": "plain", "limits": [&l]}), 202),
+    ] {
+        // The script is loaded, as on a running meshlimitd.
+        let mut warm = check.clone();
+        warm["subject"] = json!("warm");
+        assert_eq!(
+            f.check(&json!({"checks": [warm]}))["results"][0]["allowed"],
+            true
+        );
+        f.redis.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
+        let r = call(check);
+        assert_eq!(r.status, 503, "{subject}: {}", r.body);
+        eventually(GIVE_BACK_WITHIN, || {
+            metrics(&f).contains(&format!(
+                "meshlimitd_abandoned_units_given_back_total {given_back}\n"
+            ))
+        });
+        let after = ask(&f, subject, std::slice::from_ref(&l), 0, 1);
+        assert_eq!(
+            remaining(&after, 0),
+            999,
+            "{subject}: only this probe is charged: {after}"
+        );
+    }
+    assert_metric(&f, "meshlimitd_abandoned_units_given_back_total 202");
+    assert_metric(
+        &f,
+        "meshlimitd_late_script_answers_total{result=\"answered\"} 2",
+    );
+    assert_metric(&f, "meshlimitd_redis_errors_total{kind=\"timeout\"} 2");
+}
+
 /// A decision that took over half its caller's budget is answered without
 /// its lease: the answer may reach the caller after the caller's own
 /// timeout (which began before meshlimitd read the call), and a grant in

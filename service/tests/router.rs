@@ -38,6 +38,7 @@ fn router(proxy_token: Option<&str>, admin_token: Option<&str>) -> Router {
         ca_pem: None,
         client_pem: None,
         timeout: Duration::from_millis(50),
+        response_timeout: Duration::from_millis(50),
     };
     let limiter = Limiter::new(&options, "test".into(), metrics.clone()).unwrap();
     let limits = Limits {

@@ -30,6 +30,13 @@ mod slots;
 pub use overrides::Override;
 use settle::receipts;
 
+/// How long a script run slower than `--redis-timeout-ms` is still
+/// awaited (the connections' response timeout): long enough for the
+/// stalls a healthy Redis has (a fork, a slow fsync, a failover's pause),
+/// short enough that a Redis that stopped answering holds a few seconds
+/// of runs at most (and fewer once the health check fails fast).
+pub const LATE_ANSWERS_AWAITED: Duration = Duration::from_secs(5);
+
 /// Why Redis could not decide a check. Every variant becomes a 503, which
 /// tells the filter to fall back.
 #[derive(Debug, thiserror::Error)]
@@ -404,10 +411,21 @@ impl Limiter {
         slots.all(|s| s == first).then_some(first)
     }
 
-    /// Runs a script invocation with the timeout, the health check and the
-    /// metrics every run gets.
-    /// Runs a script on the node of `slot`; `what` names it in
+    /// Runs a script on the node of `slot`, with the health check and the
+    /// metrics every run gets; `what` names it in
     /// `meshlimitd_script_duration_seconds` (see [`script_label`]).
+    ///
+    /// A run slower than `--redis-timeout-ms` counts as a Redis failure
+    /// then (the error metric, the health check, a Sentinel master asked
+    /// for again, a Cluster master's own connection rested) but is still
+    /// awaited, up to [`LATE_ANSWERS_AWAITED`]: the script runs in Redis
+    /// anyway, and only its answer says what it charged. Its caller has
+    /// usually given up by then (its own deadline answers it; see
+    /// `api::decide_within`), and what the run charged for that caller
+    /// goes back (`app::give_back`); a caller still waiting gets the
+    /// decision. Dropped at the timeout, as before, a plain check's unit
+    /// stayed charged with nobody told: a unit per stalled request, also
+    /// counted by the caller's fallback.
     async fn run(
         &self,
         slot: u16,
@@ -419,29 +437,49 @@ impl Limiter {
             return Err(LimiterError::Unhealthy);
         }
         let started = Instant::now();
-        let reply = tokio::time::timeout(
-            self.timeout,
-            self.backend.invoke::<Vec<i64>>(slot, invocation),
-        )
-        .await;
+        let invoke = self.backend.invoke::<Vec<i64>>(slot, invocation);
+        tokio::pin!(invoke);
+        let (reply, in_time) = match tokio::time::timeout(self.timeout, &mut invoke).await {
+            Ok(reply) => (reply, true),
+            Err(_) => {
+                self.metrics
+                    .redis_error(LimiterError::Timeout(self.timeout).kind());
+                self.record_health(false);
+                // Side by side: the run may hold what `timed_out` takes (a
+                // Sentinel connection being made holds its slot).
+                let (_, late) = tokio::join!(
+                    self.backend.timed_out(slot),
+                    tokio::time::timeout(LATE_ANSWERS_AWAITED, &mut invoke)
+                );
+                let late = late.unwrap_or_else(|_| {
+                    Err(redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "no answer within the time late answers are awaited",
+                    )))
+                });
+                self.metrics.late_script_answer(late.is_ok());
+                (late, false)
+            }
+        };
         self.metrics.observe_redis(started.elapsed());
         self.metrics.observe_script(what, started.elapsed());
-        let values = match reply {
-            Err(_) => {
-                self.backend.timed_out().await;
-                Err(LimiterError::Timeout(self.timeout))
+        let values = reply.map_err(LimiterError::Redis);
+        if in_time {
+            if let Err(e) = &values {
+                self.metrics.redis_error(e.kind());
             }
-            Ok(Err(e)) => Err(LimiterError::Redis(e)),
-            Ok(Ok(values)) => Ok(values),
-        }
-        .inspect_err(|e| self.metrics.redis_error(e.kind()));
-        // On a Cluster one node's failures say nothing of the others (the
-        // cluster backend pauses a failing node on its own): failing fast
-        // for all would turn one dead node into everyone's fallback.
-        if !self.backend.is_cluster() {
-            self.health.record(values.is_ok());
+            self.record_health(values.is_ok());
         }
         values
+    }
+
+    /// On a Cluster one node's failures say nothing of the others (the
+    /// cluster backend pauses a failing node on its own): failing fast
+    /// for all would turn one dead node into everyone's fallback.
+    fn record_health(&self, ok: bool) {
+        if !self.backend.is_cluster() {
+            self.health.record(ok);
+        }
     }
 
     /// Loads the scripts before batches, so that their runs go out in
