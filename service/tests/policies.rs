@@ -492,7 +492,9 @@ fn a_lost_reservation_across_cluster_slots_goes_back_exactly_once() {
 /// kept its unit on every limit.
 #[test]
 fn a_plain_check_across_cluster_slots_whose_caller_gave_up_goes_back() {
-    let on = OnCluster::start("xslot-abandoned", &["--redis-timeout-ms", "5000"]);
+    // meshlimitd's own Redis timeout (50 ms) is shorter than the stall:
+    // its runs are still awaited (`Limiter::run`).
+    let on = OnCluster::start("xslot-abandoned", &[]);
     let addr = &on.service.addr;
     let clients = clients_off_the_caps_slot("gave-up", 2);
     let both = [
@@ -516,8 +518,8 @@ fn a_plain_check_across_cluster_slots_whose_caller_gave_up_goes_back() {
     assert_eq!(r.status, 503, "{}", r.body);
     let counters = || on.counters("gave-up", &clients[1]);
     // The runs go on once the pause ends (meshlimitd waits for Redis
-    // longer than its caller did); what they charged goes back (the cap
-    // keeps the warm-up's unit).
+    // longer than its caller did, and than its Redis timeout); what they
+    // charged goes back (the cap keeps the warm-up's unit).
     eventually(Duration::from_secs(5), || {
         http::get(addr, "/metrics", &[]).is_ok_and(|r| {
             r.body
