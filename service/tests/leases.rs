@@ -46,6 +46,22 @@ fn remaining(result: &Value, i: usize) -> u64 {
     result["limits"][i]["remaining"].as_u64().unwrap()
 }
 
+/// A call whose caller waits `timeout_ms` (`x-meshlimit-timeout-ms`).
+fn call_within(
+    f: &Standalone,
+    body: &Value,
+    timeout_ms: &str,
+) -> meshlimit_testbed::http::Response {
+    meshlimit_testbed::http::request(
+        &f.service.addr,
+        "POST",
+        "/v1/check",
+        &[(meshlimit_protocol::TIMEOUT_HEADER, timeout_ms.as_bytes())],
+        body.to_string().as_bytes(),
+    )
+    .unwrap()
+}
+
 #[test]
 fn a_lease_is_what_fits_divided_by_the_share_and_never_more_than_the_limit() {
     let f = start();
@@ -277,14 +293,7 @@ fn what_a_decision_leased_after_its_caller_gave_up_goes_back() {
     ask(&f, "warm", std::slice::from_ref(&l), 0, 1);
     f.redis.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
     let started = std::time::Instant::now();
-    let r = meshlimit_testbed::http::request(
-        &f.service.addr,
-        "POST",
-        "/v1/check",
-        &[("x-meshlimit-timeout-ms", b"50")],
-        body.to_string().as_bytes(),
-    )
-    .unwrap();
+    let r = call_within(&f, &body, "50");
     assert_eq!(r.status, 503, "{}", r.body);
     assert!(started.elapsed() < std::time::Duration::from_millis(250));
     // The script runs once the pause ends; what it granted goes back.
@@ -388,16 +397,6 @@ fn what_a_plain_check_charged_after_its_caller_gave_up_goes_back() {
 fn a_run_slower_than_the_redis_timeout_is_still_awaited_and_given_back() {
     let f = start();
     let l = limit("fixed_window", 1000);
-    let call = |check: Value| {
-        meshlimit_testbed::http::request(
-            &f.service.addr,
-            "POST",
-            "/v1/check",
-            &[("x-meshlimit-timeout-ms", b"20")],
-            json!({"checks": [check]}).to_string().as_bytes(),
-        )
-        .unwrap()
-    };
     for (subject, check, given_back) in [
         (
             "leased",
@@ -414,7 +413,7 @@ fn a_run_slower_than_the_redis_timeout_is_still_awaited_and_given_back() {
             true
         );
         f.redis.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
-        let r = call(check);
+        let r = call_within(&f, &json!({"checks": [check]}), "20");
         assert_eq!(r.status, 503, "{subject}: {}", r.body);
         eventually(GIVE_BACK_WITHIN, || {
             metrics(&f).contains(&format!(
@@ -452,14 +451,7 @@ fn a_late_decision_sends_no_lease_and_gives_it_back() {
     ask(&f, "warm", std::slice::from_ref(&l), 0, 1);
     // A budget of 900 ms (90% of 1 s), Redis paused for 600 ms of it.
     f.redis.cli(&["CLIENT", "PAUSE", "600", "WRITE"]);
-    let r = meshlimit_testbed::http::request(
-        &f.service.addr,
-        "POST",
-        "/v1/check",
-        &[("x-meshlimit-timeout-ms", b"1000")],
-        body.to_string().as_bytes(),
-    )
-    .unwrap();
+    let r = call_within(&f, &body, "1000");
     assert_eq!(r.status, 200, "{}", r.body);
     let answer: serde_json::Value = serde_json::from_str(&r.body).unwrap();
     let result = &answer["results"][0];
@@ -584,14 +576,7 @@ fn a_lost_grant_goes_back_exactly_once() {
     f.redis.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
     let check =
         json!({"subject": "both", "limits": [&l], "lease": {"units": 200, "share": 1, "id": 9}});
-    let r = meshlimit_testbed::http::request(
-        &f.service.addr,
-        "POST",
-        "/v1/check",
-        &[("x-meshlimit-timeout-ms", b"50")],
-        json!({"checks": [check]}).to_string().as_bytes(),
-    )
-    .unwrap();
+    let r = call_within(&f, &json!({"checks": [check]}), "50");
     assert_eq!(r.status, 503, "{}", r.body);
     std::thread::sleep(std::time::Duration::from_millis(600));
     name_lost(&f, "both", &l, 9);
