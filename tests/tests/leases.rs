@@ -518,9 +518,14 @@ fn lost_answers_cost_nothing_while_redis_stalls_around_the_timeout() {
     let paused = stalls.join().unwrap();
     assert!(paused >= 30, "{paused} stalls");
     // After them: what leases held comes back an interval after its last
-    // use; then the client keeps asking until refused.
+    // use; then the client keeps asking until refused, and a second on:
+    // this test counts what is lost, not how soon the last units come. (A
+    // refused replica's deny cache answers at once while the other may
+    // still hold a lease's last units. A CI run under load read 945 of
+    // 1,000 after 250 ms, Redis at 1,000 and nothing unconfirmed: units,
+    // as far as we can tell, still in a lease when the client stopped.)
     std::thread::sleep(Duration::from_millis(2_500));
-    let after = keep_asking(&t, "stalled", 8, Duration::from_millis(250));
+    let after = keep_asking(&t, "stalled", 8, Duration::from_secs(1));
     let fallback = t.stat_total("meshlimit.fallback_allowed") as usize;
     let admitted = during.into_inner() + after;
     let metrics = meshlimit_testbed::http::get(&t.meshlimitd_addr(), "/metrics", &[])
