@@ -68,12 +68,11 @@ impl<T> Batcher<T> {
         }
     }
 
-    #[cfg(test)]
+    /// Jobs waiting, deferred ones included.
     pub fn queued(&self) -> usize {
         self.queue.len() + self.deferred.len()
     }
 
-    #[cfg(test)]
     pub fn calls_in_flight(&self) -> usize {
         self.in_flight.len()
     }

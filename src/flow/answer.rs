@@ -114,6 +114,7 @@ impl Worker {
         // waiting for it to finish.
         self.flush(host, now);
         self.settle_batch(host, now, &batch, answers);
+        self.finish_closing(host, false);
     }
 
     /// Decides every check of a batch from the call's answer (or its

@@ -20,10 +20,11 @@ use super::clock::NEAR_EXPIRY_MS;
 use super::decision_log::Source;
 use super::hit::{HitHeaders, Scope};
 use super::observer::Observer;
+use super::returns::Due;
 use super::{Job, Queued, Step, Stream, Worker};
 use crate::check::{Check, LeaseIdentity, LeaseTicket};
 use crate::host::Host;
-use crate::shared::lease::{AskFor, Draw, Grant, Leases, Place, Reclaim, Take};
+use crate::shared::lease::{AskFor, Draw, Grant, Leases, Place, Take};
 use crate::stats::Stat;
 
 /// What a request's check found in its lease slot.
@@ -52,16 +53,16 @@ pub(super) struct Renewal {
 pub(super) struct LeaseRecord {
     /// The lease slot it was installed in.
     pub(super) slot: u64,
-    lease_id: u64,
-    check: Check,
-    receipts: Vec<Receipt>,
+    pub(super) lease_id: u64,
+    pub(super) check: Check,
+    pub(super) receipts: Vec<Receipt>,
     /// Only fixed windows: once expired, their window is gone and so is
     /// any point in giving units back.
-    fixed_only: bool,
+    pub(super) fixed_only: bool,
     /// The tick looks at the slot again from then (see
     /// [`Reclaim::Keep`]): a live lease costs a shared-data read every half
     /// interval or less often, not one a tick.
-    look_at_ms: u64,
+    pub(super) look_at_ms: u64,
 }
 
 impl Worker {
@@ -402,29 +403,7 @@ impl Worker {
             .borrow_mut()
             .due_draws(now, u64::from(tick_ms));
         self.put_back_draws(&leases, due);
-        let mut returns = Vec::new();
-        let interval_ms = leases.config.interval_ms;
-        self.lease_book.records.borrow_mut().retain_mut(|record| {
-            // Not due yet (unless the clock stepped back past an interval).
-            if now < record.look_at_ms && record.look_at_ms - now <= interval_ms {
-                return true;
-            }
-            match leases.reclaim(record.slot, record.lease_id, now) {
-                Ok(Reclaim::Keep { until_ms }) => {
-                    record.look_at_ms = until_ms;
-                    true
-                }
-                // A store that fails is asked again next tick.
-                Err(_) => true,
-                Ok(Reclaim::Gone) => false,
-                Ok(Reclaim::Back { units, expired }) => {
-                    if !(expired && record.fixed_only) {
-                        returns.push(self.lease_return(&record.check, units, &record.receipts));
-                    }
-                    false
-                }
-            }
-        });
+        let returns = self.reclaim_records(&leases, now, Due::Idle);
         self.send_returns(host, self.root_context_id, returns);
         // The tick runs as the root: send the returns now rather than at
         // the wake-up, and the renewals that waited for the tick.

@@ -202,6 +202,18 @@ impl LocalDraws {
         back
     }
 
+    /// Every draw's units, idle or not (the worker is going away).
+    pub(super) fn take_all(&self) -> Vec<GiveBack> {
+        let mut back = Vec::new();
+        for entry in self.entries.borrow_mut().iter_mut() {
+            if entry.units > 0 {
+                back.push((Rc::clone(&entry.check), entry.units, entry.charged_ms));
+                entry.units = 0;
+            }
+        }
+        back
+    }
+
     /// Counts a hit; the hits to add to their stat now, if any (in bulk,
     /// as lease hits are).
     pub(super) fn count_hit(&self) -> Option<u64> {

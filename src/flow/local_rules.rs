@@ -165,6 +165,15 @@ impl Worker {
         self.give_back_draws(host, now, back.into_iter());
     }
 
+    /// The worker is going away: its hits counted, and every draw given
+    /// back, idle or not.
+    pub(super) fn give_back_every_local_draw(&self, host: &impl Host) {
+        self.local_draws_tick(host);
+        let now = self.hits.clock.read(host);
+        let back = self.local_draws.take_all();
+        self.give_back_draws(host, now, back.into_iter());
+    }
+
     fn give_back_draws(
         &self,
         host: &impl Host,

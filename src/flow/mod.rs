@@ -33,6 +33,7 @@ mod budget;
 mod bulk;
 mod calls;
 mod clock;
+mod closing;
 mod decide;
 mod decision_log;
 mod deferred_deny;
@@ -199,6 +200,8 @@ pub struct Worker {
     decision_log: decision_log::DecisionLog,
     /// The fleet-wide enforcement switch, as last heard.
     fleet_switch: fleet_switch::FleetSwitch,
+    /// Whether the worker is going away (its configuration replaced).
+    closing: closing::Closing,
 }
 
 impl Worker {
@@ -263,6 +266,7 @@ impl Worker {
             rule_stats,
             decision_log,
             fleet_switch,
+            closing: closing::Closing::default(),
         }
     }
 
@@ -389,6 +393,9 @@ impl Worker {
     /// The root's tick: held headers whose bodies never came go on, then
     /// leased units idle or expired go back (see `leases`).
     pub fn on_tick(&self, host: &impl Host) {
+        if self.closing.started() {
+            return self.finish_closing(host, true);
+        }
         if self.hold.unproven() {
             for id in self.hold.overdue(host.now_ms()) {
                 if host.set_effective_context(id) {

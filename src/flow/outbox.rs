@@ -315,7 +315,6 @@ impl Outbox {
     }
 
     /// No call is out and no job waits (every answer came back).
-    #[cfg(test)]
     pub(super) fn is_idle(&self) -> bool {
         let b = self.batcher.borrow();
         b.queued() == 0

@@ -20,6 +20,7 @@ use super::{Job, Worker};
 use crate::check::Check;
 use crate::decision::ServiceError;
 use crate::host::Host;
+use crate::shared::lease::{Leases, Reclaim};
 use crate::stats::Stat;
 
 /// Returns per job: a batch of 64 jobs stays within meshlimitd's 1024
@@ -27,6 +28,16 @@ use crate::stats::Stat;
 const RETURNS_PER_JOB: usize = 16;
 /// Returns kept to be sent again at most (the oldest give up first).
 const MAX_KEPT: usize = 256;
+
+/// Which of a worker's leases give their units back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Due {
+    /// Those expired, or idle an interval (the root's tick).
+    Idle,
+    /// Every one with no draw out, however recent its last hit (the
+    /// worker is going away).
+    Now,
+}
 
 /// Returns whose calls failed, with when they first failed.
 #[derive(Default)]
@@ -85,6 +96,45 @@ impl Worker {
         }
     }
 
+    /// Takes the units of the leases this worker installed that are `due`
+    /// at `now` out of their slots: the returns to send. A lease whose
+    /// slot cannot be read or written, or that still waits (for its idle
+    /// time, or for draws out), stays in the book for a later look.
+    pub(super) fn reclaim_records<H: Host>(
+        &self,
+        leases: &Leases<'_, H>,
+        now: u64,
+        due: Due,
+    ) -> Vec<Settlement> {
+        let mut returns = Vec::new();
+        let interval_ms = leases.config.interval_ms;
+        self.lease_book.records.borrow_mut().retain_mut(|record| {
+            // Not due yet (unless the clock stepped back past an interval).
+            let waits = now < record.look_at_ms && record.look_at_ms - now <= interval_ms;
+            let reclaimed = match due {
+                Due::Idle if waits => return true,
+                Due::Idle => leases.reclaim(record.slot, record.lease_id, now),
+                Due::Now => leases.reclaim_now(record.slot, record.lease_id, now),
+            };
+            match reclaimed {
+                Ok(Reclaim::Keep { until_ms }) => {
+                    record.look_at_ms = until_ms;
+                    true
+                }
+                // A store that fails is asked again next time.
+                Err(_) => true,
+                Ok(Reclaim::Gone) => false,
+                Ok(Reclaim::Back { units, expired }) => {
+                    if !(expired && record.fixed_only) {
+                        returns.push(self.lease_return(&record.check, units, &record.receipts));
+                    }
+                    false
+                }
+            }
+        });
+        returns
+    }
+
     /// Sends returns in the worker's next batches (or calls of their own),
     /// [`RETURNS_PER_JOB`] a job; `context_id` is the context current now
     /// (it is current again after).
@@ -108,6 +158,18 @@ impl Worker {
             }
             returns = rest;
         }
+    }
+
+    /// The worker goes away with returns still unconfirmed: their units
+    /// are counted as given up.
+    pub(super) fn give_up_unconfirmed(&self, host: &impl Host) {
+        let (returns, stale) = self.lease_book.unconfirmed.take(0);
+        let units = stale + returned_units(&returns);
+        self.return_failed(
+            host,
+            "the worker went away before meshlimitd confirmed them",
+            units,
+        );
     }
 
     /// A call succeeded: the returns whose calls failed go out again.

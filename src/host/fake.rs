@@ -181,6 +181,11 @@ pub struct FakeHost {
     pub wakes: Cell<u32>,
     /// The tick period the flow asked for.
     pub tick_ms: Cell<Option<u32>>,
+    /// The root whose `on_done` said it had work left: Envoy waits for its
+    /// `proxy_done` (and refuses one from any other context, or a second).
+    pub awaiting_done: Cell<Option<u32>>,
+    /// Roots that called `proxy_done` when Envoy was waiting for them.
+    pub done: RefCell<Vec<u32>>,
     /// The response of the call being answered.
     pub response: RefCell<CallResponse>,
     pub acted: RefCell<Vec<Acted>>,
@@ -215,6 +220,8 @@ impl Default for FakeHost {
             grpc_replies: Cell::new(0),
             wakes: Cell::new(0),
             tick_ms: Cell::new(None),
+            awaiting_done: Cell::new(None),
+            done: RefCell::default(),
             response: RefCell::default(),
             acted: RefCell::default(),
             response_headers: RefCell::default(),
@@ -368,6 +375,16 @@ impl Host for FakeHost {
     fn set_tick_period(&self, ms: u32) -> bool {
         self.hostcall("set_tick_period");
         self.tick_ms.set(Some(ms));
+        true
+    }
+
+    fn done(&self) -> bool {
+        self.hostcall("done");
+        if self.awaiting_done.get() != Some(self.context.get()) {
+            return false;
+        }
+        self.awaiting_done.set(None);
+        self.done.borrow_mut().push(self.context.get());
         true
     }
 

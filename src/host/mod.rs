@@ -180,6 +180,10 @@ pub trait Host: SharedStore {
     /// Calls the root's `on_tick` every `ms` milliseconds (from the root
     /// context); false if the host refused.
     fn set_tick_period(&self, ms: u32) -> bool;
+    /// Tells the host that the root, whose `on_done` said it still had
+    /// work, has finished it and may be deleted (`proxy_done`); false when
+    /// the host was not waiting for it.
+    fn done(&self) -> bool;
 
     /// Registers this worker's wake-up queue; its id.
     fn register_queue(&self, name: &str) -> Option<u32>;

@@ -107,6 +107,10 @@ impl Host for WasmHost {
         hostcalls::set_tick_period(std::time::Duration::from_millis(u64::from(ms))).is_ok()
     }
 
+    fn done(&self) -> bool {
+        hostcalls::done().is_ok()
+    }
+
     fn register_queue(&self, name: &str) -> Option<u32> {
         hostcalls::register_shared_queue(name).ok()
     }

@@ -91,6 +91,15 @@ impl RootContext for Root {
 }
 
 impl Context for Root {
+    /// The configuration is replaced or removed: what the worker holds
+    /// goes back first; false keeps the root until it calls `proxy_done`.
+    fn on_done(&mut self) -> bool {
+        match &self.worker {
+            Some(worker) => worker.on_done(&WasmHost),
+            None => true,
+        }
+    }
+
     fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _: usize) {
         let _timer = timers::start(Site::BatchAnswer);
         if let Some(worker) = &self.worker {

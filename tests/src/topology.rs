@@ -293,6 +293,11 @@ impl Topology {
     /// Starts an Envoy from a rendered config. `name` picks its admin port:
     /// `front`, `upstream`, or `replica-N` (admin on 19900 + N).
     pub fn start_envoy(&self, name: &str, config: &str, workers: u32) -> Proc {
+        self.start_envoy_with(name, config, workers, &[])
+    }
+
+    /// As [`Topology::start_envoy`], with more command-line `args`.
+    pub fn start_envoy_with(&self, name: &str, config: &str, workers: u32, args: &[&str]) -> Proc {
         let path = self.dir.path().join(format!("{name}.yaml"));
         write(&path, config);
         let mut proc = Proc::spawn(
@@ -301,7 +306,8 @@ impl Topology {
                 .arg("-c")
                 .arg(&path)
                 .args(["--disable-hot-restart", "--log-level", "info"])
-                .args(["--concurrency", &workers.to_string()]),
+                .args(["--concurrency", &workers.to_string()])
+                .args(args),
             self.dir.path(),
         );
         let admin = match name {

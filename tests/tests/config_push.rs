@@ -45,8 +45,31 @@ fn split_listener(config: &str) -> (String, String) {
     (bootstrap, resources)
 }
 
+/// Redis and meshlimitd; each test starts its pushable replica.
+fn without_replicas() -> Topology {
+    Topology::start(TopologyOptions {
+        replicas: 0,
+        front: false,
+        ..TopologyOptions::default()
+    })
+}
+
+/// Waits, if need be, for an hour with more than `margin_s` seconds left
+/// (a per-hour limit's counter must not start again mid-test).
+fn well_inside_the_hour(margin_s: u64) {
+    let into_hour = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() % 3600);
+    if into_hour + margin_s >= 3600 {
+        std::thread::sleep(Duration::from_secs(3601 - into_hour));
+    }
+}
+
 /// Starts replica 1 with `plugin_config`, its listener in a file Envoy
-/// watches, and waits for the listener: the replica and the file.
+/// watches, and waits for the listener: the replica and the file. A
+/// replaced listener drains for a second (`--drain-time-s 1`; Envoy's
+/// default is ten minutes, Istio's 45 s), then Envoy calls the old
+/// configuration's roots' `on_done` and deletes them.
 fn start_pushable(
     t: &Topology,
     plugin_config: &str,
@@ -55,7 +78,7 @@ fn start_pushable(
     let lds = t.dir.path().join("lds.yaml");
     std::fs::write(&lds, &listener).unwrap();
     let bootstrap = bootstrap.replace("LDS_PATH", lds.to_str().unwrap());
-    let replica = t.start_envoy("replica-1", &bootstrap, 2);
+    let replica = t.start_envoy_with("replica-1", &bootstrap, 2, &["--drain-time-s", "1"]);
     let deadline = Instant::now() + Duration::from_secs(10);
     while http::get(&t.replica_addr(1), "/health", &[]).is_err() {
         assert!(Instant::now() < deadline, "the listener never came up");
@@ -98,11 +121,7 @@ fn push(t: &Topology, lds: &std::path::Path, plugin_config: &str) {
 /// definition.
 #[test]
 fn a_raised_limit_ends_cached_denials_at_once() {
-    let t = Topology::start(TopologyOptions {
-        replicas: 0,
-        front: false,
-        ..TopologyOptions::default()
-    });
+    let t = without_replicas();
     let per_hour = |requests: u64| {
         keyed("local")
             .limits(json!([{"name": "per-hour", "requests": requests, "window": "1h"}]))
@@ -118,12 +137,7 @@ fn a_raised_limit_ends_cached_denials_at_once() {
             .status
     };
     // The limit is per hour: start well inside one.
-    let into_hour = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() % 3600);
-    if into_hour > 3590 {
-        std::thread::sleep(Duration::from_secs(3601 - into_hour));
-    }
+    well_inside_the_hour(10);
     assert_eq!(get(), 200);
     assert_eq!(get(), 429, "decided by meshlimitd, then cached");
     assert_eq!(get(), 429);
@@ -142,11 +156,7 @@ fn a_raised_limit_ends_cached_denials_at_once() {
 /// limit said.
 #[test]
 fn a_push_turns_the_decision_log_on_and_off() {
-    let t = Topology::start(TopologyOptions {
-        replicas: 0,
-        front: false,
-        ..TopologyOptions::default()
-    });
+    let t = without_replicas();
     let config = |log: Value| {
         keyed("local")
             .limits(json!([{"name": "per-minute", "requests": 3, "window": "60s"}]))
@@ -196,4 +206,63 @@ fn a_push_turns_the_decision_log_on_and_off() {
     push(&t, &lds, &config(json!({})));
     assert_eq!(get("logged"), 429);
     assert_eq!(lines().len(), 4, "off again: {:#?}", lines());
+}
+
+/// A push while a busy client holds a lease: the old configuration's
+/// workers installed it, and no one else gives it back. Their roots were
+/// deleted once the old listener drained, and with them the tick that
+/// returns idle leases: the units stayed charged until the window ended
+/// (on Envoy 1.40 with a one-second drain and leases idle after ten, 200
+/// admitted read as 200 plus the lease in Redis for the rest of the hour).
+/// Now each old root gives its leases back in `on_done`, and stays until
+/// meshlimitd confirmed them.
+#[test]
+fn a_pushed_configuration_gives_the_old_workers_leases_back() {
+    let t = without_replicas();
+    // Any change makes new roots: here, the decision log's.
+    let config = |log: Value| {
+        keyed("local")
+            .limits(json!([{"name": "per-hour", "requests": 100_000, "window": "1h"}]))
+            // Idle leases go back only ten seconds after their last use:
+            // past the drain, so only `on_done` can give them back.
+            .set("leases", json!({"interval": "10s"}))
+            .set("decision_log", log)
+            .build()
+    };
+    let (mut replica, lds) = start_pushable(&t, &config(json!({})));
+    t.wait_sees_meshlimitd(1, &mut replica);
+    well_inside_the_hour(30);
+    let mut conn = http::Conn::new(&t.replica_addr(1));
+    let mut admitted = 0;
+    for _ in 0..200 {
+        let r = conn.get("/api/x", &[("x-api-key", b"busy")]).unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        admitted += 1;
+    }
+    drop(conn);
+    assert!(
+        t.stat(1, "meshlimit.lease_grants") > 0,
+        "a lease was granted"
+    );
+    let charged = t.key_count("per-hour", "busy");
+    assert!(
+        charged > admitted,
+        "a lease holds units beyond the {admitted} admitted: {charged} charged"
+    );
+    push(&t, &lds, &config(json!({"denied_only": true})));
+    let deadline = Instant::now() + Duration::from_secs(8);
+    loop {
+        let charged = t.key_count("per-hour", "busy");
+        if charged == admitted {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{charged} charged for {admitted} admitted: the old workers' leases were not given back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = t.logs("replica-1");
+    assert!(log.contains("giving back the units of"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
 }

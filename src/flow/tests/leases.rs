@@ -356,11 +356,7 @@ fn an_idle_lease_gives_its_units_back_on_the_tick() {
     assert_eq!(back["actual"], json!([0]));
     assert_eq!(back["receipts"][0]["nonce"], "n.1");
     let token = h.last_token();
-    h.answer_batch(
-        token,
-        Some(200),
-        r#"{"results":[],"settled":[{"remaining":[17]}]}"#,
-    );
+    h.confirm_return(token, 17);
     assert_eq!(h.stat("lease_returns"), 7);
     // Given back: the next request calls.
     let (_, step) = h.request("a");
@@ -387,11 +383,7 @@ fn a_return_whose_call_failed_is_sent_again_with_its_id() {
     h.answer_batch(h.last_token(), Some(200), &answer(&[result(true, 19)]));
     let again = h.last_call_body();
     assert_eq!(again["settlements"][0], first, "the same return: {again}");
-    h.answer_batch(
-        h.last_token(),
-        Some(200),
-        r#"{"results":[],"settled":[{"remaining":[17]}]}"#,
-    );
+    h.confirm_return(h.last_token(), 17);
     assert_eq!(h.stat("lease_returns"), 7);
     assert_eq!(h.stat("lease_returns_unconfirmed"), 0);
 }
@@ -1087,4 +1079,117 @@ fn a_call_refused_at_the_configured_limit_leaves_the_lease() {
     for _ in 0..30 {
         assert_eq!(h.request("a").1, Step::Continue, "its draw of 31 serves");
     }
+}
+
+impl Harness {
+    /// Call `token`, a lease return, is confirmed: `remaining` after it.
+    fn confirm_return(&self, token: u32, remaining: u64) {
+        let body = format!(r#"{{"results":[],"settled":[{{"remaining":[{remaining}]}}]}}"#);
+        assert!(self.answer_batch(token, Some(200), &body));
+    }
+
+    /// Envoy calls the root's `on_done` (its configuration replaced or
+    /// removed): true when the root may go at once; else Envoy keeps it
+    /// until its `proxy_done`, which it accepts from that root alone.
+    fn on_done(&self) -> bool {
+        self.host.enter(ROOT);
+        let done = self.worker.on_done(&self.host);
+        if !done {
+            self.host.awaiting_done.set(Some(ROOT));
+        }
+        done
+    }
+
+    fn went(&self) -> bool {
+        self.host.done.borrow().as_slice() == [ROOT]
+    }
+}
+
+/// A configuration replaced while a busy client's lease is live: the old
+/// worker's lease had been given back by no one (its root deleted once
+/// the old listener drained, the tick that returns idle leases gone with
+/// it), its units charged until the window ended. It now goes back at
+/// once, however recent its last hit, and the root stays until the
+/// return is answered.
+#[test]
+fn a_worker_going_away_gives_its_live_lease_back_before_it_goes() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue, "a hit, just now");
+    assert!(!h.on_done(), "a return to wait for");
+    assert_eq!(h.calls(), calls + 1);
+    let body = h.last_call_body();
+    assert_eq!(body["checks"], json!([]));
+    let back = &body["settlements"][0];
+    assert_eq!(
+        back["limits"][0]["cost"], 7,
+        "the 8 leased, less the hit: {body}"
+    );
+    assert_eq!(back["actual"], json!([0]));
+    assert!(!h.went(), "not before the answer");
+    let token = h.last_token();
+    h.confirm_return(token, 17);
+    assert_eq!(h.stat("lease_returns"), 7);
+    assert!(h.went(), "proxy_done once answered, from the root");
+    // Envoy deletes the root then; a stray tick does nothing more.
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    assert_eq!(h.host.done.borrow().len(), 1);
+}
+
+#[test]
+fn a_worker_holding_nothing_goes_at_once() {
+    let h = harness("");
+    assert!(h.on_done());
+    assert_eq!(h.calls(), 0);
+    assert!(
+        h.host.done.borrow().is_empty(),
+        "no proxy_done when on_done said done"
+    );
+}
+
+/// A return refused (meshlimitd answering 503) is sent again on the next
+/// tick while the worker waits to go.
+#[test]
+fn a_failed_return_is_sent_again_while_the_worker_waits_to_go() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    assert!(!h.on_done());
+    let first = h.last_call_body();
+    let token = h.last_token();
+    h.answer_batch(token, Some(503), "");
+    assert!(!h.went(), "the return is not confirmed");
+    h.advance(250);
+    h.tick();
+    assert_eq!(h.calls(), calls + 2, "sent again on the tick");
+    let again = h.last_call_body();
+    assert_eq!(
+        again["settlements"][0]["id"], first["settlements"][0]["id"],
+        "with its id: meshlimitd applies it once"
+    );
+    let token = h.last_token();
+    h.confirm_return(token, 18);
+    assert!(h.went());
+    assert_eq!(h.stat("lease_returns"), 8);
+}
+
+/// With meshlimitd out of reach, the worker goes after `MAX_WAIT_MS`
+/// (its return counted as unconfirmed when it gives up).
+#[test]
+fn a_worker_that_cannot_give_back_goes_after_its_wait() {
+    let mut h = harness("");
+    h.lease_for_a(&granted(10, 8));
+    h.host.dispatch_fails.set(true);
+    assert!(!h.on_done());
+    for _ in 0..7 {
+        h.advance(250);
+        h.tick();
+        assert!(!h.went());
+    }
+    assert_eq!(h.stat("lease_returns_unconfirmed"), 0);
+    h.advance(250);
+    h.tick();
+    assert!(h.went(), "gone after 2 s");
+    assert_eq!(h.stat("lease_returns_unconfirmed"), 8, "given up, counted");
 }

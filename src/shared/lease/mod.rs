@@ -368,11 +368,27 @@ impl<S: SharedStore> Leases<'_, S> {
 
     /// Takes an expired or idle lease's units out of its slot.
     pub fn reclaim(&self, slot: u64, lease_id: u64, now: u64) -> Result<Reclaim, StoreError> {
+        self.reclaim_idle_for(slot, lease_id, now, self.config.interval_ms)
+    }
+
+    /// As [`Leases::reclaim`] for an owner going away: a lease with no
+    /// draw out is due however recent its last hit (one with draws out
+    /// still waits for them).
+    pub fn reclaim_now(&self, slot: u64, lease_id: u64, now: u64) -> Result<Reclaim, StoreError> {
+        self.reclaim_idle_for(slot, lease_id, now, 0)
+    }
+
+    fn reclaim_idle_for(
+        &self,
+        slot: u64,
+        lease_id: u64,
+        now: u64,
+        idle_ms: u64,
+    ) -> Result<Reclaim, StoreError> {
         let key = self.keys.lease_slot(slot);
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
-            let (slot, reclaim) =
-                Slot::decode(bytes.as_deref()).reclaim(lease_id, now, self.config.interval_ms);
+            let (slot, reclaim) = Slot::decode(bytes.as_deref()).reclaim(lease_id, now, idle_ms);
             if let Some(slot) = slot {
                 self.store.set(&key, &slot.encode(), cas)?;
             }
