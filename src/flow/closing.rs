@@ -20,8 +20,7 @@
 //! from is theirs to spend). Envoy calls `on_done` as it exits too, but
 //! sends nothing more by then (seen with Envoy 1.40: the calls dispatched
 //! are accepted and never leave): an Envoy that exits gives back only what
-//! idled before, on its ticks (docs/leases.md, "When a configuration or an
-//! Envoy goes away").
+//! idled before, on its ticks (docs/leases.md, "An Envoy that exits").
 
 use std::cell::Cell;
 
@@ -57,7 +56,7 @@ impl Worker {
         self.closing.since_ms.set(Some(now));
         let leases = self.lease_book.records.borrow().len();
         if leases > 0 {
-            info!("configuration replaced or removed: giving back the units of {leases} leases before this worker goes");
+            info!("going away (configuration replaced or removed, or Envoy exiting): giving back the units of {leases} leases");
         }
         self.give_back_before_going(host, now);
         let done = self.nothing_left();
