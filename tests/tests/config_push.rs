@@ -264,5 +264,12 @@ fn a_pushed_configuration_gives_the_old_workers_leases_back() {
     }
     let log = t.logs("replica-1");
     assert!(log.contains("giving back the units of"), "{log}");
+    // Envoy took the roots' `proxy_done` (the fake host's rule: from the
+    // root whose `on_done` said it had work left, once).
+    assert!(!log.contains("was not waiting"), "{log}");
+    assert!(
+        !log.contains("going away after"),
+        "confirmed in time: {log}"
+    );
     assert!(!log.contains("panicked"), "{log}");
 }
