@@ -29,7 +29,6 @@ use log::{info, warn};
 use super::returns::Due;
 use super::Worker;
 use crate::host::Host;
-use crate::stats::Stat;
 
 /// The longest a worker going away waits for draws and answers.
 pub(super) const MAX_WAIT_MS: u64 = 2_000;
@@ -100,10 +99,7 @@ impl Worker {
     /// sent as the root.
     fn give_back_before_going(&self, host: &impl Host, now: u64) {
         host.set_effective_context(self.root_context_id);
-        let hits = self.lease_book.take_hits();
-        if hits > 0 {
-            self.metrics.add(host, Stat::LeaseHits, hits as usize);
-        }
+        self.add_lease_hits(host);
         self.rule_stats.flush(host);
         self.give_back_every_local_draw(host);
         if let Some(leases) = self.leases(host, now) {

@@ -388,10 +388,7 @@ impl Worker {
     /// last tick) or expired go back to their slots, then leases this
     /// worker installed that expired or went idle give their units back.
     pub(super) fn lease_tick(&self, host: &impl Host) {
-        let hits = self.lease_book.take_hits();
-        if hits > 0 {
-            self.metrics.add(host, Stat::LeaseHits, hits as usize);
-        }
+        self.add_lease_hits(host);
         // Also the clock the next hits reuse.
         let now = self.hits.clock.read(host);
         let (Some(leases), Some(tick_ms)) = (self.leases(host, now), self.lease_tick_ms()) else {
@@ -408,6 +405,15 @@ impl Worker {
         // The tick runs as the root: send the returns now rather than at
         // the wake-up, and the renewals that waited for the tick.
         self.flush_deferred(host, now);
+    }
+
+    /// The lease hits counted in bulk since the last time, added to their
+    /// stat.
+    pub(super) fn add_lease_hits(&self, host: &impl Host) {
+        let hits = self.lease_book.take_hits();
+        if hits > 0 {
+            self.metrics.add(host, Stat::LeaseHits, hits as usize);
+        }
     }
 
     /// A lease ask or a reservation whose answer was lost (a timeout, a
