@@ -208,6 +208,87 @@ fn a_push_turns_the_decision_log_on_and_off() {
     assert_eq!(lines().len(), 4, "off again: {:#?}", lines());
 }
 
+/// A busy client's plugin configuration: leases idle only ten seconds
+/// after their last use, past the one-second drain, so only `on_done` can
+/// give them back. Any change makes new roots: here, the decision log's.
+fn leased(log: Value) -> String {
+    keyed("local")
+        .limits(json!([{"name": "per-hour", "requests": 100_000, "window": "1h"}]))
+        .set("leases", json!({"interval": "10s"}))
+        .set("decision_log", log)
+        .build()
+}
+
+/// Replica 1, pushable, after a busy client's 200 or more requests over
+/// eight connections in turn (both workers take requests, and one may hold
+/// a draw from the other's lease when they go): the replica, its listener
+/// file, and the count admitted. Redis holds more: the leases' units.
+fn after_a_busy_client(t: &Topology) -> (meshlimit_testbed::procs::Proc, std::path::PathBuf, u64) {
+    let (mut replica, lds) = start_pushable(t, &leased(json!({})));
+    t.wait_sees_meshlimitd(1, &mut replica);
+    well_inside_the_hour(30);
+    let mut conns: Vec<http::Conn> = (0..8)
+        .map(|_| http::Conn::new(&t.replica_addr(1)))
+        .collect();
+    // At least 200, and on until a lease holds units unspent: one used
+    // up to its last unit by the last request holds none.
+    let mut admitted = 0;
+    let mut charged = 0;
+    for i in 0..400 {
+        let r = conns[i % 8]
+            .get("/api/x", &[("x-api-key", b"busy")])
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        admitted += 1;
+        if admitted >= 200 {
+            charged = t.key_count("per-hour", "busy");
+            if charged > admitted {
+                break;
+            }
+        }
+    }
+    drop(conns);
+    assert!(
+        t.stat(1, "meshlimit.lease_grants") > 0,
+        "a lease was granted"
+    );
+    assert!(
+        charged > admitted,
+        "a lease holds units beyond the {admitted} admitted: {charged} charged"
+    );
+    (replica, lds, admitted)
+}
+
+/// Waits until Redis holds exactly what was admitted.
+fn wait_charged(t: &Topology, admitted: u64, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let charged = t.key_count("per-hour", "busy");
+        if charged == admitted {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{charged} charged for {admitted} admitted: the old workers' leases were not given back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// What the old roots must have logged: their leases given back, within
+/// the wait, and `proxy_done` accepted (the fake host's rule: from the
+/// root whose `on_done` said it had work left, once).
+fn assert_went_away_cleanly(t: &Topology) {
+    let log = t.logs("replica-1");
+    assert!(log.contains("giving back the units of"), "{log}");
+    assert!(!log.contains("was not waiting"), "{log}");
+    assert!(
+        !log.contains("going away after"),
+        "confirmed in time: {log}"
+    );
+    assert!(!log.contains("panicked"), "{log}");
+}
+
 /// A push while a busy client holds a lease: the old configuration's
 /// workers installed it, and no one else gives it back. Their roots were
 /// deleted once the old listener drained, and with them the tick that
@@ -219,63 +300,34 @@ fn a_push_turns_the_decision_log_on_and_off() {
 #[test]
 fn a_pushed_configuration_gives_the_old_workers_leases_back() {
     let t = without_replicas();
-    // Any change makes new roots: here, the decision log's.
-    let config = |log: Value| {
-        keyed("local")
-            .limits(json!([{"name": "per-hour", "requests": 100_000, "window": "1h"}]))
-            // Idle leases go back only ten seconds after their last use:
-            // past the drain, so only `on_done` can give them back.
-            .set("leases", json!({"interval": "10s"}))
-            .set("decision_log", log)
-            .build()
-    };
-    let (mut replica, lds) = start_pushable(&t, &config(json!({})));
-    t.wait_sees_meshlimitd(1, &mut replica);
-    well_inside_the_hour(30);
-    // Eight connections in turn: both workers take requests, and one may
-    // hold a draw from the other's lease when they go.
-    let mut conns: Vec<http::Conn> = (0..8)
-        .map(|_| http::Conn::new(&t.replica_addr(1)))
-        .collect();
-    let mut admitted = 0;
-    for i in 0..200 {
-        let r = conns[i % 8]
-            .get("/api/x", &[("x-api-key", b"busy")])
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.body);
-        admitted += 1;
+    let (_replica, lds, admitted) = after_a_busy_client(&t);
+    push(&t, &lds, &leased(json!({"denied_only": true})));
+    wait_charged(&t, admitted, Duration::from_secs(8));
+    assert_went_away_cleanly(&t);
+}
+
+/// The same push with meshlimitd away when the old roots go: their
+/// returns fail, and are sent again on the roots' ticks until meshlimitd
+/// is back. The fake host's assumption, checked on the real one: a root
+/// whose `on_done` said it was not done keeps its ticks (and its calls)
+/// until it calls `proxy_done`.
+#[test]
+fn an_old_worker_keeps_its_ticks_until_its_returns_are_confirmed() {
+    let mut t = without_replicas();
+    let (_replica, lds, admitted) = after_a_busy_client(&t);
+    t.stop_meshlimitd();
+    push(&t, &lds, &leased(json!({"denied_only": true})));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !t.logs("replica-1").contains("giving back the units of") {
+        assert!(Instant::now() < deadline, "{}", t.logs("replica-1"));
+        std::thread::sleep(Duration::from_millis(10));
     }
-    drop(conns);
-    assert!(
-        t.stat(1, "meshlimit.lease_grants") > 0,
-        "a lease was granted"
-    );
     let charged = t.key_count("per-hour", "busy");
     assert!(
         charged > admitted,
-        "a lease holds units beyond the {admitted} admitted: {charged} charged"
+        "nothing can be given back with meshlimitd away: {charged} charged"
     );
-    push(&t, &lds, &config(json!({"denied_only": true})));
-    let deadline = Instant::now() + Duration::from_secs(8);
-    loop {
-        let charged = t.key_count("per-hour", "busy");
-        if charged == admitted {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{charged} charged for {admitted} admitted: the old workers' leases were not given back"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let log = t.logs("replica-1");
-    assert!(log.contains("giving back the units of"), "{log}");
-    // Envoy took the roots' `proxy_done` (the fake host's rule: from the
-    // root whose `on_done` said it had work left, once).
-    assert!(!log.contains("was not waiting"), "{log}");
-    assert!(
-        !log.contains("going away after"),
-        "confirmed in time: {log}"
-    );
-    assert!(!log.contains("panicked"), "{log}");
+    t.start_meshlimitd();
+    wait_charged(&t, admitted, Duration::from_secs(8));
+    assert_went_away_cleanly(&t);
 }
