@@ -90,6 +90,13 @@ fn start_pushable(
 /// Pushes `plugin_config` to replica 1 (its listener file replaced whole,
 /// as a control plane replaces a resource) and waits until Envoy took it.
 fn push(t: &Topology, lds: &std::path::Path, plugin_config: &str) {
+    take_push(t, lds, plugin_config);
+    std::thread::sleep(Duration::from_millis(500));
+}
+
+/// [`push`] without the settling wait: returns as soon as Envoy took the
+/// new listener (the old one's drain begins then).
+fn take_push(t: &Topology, lds: &std::path::Path, plugin_config: &str) {
     let updates = || {
         http::envoy_stats(
             &t.replica_admin(1),
@@ -111,7 +118,6 @@ fn push(t: &Topology, lds: &std::path::Path, plugin_config: &str) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    std::thread::sleep(Duration::from_millis(500));
 }
 
 /// Shared data outlives a configuration push under the same `vm_id`. The
@@ -315,8 +321,10 @@ fn a_pushed_configuration_gives_the_old_workers_leases_back() {
 fn an_old_worker_keeps_its_ticks_until_its_returns_are_confirmed() {
     let mut t = without_replicas();
     let (_replica, lds, admitted) = after_a_busy_client(&t);
+    take_push(&t, &lds, &leased(json!({"denied_only": true})));
+    // Away for the drain (a second): fewer failed health checks than
+    // mark it unhealthy (three), so its return is not delayed past that.
     t.stop_meshlimitd();
-    push(&t, &lds, &leased(json!({"denied_only": true})));
     let deadline = Instant::now() + Duration::from_secs(5);
     while !t.logs("replica-1").contains("giving back the units of") {
         assert!(Instant::now() < deadline, "{}", t.logs("replica-1"));
