@@ -15,7 +15,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use meshlimit_testbed::http;
+use meshlimit_testbed::{http, procs};
 use meshlimit_testbed::{Topology, TopologyOptions};
 
 /// The replica's rendered config, its listener moved out to a file Envoy
@@ -267,18 +267,12 @@ fn after_a_busy_client(t: &Topology) -> (meshlimit_testbed::procs::Proc, std::pa
 
 /// Waits until Redis holds exactly what was admitted.
 fn wait_charged(t: &Topology, admitted: u64, within: Duration) {
-    let deadline = Instant::now() + within;
-    loop {
-        let charged = t.key_count("per-hour", "busy");
-        if charged == admitted {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{charged} charged for {admitted} admitted: the old workers' leases were not given back"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let charged = || t.key_count("per-hour", "busy");
+    assert!(
+        eventually(within, || charged() == admitted),
+        "{} charged for {admitted} admitted: the old workers' leases were not given back",
+        charged()
+    );
 }
 
 /// What the old roots must have logged: their leases given back, within
@@ -325,11 +319,12 @@ fn an_old_worker_keeps_its_ticks_until_its_returns_are_confirmed() {
     // Away for the drain (a second): fewer failed health checks than
     // mark it unhealthy (three), so its return is not delayed past that.
     t.stop_meshlimitd();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !t.logs("replica-1").contains("giving back the units of") {
-        assert!(Instant::now() < deadline, "{}", t.logs("replica-1"));
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let went = || t.logs("replica-1").contains("giving back the units of");
+    assert!(
+        procs::eventually(Duration::from_secs(5), went),
+        "{}",
+        t.logs("replica-1")
+    );
     let charged = t.key_count("per-hour", "busy");
     assert!(
         charged > admitted,
