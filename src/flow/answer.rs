@@ -53,7 +53,7 @@ impl Worker {
         self.heard(host, &in_flight.check, &outcome, now);
         if outcome.is_ok() {
             self.send_lost(host, stream.context_id, now);
-            self.resend_returns(host, stream.context_id, now);
+            self.resend_returns(host, stream.context_id);
         }
         self.conclude(
             host,
@@ -106,7 +106,7 @@ impl Worker {
         if let Ok(answer) = &answers {
             self.fleet_switch.hear(host, now, answer.enforcement);
             self.send_lost(host, self.root_context_id, now);
-            self.resend_returns(host, self.root_context_id, now);
+            self.resend_returns(host, self.root_context_id);
         }
         // The checks that queued meanwhile go out before this batch's
         // streams are resumed: meshlimitd and Redis work on the next batch
@@ -114,6 +114,8 @@ impl Worker {
         // waiting for it to finish.
         self.flush(host, now);
         self.settle_batch(host, now, &batch, answers);
+        // The next return call, once this one is answered.
+        self.pump_returns(host, self.root_context_id, false);
         self.finish_closing(host, false);
     }
 

@@ -108,7 +108,8 @@ impl Worker {
             let returns = self.reclaim_records(&leases, now, Due::Now);
             self.send_returns(host, self.root_context_id, returns);
         }
-        self.resend_returns(host, self.root_context_id, now);
+        // Sent again on every tick while it waits: no other call may come.
+        self.resend_returns(host, self.root_context_id);
         self.send_lost(host, self.root_context_id, now);
         self.flush_deferred(host, now);
     }
@@ -117,7 +118,7 @@ impl Worker {
     /// out or waiting.
     fn nothing_left(&self) -> bool {
         self.lease_book.records.borrow().is_empty()
-            && self.lease_book.unconfirmed.is_empty()
+            && self.lease_book.returns.is_empty()
             && self.outbox.is_idle()
     }
 }

@@ -35,8 +35,8 @@ pub(super) struct LeaseBook {
     /// succeeds (see `LeaseAsk::id`; never a call of their own while
     /// meshlimitd fails), until meshlimitd's record of them is gone.
     lost: RefCell<std::collections::VecDeque<(u64, LostAsk)>>,
-    /// Returns whose calls failed, sent again once a call succeeds.
-    pub(super) unconfirmed: super::returns::Unconfirmed,
+    /// Returns not yet confirmed: waiting to go, out, or to go again.
+    pub(super) returns: super::returns::ReturnQueue,
     /// Leases ended early, as this worker heard of them.
     pub(super) ends: super::lease_ends::LeaseEnds,
 }
@@ -74,7 +74,7 @@ impl LeaseBook {
             ticking,
             asks: super::ask_backoff::AskBackoff::default(),
             lost: RefCell::new(std::collections::VecDeque::new()),
-            unconfirmed: super::returns::Unconfirmed::default(),
+            returns: super::returns::ReturnQueue::new(observed),
             ends: super::lease_ends::LeaseEnds::new(ends_key),
         }
     }

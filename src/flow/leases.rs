@@ -401,7 +401,9 @@ impl Worker {
             .due_draws(now, u64::from(tick_ms));
         self.put_back_draws(&leases, due);
         let returns = self.reclaim_records(&leases, now, Due::Idle);
-        self.send_returns(host, self.root_context_id, returns);
+        self.queue_returns(host, returns);
+        // Failed returns too, once a call got through since they failed.
+        self.pump_returns(host, self.root_context_id, true);
         // The tick runs as the root: send the returns now rather than at
         // the wake-up, and the renewals that waited for the tick.
         self.flush_deferred(host, now);

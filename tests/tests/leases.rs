@@ -569,3 +569,111 @@ fn lost_answers_cost_nothing_while_redis_stalls_around_the_timeout() {
     assert_eq!(t.key_count("api/per-minute", "stalled"), 1000);
     assert_no_vm_panics(&t);
 }
+
+/// Everything a limit's counters hold in Redis, over every client: the
+/// fixed-window counters of `limit` (`rule/limit`) summed by one script.
+fn charged_to_all(t: &Topology, limit: &str) -> u64 {
+    let script = "local sum = 0 \
+        for _, k in ipairs(redis.call('KEYS', ARGV[1])) do \
+          if redis.call('TYPE', k).ok == 'string' then \
+            sum = sum + (tonumber(redis.call('GET', k)) or 0) \
+          end \
+        end \
+        return sum";
+    let out = t.redis_cli(&["EVAL", script, "0", &format!("ml:*:{limit}:*")]);
+    out.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("redis-cli: {out}"))
+}
+
+/// Many clients whose leases go idle within a tick or two of each other:
+/// every unit comes back, and the filter says so. Their returns used to go
+/// out together, up to 1,024 in one call, one script each; under load
+/// those scripts outlasted meshlimitd's Redis timeout, its health check
+/// then failed fast ("redis is unhealthy ... retrying shortly"), and the
+/// filter took those answers as refusals: 2 of the first 5 runs left 1,569
+/// (1,000 clients) and 2,341 (2,000 clients) units charged, counted
+/// `lease_returns_unconfirmed` and logged as staying charged until the
+/// window ends. Returns now go 64 a call, one return call at a time, and
+/// one meshlimitd could not apply goes again.
+#[test]
+fn clients_going_idle_together_give_every_unit_back() {
+    const CLIENTS: usize = 2_000;
+    let t = meshlimit_testbed::Topology::start(meshlimit_testbed::TopologyOptions {
+        plugin_config: PluginConfig::new()
+            .limits(json!([{"name": "per-hour", "requests": 100_000, "window": "1h"}]))
+            .build(),
+        replicas: 1,
+        front: false,
+        replica_workers: 1,
+        shared_token: true,
+        ..meshlimit_testbed::TopologyOptions::default()
+    });
+    let well_inside_the_hour = {
+        let into_hour = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() % 3600);
+        into_hour + 60 < 3600
+    };
+    if !well_inside_the_hour {
+        std::thread::sleep(Duration::from_secs(61));
+    }
+    // Three rounds over every client, eight connections: each is busy
+    // (its second request asks for a lease) until the last round, so
+    // their leases go idle within a round of each other.
+    let entry = t.entry();
+    let admitted = AtomicUsize::new(0);
+    for _ in 0..3 {
+        std::thread::scope(|s| {
+            for part in 0..8 {
+                let (entry, admitted) = (&entry, &admitted);
+                s.spawn(move || {
+                    let mut conn = meshlimit_testbed::http::Conn::new(entry);
+                    for client in (part..CLIENTS).step_by(8) {
+                        let id = format!("idle-{client}");
+                        let r = conn
+                            .get("/api/items", &[("x-api-key", id.as_bytes())])
+                            .unwrap();
+                        assert_eq!(r.status, 200, "{}", r.body);
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+    }
+    let admitted = admitted.into_inner() as u64;
+    let grants = t.stat(1, "meshlimit.lease_grants");
+    assert!(
+        grants >= CLIENTS as u64 / 2,
+        "{grants} leases for {CLIENTS} clients"
+    );
+    assert!(charged_to_all(&t, "api/per-hour") > admitted);
+    // An interval (2 s) after their last use, and a tick, the leases go
+    // back; their returns then take what calls they take.
+    assert!(
+        eventually(Duration::from_secs(10), || charged_to_all(
+            &t,
+            "api/per-hour"
+        ) == admitted),
+        "Redis counts {} for {admitted} admitted; {} units given back, {} unconfirmed",
+        charged_to_all(&t, "api/per-hour"),
+        t.stat(1, "meshlimit.lease_returns"),
+        t.stat(1, "meshlimit.lease_returns_unconfirmed"),
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    let (returned, unconfirmed) = (
+        t.stat(1, "meshlimit.lease_returns"),
+        t.stat(1, "meshlimit.lease_returns_unconfirmed"),
+    );
+    assert_eq!(
+        unconfirmed, 0,
+        "{returned} units confirmed given back, {unconfirmed} said to stay charged though Redis counts none"
+    );
+    eprintln!(
+        "{admitted} admitted, {} leased units, {} hits, {returned} units confirmed given back",
+        t.stat(1, "meshlimit.lease_units"),
+        t.lease_hits(),
+    );
+    let log = t.logs("replica-1");
+    assert!(!log.contains("cannot give leased units back"), "{log}");
+}

@@ -1193,3 +1193,91 @@ fn a_worker_that_cannot_give_back_goes_after_its_wait() {
     assert!(h.went(), "gone after 2 s");
     assert_eq!(h.stat("lease_returns_unconfirmed"), 8, "given up, counted");
 }
+
+/// meshlimitd could not apply a return (its Redis health check failed
+/// fast: "retrying shortly"): the return is kept and goes again, with its
+/// id, on the tick. Before, such an outcome was taken as a refusal, and
+/// its units were counted unconfirmed and stayed charged until their
+/// window ended: 1,000 leases idle on one tick made one call of 1,000
+/// returns, whose scripts tripped that health check themselves.
+#[test]
+fn a_return_meshlimitd_could_not_apply_goes_again_on_the_tick() {
+    let mut h = harness("");
+    let calls = h.lease_for_a(&granted(10, 8));
+    h.request("a");
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    let first = h.last_call_body()["settlements"][0].clone();
+    let body = r#"{"results":[],"settled":[{"error":"redis is unhealthy (recent calls failed); retrying shortly","kind":"unavailable"}]}"#;
+    assert!(h.answer_batch(h.last_token(), Some(200), body));
+    assert_eq!(h.stat("lease_returns_unconfirmed"), 0, "kept, not given up");
+    assert_eq!(h.calls(), calls + 1, "not at once: on the tick");
+    h.advance(250);
+    h.tick();
+    assert_eq!(h.calls(), calls + 2, "sent again on the tick");
+    assert_eq!(h.last_call_body()["settlements"][0], first, "with its id");
+    h.confirm_return(h.last_token(), 17);
+    assert_eq!(h.stat("lease_returns"), 7);
+    assert_eq!(h.stat("lease_returns_unconfirmed"), 0);
+}
+
+impl Harness {
+    /// `id`'s first request calls, its second asks for a lease, granted
+    /// with `grant`.
+    fn lease_for(&mut self, id: &str, grant: &str) {
+        for ask in [false, true] {
+            let (_, step) = self.request(id);
+            assert_eq!(step, Step::Pause);
+            self.wake();
+            let body = self.last_call_body();
+            assert_eq!(body["checks"][0]["lease"].is_object(), ask, "{body}");
+            let reply = if ask {
+                grant.to_string()
+            } else {
+                result(true, 19)
+            };
+            assert!(self.answer_batch(self.last_token(), Some(200), &answer(&[reply])));
+        }
+    }
+
+    /// Answers return call `token`, each of its returns confirmed.
+    fn confirm_returns(&self, token: u32, n: usize) {
+        let settled = vec![r#"{"remaining":[17]}"#; n].join(",");
+        let body = format!(r#"{{"results":[],"settled":[{settled}]}}"#);
+        assert!(self.answer_batch(token, Some(200), &body));
+    }
+}
+
+/// A hundred leases idle on one tick: their returns go 64 a call, the
+/// next call once the first is answered. Before, every return due went in
+/// the tick's one call (up to 1,024 of them, one script each): on a
+/// loaded machine its scripts outlasted meshlimitd's Redis timeout,
+/// meshlimitd's health check then refused the rest, and their units stayed
+/// charged until their window ended (`tests/tests/leases.rs`
+/// `clients_going_idle_together_give_every_unit_back`).
+#[test]
+fn returns_due_together_go_a_bounded_number_a_call() {
+    let mut h = harness("");
+    for i in 0..100 {
+        h.lease_for(&format!("c{i}"), &granted(10, 8));
+    }
+    assert_eq!(h.stat("lease_grants"), 100);
+    let calls = h.calls();
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1);
+    let first = h.last_call_body()["settlements"].as_array().map(Vec::len);
+    assert_eq!(first, Some(64));
+    h.advance(250);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1, "one return call at a time");
+    h.confirm_returns(h.last_token(), 64);
+    h.wake();
+    assert_eq!(h.calls(), calls + 2, "the next once the first is answered");
+    let second = h.last_call_body()["settlements"].as_array().map(Vec::len);
+    assert_eq!(second, Some(36));
+    h.confirm_returns(h.last_token(), 36);
+    assert_eq!(h.stat("lease_returns"), 800);
+    assert_eq!(h.stat("lease_returns_unconfirmed"), 0);
+}
