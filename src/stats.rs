@@ -313,7 +313,7 @@ impl Stat {
             Stat::LeaseReturnsUnconfirmed => (
                 "meshlimit.lease_returns_unconfirmed",
                 Counter,
-                "leased units given back without meshlimitd confirming it (refused, or their calls kept failing for ten seconds: a failed return is sent again, with its id, once a call succeeds): perhaps given back, perhaps still charged until their window ends",
+                "leased units given back without meshlimitd confirming it (refused as invalid, or their calls kept failing for ten seconds: a return whose call failed, or that meshlimitd could not apply, is sent again, with its id, once a call succeeds): perhaps given back, perhaps still charged until their window ends",
             ),
             Stat::AnswersLost => (
                 "meshlimit.answers_lost",
