@@ -6,10 +6,11 @@
 //! (`Settlement::id`). Returns wait in a [`ReturnQueue`] and go out
 //! [`RETURNS_PER_CALL`] a call, one return call at a time: meshlimitd runs
 //! each return as a script of its own, and the 1,024 a call could carry
-//! (1,000 leases idle on one tick) outlasted the call's 20 ms timeout and
-//! tripped meshlimitd's Redis health check, which refused the rest
-//! ("retrying shortly") while every other caller fell back with them. The
-//! next return call goes when the last one is answered, or on the tick.
+//! (1,000 leases idle on one tick), on a loaded machine, outlasted its
+//! Redis timeout and tripped its Redis health check, which then fails
+//! every script fast for a while ("retrying shortly"): the call's other
+//! returns, and every other caller's checks. The next return call goes
+//! when the last one is answered, or on the tick.
 //!
 //! A return whose call failed (a timeout, a 503, a failed connection), or
 //! that meshlimitd could not apply (`unavailable`: Redis did not answer),
@@ -33,18 +34,19 @@ use crate::host::Host;
 use crate::shared::lease::{Leases, Reclaim};
 use crate::stats::Stat;
 
-/// Returns one call carries at most: 64 scripts take meshlimitd a
-/// millisecond or two on a local Redis, well within the default 20 ms
-/// timeout even beside a batch of checks, and well under meshlimitd's
-/// 1,024 settlements a call.
+/// Returns one call carries at most: a sixteenth of the 1,024
+/// settlements meshlimitd takes in a call, so that a return call, or a
+/// batch of checks it rides with, is answered within the call's timeout
+/// on a busy machine too.
 pub(super) const RETURNS_PER_CALL: usize = 64;
 /// A return call still unanswered this long after its own timeout is
 /// taken as failed (its answer went with the stream whose callback sent
 /// it), so that the returns it carried go out again.
 const ANSWER_LOST_AFTER_MS: u64 = 1_000;
-/// Returns kept at most, whatever the lease slots: each lease a worker
-/// installs gives one return, and a worker installs at most one lease a
-/// slot; twice that leaves room for a second round while the first waits.
+/// The fewest returns kept. The queue keeps twice the lease slots: each
+/// lease a worker installs gives one return, a worker holds at most one
+/// lease a slot, and twice that leaves room for a second round while the
+/// first waits to go again.
 const MIN_KEPT: usize = 256;
 
 /// Which of a worker's leases give their units back.
