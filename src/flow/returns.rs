@@ -243,6 +243,7 @@ impl ReturnQueue {
             .sum()
     }
 }
+
 impl Worker {
     /// The return of `units` leased units of `check` left unused, charged
     /// where `receipts` say, with an id of its own.
