@@ -106,9 +106,10 @@ impl Worker {
             let draws = self.lease_book.observer.borrow_mut().due_draws(now, 0);
             self.put_back_draws(&leases, draws);
             let returns = self.reclaim_records(&leases, now, Due::Now);
-            self.send_returns(host, self.root_context_id, returns);
+            self.queue_returns(host, returns);
         }
-        // Sent again on every tick while it waits: no other call may come.
+        // Failed ones too, on every tick while it waits: no other call
+        // may come to say meshlimitd is back.
         self.resend_returns(host, self.root_context_id);
         self.send_lost(host, self.root_context_id, now);
         self.flush_deferred(host, now);

@@ -927,9 +927,10 @@ fn a_lost_ask_is_named_in_the_next_call() {
     assert!(h.last_call_body().get("lost").is_none());
 }
 
-/// A lease for "a" that idles and is given back on the tick, in a call
-/// that fails: the harness, the calls before the return's, and the return.
-fn a_failed_return() -> (Harness, usize, serde_json::Value) {
+/// A lease for "a" that idles and is given back on the tick, its call not
+/// yet answered: the harness, the calls before the return's, and the
+/// return.
+fn a_return_sent() -> (Harness, usize, serde_json::Value) {
     let mut h = harness("");
     let calls = h.lease_for_a(&granted(10, 8));
     h.request("a");
@@ -937,6 +938,12 @@ fn a_failed_return() -> (Harness, usize, serde_json::Value) {
     h.tick();
     assert_eq!(h.calls(), calls + 1);
     let sent = h.last_call_body()["settlements"][0].clone();
+    (h, calls, sent)
+}
+
+/// As [`a_return_sent`], its call failed.
+fn a_failed_return() -> (Harness, usize, serde_json::Value) {
+    let (h, calls, sent) = a_return_sent();
     h.answer_batch(h.last_token(), None, "");
     (h, calls, sent)
 }
@@ -1202,13 +1209,7 @@ fn a_worker_that_cannot_give_back_goes_after_its_wait() {
 /// returns, whose scripts tripped that health check themselves.
 #[test]
 fn a_return_meshlimitd_could_not_apply_goes_again_on_the_tick() {
-    let mut h = harness("");
-    let calls = h.lease_for_a(&granted(10, 8));
-    h.request("a");
-    h.advance(1_000);
-    h.tick();
-    assert_eq!(h.calls(), calls + 1);
-    let first = h.last_call_body()["settlements"][0].clone();
+    let (h, calls, first) = a_return_sent();
     let body = r#"{"results":[],"settled":[{"error":"redis is unhealthy (recent calls failed); retrying shortly","kind":"unavailable"}]}"#;
     assert!(h.answer_batch(h.last_token(), Some(200), body));
     assert_eq!(h.stat("lease_returns_unconfirmed"), 0, "kept, not given up");
