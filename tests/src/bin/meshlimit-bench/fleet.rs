@@ -1,6 +1,8 @@
 //! Every process `make bench` measures, started once for the run, and
 //! the rows they make (see the crate doc).
 
+use std::collections::BTreeMap;
+
 use meshlimit_testbed::procs::{Proc, TempDir};
 use meshlimit_testbed::render::{render, template};
 use meshlimit_testbed::topology::{FRONT_PORT, GRPC_PORT, UPSTREAM_PORT};
@@ -35,6 +37,9 @@ pub(crate) struct Fleet {
     native_envoy: Proc,
     /// Envoys answering themselves (rows 12 to 20).
     direct: Vec<DirectEnvoy>,
+    /// More processes of the target pairs' rows (see [`FORKS`]): for each
+    /// fork, the rows' indices into the targets and their Envoys.
+    forks: Vec<Vec<(usize, DirectEnvoy)>>,
     compared: Vec<Topology>,
     _rls_dir: TempDir,
     zipf_dir: TempDir,
@@ -77,6 +82,9 @@ impl Fleet {
             })
             .unwrap_or_default();
         let direct = answering_themselves(&base);
+        let forks = (0..FORKS)
+            .map(|fork| forked_pair_rows(&base, fork))
+            .collect();
         Fleet {
             bare,
             bare_addr,
@@ -93,6 +101,7 @@ impl Fleet {
             native,
             native_envoy,
             direct,
+            forks,
             compared,
             base,
             _rls_dir: rls_dir,
@@ -199,22 +208,38 @@ impl Fleet {
         DIRECT_ROWS
             .iter()
             .zip(&self.direct)
-            .map(
-                |(
-                    (name, _, zipf),
-                    DirectEnvoy {
-                        pid, addr, admin, ..
-                    },
-                )| Target {
-                    many_clients: *zipf,
-                    urls_file: zipf.then(|| {
-                        let dir = self.zipf_dir.path().join(addr.replace([':', '.'], "-"));
-                        let _ = std::fs::create_dir_all(&dir);
-                        zipf_urls(&dir, &format!("http://{addr}/"))
-                    }),
-                    ..direct_row(name, addr, admin.clone(), *pid)
-                },
-            )
+            .map(|(row, envoy)| self.direct_target(row, envoy))
+            .collect()
+    }
+
+    fn direct_target(&self, (name, _, zipf): &DirectRow, envoy: &DirectEnvoy) -> Target {
+        let DirectEnvoy {
+            pid, addr, admin, ..
+        } = envoy;
+        Target {
+            many_clients: *zipf,
+            urls_file: zipf.then(|| {
+                let dir = self.zipf_dir.path().join(addr.replace([':', '.'], "-"));
+                let _ = std::fs::create_dir_all(&dir);
+                zipf_urls(&dir, &format!("http://{addr}/"))
+            }),
+            ..direct_row(name, addr, admin.clone(), *pid)
+        }
+    }
+
+    /// The target pairs' rows in each fork (see [`FORKS`]), by their
+    /// indices into [`Fleet::targets`].
+    pub(crate) fn fork_targets(&self) -> Vec<BTreeMap<usize, Target>> {
+        self.forks
+            .iter()
+            .map(|fork| {
+                fork.iter()
+                    .filter_map(|(i, envoy)| {
+                        let row = DIRECT_ROWS.get(i.checked_sub(FIRST_DIRECT)?)?;
+                        Some((*i, self.direct_target(row, envoy)))
+                    })
+                    .collect()
+            })
             .collect()
     }
 
@@ -236,6 +261,12 @@ impl Fleet {
         topologies
             .into_iter()
             .chain(self.direct.iter().filter_map(|d| d.topology.as_ref()))
+            .chain(
+                self.forks
+                    .iter()
+                    .flatten()
+                    .filter_map(|(_, d)| d.topology.as_ref()),
+            )
             .chain(&self.compared)
             .flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()])
             .chain([Some(std::process::id())])
@@ -373,6 +404,53 @@ fn answering_themselves(base: &Topology) -> Vec<DirectEnvoy> {
             }
         };
         rows.push(row);
+    }
+    rows
+}
+
+/// Processes of the target pairs' rows beyond the first: Envoys of one
+/// build and configuration run at different speeds for as long as they
+/// live (two of one build read 31 and 38 µs of CPU a request in one run,
+/// each in every round; a do-nothing filter's copies, 25 and 29), so a
+/// target read from one process of each row reads the luck of two
+/// processes. Each fork starts the pairs' rows again, and the extra pairs
+/// take the forks in turn (as JMH forks a JVM per run of a benchmark).
+pub(crate) const FORKS: u16 = 2;
+
+/// The index of row 12, the first answering itself, in the targets.
+const FIRST_DIRECT: usize = 10;
+
+/// Fork `fork`'s Envoys of the target pairs' rows (the do-nothing filter
+/// once, for 13 and 16), each with its index into the targets.
+fn forked_pair_rows(base: &Topology, fork: u16) -> Vec<(usize, DirectEnvoy)> {
+    let (noop, addr) = baseline_envoy(base, 7 + fork, &noop_filter(), true);
+    let mut noop = Some(noop);
+    let noop_pid = noop.as_ref().and_then(Proc::pid);
+    let mut rows = Vec::new();
+    for i in crate::full::PAIR_ROWS {
+        let Some((_, Some(filter), _)) = DIRECT_ROWS.get(i - FIRST_DIRECT) else {
+            continue;
+        };
+        let envoy = match filter {
+            None => DirectEnvoy {
+                topology: None,
+                _envoy: noop.take(),
+                pid: noop_pid,
+                addr: addr.clone(),
+                admin: base.addr(19_907 + fork),
+            },
+            Some(config) => {
+                let (t, envoy) = meshlimit_answering(&config());
+                DirectEnvoy {
+                    pid: envoy.pid(),
+                    _envoy: Some(envoy),
+                    addr: t.replica_addr(1),
+                    admin: t.replica_admin(1),
+                    topology: Some(t),
+                }
+            }
+        };
+        rows.push((i, envoy));
     }
     rows
 }

@@ -25,16 +25,19 @@ pub(crate) const BUSY_PAIR: (usize, usize) = (11, 12);
 pub(crate) const ZIPF_PAIR: (usize, usize) = (14, 15);
 pub(crate) const LOCAL_PAIR: (usize, usize) = (11, 17);
 pub(crate) const LOCAL_ZIPF_PAIR: (usize, usize) = (14, 18);
+/// The rows of those pairs, each also run in forks (`fleet::FORKS`).
+pub(crate) const PAIR_ROWS: [usize; 6] = [11, 12, 14, 15, 17, 18];
 /// Extra runs of each target pair, side by side (in turn first and
-/// second). A target is read from the pair's ratios, each of two runs
-/// next to each other: the three repeats' medians of a row alone spanned
-/// 0.84 to 1.00 of the floor in one run, too wide for a target at 0.9.
+/// second), each in the forks' processes in turn. A target is read from
+/// the pair's ratios, each of two runs next to each other: the three
+/// repeats' medians of a row alone spanned 0.84 to 1.00 of the floor in
+/// one run, too wide for a target at 0.9.
 const TARGET_PAIRS: usize = 8;
 
 /// Pins the Envoys under test to a core of their own and everything else
 /// to the others (`pinned`), or lets every process run anywhere. Whether
 /// the runs are pinned (not on one core).
-fn set_pinning(targets: &[Target], support: &[Option<u32>], pinned: bool) -> bool {
+fn set_pinning(targets: &[&Target], support: &[Option<u32>], pinned: bool) -> bool {
     let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
         return false;
     };
@@ -76,14 +79,20 @@ pub(crate) fn bench() {
     );
     let fleet = Fleet::start();
     let targets = fleet.targets();
+    let forks = fleet.fork_targets();
+    // Every Envoy under test, the forks' too.
+    let measured: Vec<&Target> = targets
+        .iter()
+        .chain(forks.iter().flat_map(BTreeMap::values))
+        .collect();
     // The Envoy under test gets a core of its own, as a proxy's worker does
     // in production; its upstream, meshlimitd, Redis and the load generator
     // share the others (in production meshlimitd and Redis are on other
     // machines altogether). Unpinned runs of a few configurations follow.
     let support = fleet.support_pids();
-    let pinned = set_pinning(&targets, &support, true);
+    let pinned = set_pinning(&measured, &support, true);
     // Warm up: JIT, connections, the deny cache, the open breaker.
-    for t in &targets {
+    for t in &measured {
         let _ = run(t, key(t), Some(2_000));
     }
     let calls_before: Vec<(u64, u64, u64)> = targets.iter().map(call_counts).collect();
@@ -100,7 +109,7 @@ pub(crate) fn bench() {
             (calls as f64 / rq.max(1) as f64, cx.saturating_sub(*cx0))
         })
         .collect();
-    let paired = target_pairs(&targets, &saturation);
+    let paired = target_pairs(&targets, &forks, &saturation);
     // Over the saturation runs and the target pairs: every run a ratio is
     // read from.
     let fallbacks: Vec<Fallbacks> = targets
@@ -111,7 +120,7 @@ pub(crate) fn bench() {
     let rate = fixed_rate(&saturation);
     let fixed = fixed_runs(&targets, rate);
     // Unpinned: every process may run on every core, as on a busy node.
-    set_pinning(&targets, &support, false);
+    set_pinning(&measured, &support, false);
     let unpinned = if pinned {
         unpinned_runs(&targets)
     } else {
@@ -209,8 +218,12 @@ fn cpu_share(
 
 /// The target pairs' ratios: the repeats' (each pair ran side by side,
 /// the two rows next to each other), and [`TARGET_PAIRS`] more pairs,
-/// each row in turn first.
-fn target_pairs(targets: &[Target], saturation: &Runs) -> BTreeMap<usize, Vec<f64>> {
+/// each row in turn first, each in the next fork's processes.
+fn target_pairs(
+    targets: &[Target],
+    forks: &[BTreeMap<usize, Target>],
+    saturation: &Runs,
+) -> BTreeMap<usize, Vec<f64>> {
     let mut paired: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     for (floor, row) in [BUSY_PAIR, ZIPF_PAIR, LOCAL_PAIR, LOCAL_ZIPF_PAIR] {
         let (Some(fs), Some(rs)) = (saturation.get(&floor), saturation.get(&row)) else {
@@ -218,10 +231,12 @@ fn target_pairs(targets: &[Target], saturation: &Runs) -> BTreeMap<usize, Vec<f6
         };
         let ratios = paired.entry(row).or_default();
         ratios.extend(fs.iter().zip(rs).map(|(f, r)| r.rps / f.rps.max(1.0)));
-        let (Some(ft), Some(rt)) = (targets.get(floor), targets.get(row)) else {
-            continue;
-        };
         for k in 0..TARGET_PAIRS {
+            let fork = forks.get(k % forks.len().max(1));
+            let pick = |i: usize| fork.and_then(|f| f.get(&i)).or_else(|| targets.get(i));
+            let (Some(ft), Some(rt)) = (pick(floor), pick(row)) else {
+                continue;
+            };
             let rps = |t: &Target| run(t, key(t), None).rps;
             let (f, r) = if k % 2 == 0 {
                 let f = rps(ft);
@@ -231,7 +246,8 @@ fn target_pairs(targets: &[Target], saturation: &Runs) -> BTreeMap<usize, Vec<f6
                 (rps(ft), r)
             };
             println!(
-                "  pair {k} {:<52} {:.3} of the do-nothing filter ({r:.0} vs {f:.0} req/s)",
+                "  pair {k} (fork {}) {:<52} {:.3} of the do-nothing filter ({r:.0} vs {f:.0} req/s)",
+                k % forks.len().max(1) + 1,
                 rt.name,
                 r / f.max(1.0)
             );

@@ -40,8 +40,9 @@
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The throughput targets against the do-nothing filter are
 //! read from pairs run side by side instead (the repeats, and
-//! [`TARGET_PAIRS`] more): the median of the pairs' ratios. The load
-//! generator is oha.
+//! [`TARGET_PAIRS`] more, run in the pairs' rows' forks: more Envoys of
+//! the same rows, see `fleet::FORKS`): the median of the pairs' ratios.
+//! The load generator is oha.
 //!
 //! `MESHLIMIT_BENCH_AB=<builds, separated by :>` (`make bench-ab`) prices a change to
 //! the hit path: see `ab`.

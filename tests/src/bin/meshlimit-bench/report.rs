@@ -8,6 +8,7 @@ use meshlimit_testbed::tools;
 
 use crate::counted::Fallbacks;
 use crate::envoys::compare_wasm;
+use crate::fleet::FORKS;
 use crate::full::{Runs, BUSY_PAIR, LOCAL_PAIR, LOCAL_ZIPF_PAIR, ZIPF_PAIR};
 use crate::load::{
     median, median_of, median_rps, Sample, CONNECTIONS, REPEATS, SATURATION_CONNECTIONS, SECONDS,
@@ -145,8 +146,10 @@ impl Report<'_> {
              for throughput, {CONNECTIONS} for latency at a fixed rate. \
              Runs of {SECONDS} s, interleaved across configurations and repeated {REPEATS} times; medians. \
              Ratios are to configuration 1 from the same run: absolute numbers move with the machine's load, \
-             ratios much less.\n\n",
-            cores()
+             ratios much less. The targets against the do-nothing filter are read from pairs run side by \
+             side, in {} Envoys of each of their rows: the rows' own and {FORKS} forks (see the notes).\n\n",
+            cores(),
+            FORKS + 1
         )
     }
 
