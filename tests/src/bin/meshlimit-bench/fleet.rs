@@ -428,7 +428,10 @@ fn forked_pair_rows(base: &Topology, fork: u16) -> Vec<(usize, DirectEnvoy)> {
     let noop_pid = noop.as_ref().and_then(Proc::pid);
     let mut rows = Vec::new();
     for i in crate::full::PAIR_ROWS {
-        let Some((_, Some(filter), _)) = DIRECT_ROWS.get(i - FIRST_DIRECT) else {
+        let Some((_, Some(filter), _)) = i
+            .checked_sub(FIRST_DIRECT)
+            .and_then(|row| DIRECT_ROWS.get(row))
+        else {
             continue;
         };
         let envoy = match filter {

@@ -80,6 +80,13 @@ pub(crate) fn bench() {
     let fleet = Fleet::start();
     let targets = fleet.targets();
     let forks = fleet.fork_targets();
+    for (i, fork_row) in forks.iter().flatten() {
+        assert_eq!(
+            targets.get(*i).map(|t| t.name),
+            Some(fork_row.name),
+            "a fork's row {i} is not the row the pairs read there"
+        );
+    }
     // Every Envoy under test, the forks' too.
     let measured: Vec<&Target> = targets
         .iter()
