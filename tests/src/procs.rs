@@ -1,10 +1,37 @@
 //! Child processes that are killed (by PID) when their handle drops, with
-//! their output in a log file kept for the failure message.
+//! their output in a log file kept for the failure message; and, for the
+//! binaries built with `panic = "abort"` (the release profile's, for the
+//! filter and meshlimitd), killed by a panic hook when no handle will drop.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+/// Every process spawned and not yet stopped, by PID: what the panic hook
+/// of [`stop_all_on_panic`] kills.
+static RUNNING: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+/// For the testbed's binaries (`make demo`, `make bench`, soak, accuracy):
+/// they run in the release profile, which aborts on a panic, so no
+/// destructor runs and every process they started (Envoys, meshlimitd,
+/// Redis) would outlive them, holding its address and a share of the CPU
+/// the next run measures. The hook kills those first, then reports the
+/// panic as before. Not for tests: they unwind, each test's handles stop
+/// its own processes, and one test's panic must not stop another's.
+pub fn stop_all_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        let running = std::mem::take(&mut *RUNNING.lock().unwrap_or_else(PoisonError::into_inner));
+        for pid in running {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    }));
+}
 
 pub struct Proc {
     pub name: String,
@@ -26,6 +53,10 @@ impl Proc {
             .stderr(err)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}"));
+        RUNNING
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(child.id());
         Proc {
             name: name.to_string(),
             child: Some(child),
@@ -67,6 +98,10 @@ impl Proc {
     /// SIGTERM, then SIGKILL if it lingers.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
+            RUNNING
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .retain(|&p| p != child.id());
             let pid = child.id().to_string();
             let _ = Command::new("kill").args(["-TERM", &pid]).status();
             let deadline = Instant::now() + Duration::from_secs(5);
@@ -169,5 +204,61 @@ impl Drop for TempDir {
         if std::env::var_os("MESHLIMIT_KEEP_LOGS").is_none() {
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Set in the child run of the test below.
+    const CHILD: &str = "MESHLIMIT_PROCS_PANIC_CHILD";
+
+    /// A binary that panics under `panic = "abort"` runs no destructor: the
+    /// child run forgets its handle, as an abort would, and panics; the
+    /// hook must still stop the process it started.
+    #[test]
+    fn a_panic_stops_what_was_started_even_with_no_destructor_run() {
+        if std::env::var_os(CHILD).is_some() {
+            stop_all_on_panic();
+            let dir = TempDir::new("procs-panic");
+            let sleeper = Proc::spawn("sleeper", Command::new("sleep").arg("60"), dir.path());
+            println!("sleeper pid {}", sleeper.pid().unwrap_or(0));
+            std::mem::forget(sleeper);
+            panic!("on purpose: the child run of this test");
+        }
+        let exe = std::env::current_exe().unwrap();
+        let out = Command::new(exe)
+            .args([
+                "--exact",
+                "procs::tests::a_panic_stops_what_was_started_even_with_no_destructor_run",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let pid: u32 = stdout
+            .lines()
+            // libtest prints it after the test's name, on the same line.
+            .find_map(|l| l.split("sleeper pid ").nth(1))
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("the child run printed no pid: {stdout}"));
+        assert!(!out.status.success(), "the child run panicked on purpose");
+        let gone = eventually(Duration::from_secs(5), || {
+            // Gone, or a zombie waiting for init to reap it.
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+            })
+        });
+        if !gone {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+        assert!(gone, "process {pid} outlived the run that started it");
     }
 }

@@ -273,6 +273,7 @@ fn pct(n: u64, of: u64) -> String {
 }
 
 fn main() {
+    meshlimit_testbed::procs::stop_all_on_panic();
     let dir = TempDir::new("accuracy");
     let host = unique_host();
     let redis = RedisServer::start(&host, dir.path());

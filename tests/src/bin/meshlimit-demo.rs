@@ -234,6 +234,7 @@ fn fallback_total(t: &Topology) -> u64 {
 }
 
 fn main() {
+    meshlimit_testbed::procs::stop_all_on_panic();
     let mut t = start();
     let (alice, bob) = act_global(&t);
     let carol = act_redis_down(&mut t);

@@ -298,6 +298,7 @@ fn write_report(rel: &str, report: &str) {
 }
 
 fn main() {
+    meshlimit_testbed::procs::stop_all_on_panic();
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("--flood") => flood(

@@ -83,6 +83,7 @@ mod service;
 mod timers;
 
 fn main() {
+    meshlimit_testbed::procs::stop_all_on_panic();
     machine::cores();
     if std::env::var_os("MESHLIMIT_BENCH_PROFILE").is_some() {
         return profile::profile();
