@@ -17,8 +17,8 @@ static RUNNING: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 /// they run in the release profile, which aborts on a panic, so no
 /// destructor runs and every process they started (Envoys, meshlimitd,
 /// Redis) would outlive them, holding its address and a share of the CPU
-/// the next run measures. The hook kills those first, then reports the
-/// panic as before. Not for tests: they unwind, each test's handles stop
+/// the next run measures. The hook reports the panic as before, then
+/// kills those still running. Not for tests: they unwind, each test's handles stop
 /// its own processes, and one test's panic must not stop another's.
 pub fn stop_all_on_panic() {
     let report = std::panic::take_hook();
@@ -37,6 +37,14 @@ pub struct Proc {
     pub name: String,
     child: Option<Child>,
     pub log: PathBuf,
+}
+
+/// A process reaped or stopped: its PID may be reused, never killed again.
+fn no_longer_running(pid: u32) {
+    RUNNING
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .retain(|&p| p != pid);
 }
 
 impl Proc {
@@ -75,10 +83,14 @@ impl Proc {
 
     /// True while the process runs.
     pub fn alive(&mut self) -> bool {
-        match self.child.as_mut() {
-            Some(c) => matches!(c.try_wait(), Ok(None)),
-            None => false,
+        let Some(c) = self.child.as_mut() else {
+            return false;
+        };
+        if matches!(c.try_wait(), Ok(None)) {
+            return true;
         }
+        no_longer_running(c.id());
+        false
     }
 
     /// Waits for it to exit and returns its status code.
@@ -87,6 +99,7 @@ impl Proc {
         while Instant::now() < deadline {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
+                    no_longer_running(c.id());
                     return status.code();
                 }
             }
@@ -98,21 +111,19 @@ impl Proc {
     /// SIGTERM, then SIGKILL if it lingers.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            RUNNING
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .retain(|&p| p != child.id());
             let pid = child.id().to_string();
             let _ = Command::new("kill").args(["-TERM", &pid]).status();
             let deadline = Instant::now() + Duration::from_secs(5);
             while Instant::now() < deadline {
                 if let Ok(Some(_)) = child.try_wait() {
+                    no_longer_running(child.id());
                     return;
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
             let _ = child.kill();
             let _ = child.wait();
+            no_longer_running(child.id());
         }
     }
 }
