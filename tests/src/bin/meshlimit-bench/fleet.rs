@@ -356,6 +356,20 @@ struct DirectEnvoy {
     admin: String,
 }
 
+impl DirectEnvoy {
+    /// meshlimit with plugin config `config`, in a topology of its own.
+    fn meshlimit(config: &str) -> DirectEnvoy {
+        let (t, envoy) = meshlimit_answering(config);
+        DirectEnvoy {
+            pid: envoy.pid(),
+            _envoy: Some(envoy),
+            addr: t.replica_addr(1),
+            admin: t.replica_admin(1),
+            topology: Some(t),
+        }
+    }
+}
+
 /// Starts the Envoys of [`DIRECT_ROWS`]: bare and the do-nothing filter
 /// once each (13 and 16 are the same Envoy), meshlimit's in topologies of
 /// their own.
@@ -392,16 +406,7 @@ fn answering_themselves(base: &Topology) -> Vec<DirectEnvoy> {
                     }
                 }
             },
-            Some(Some(config)) => {
-                let (t, envoy) = meshlimit_answering(&config());
-                DirectEnvoy {
-                    pid: envoy.pid(),
-                    _envoy: Some(envoy),
-                    addr: t.replica_addr(1),
-                    admin: t.replica_admin(1),
-                    topology: Some(t),
-                }
-            }
+            Some(Some(config)) => DirectEnvoy::meshlimit(&config()),
         };
         rows.push(row);
     }
@@ -442,16 +447,7 @@ fn forked_pair_rows(base: &Topology, fork: u16) -> Vec<(usize, DirectEnvoy)> {
                 addr: addr.clone(),
                 admin: base.addr(19_907 + fork),
             },
-            Some(config) => {
-                let (t, envoy) = meshlimit_answering(&config());
-                DirectEnvoy {
-                    pid: envoy.pid(),
-                    _envoy: Some(envoy),
-                    addr: t.replica_addr(1),
-                    admin: t.replica_admin(1),
-                    topology: Some(t),
-                }
-            }
+            Some(config) => DirectEnvoy::meshlimit(&config()),
         };
         rows.push((i, envoy));
     }
