@@ -10,7 +10,9 @@ use meshlimit_testbed::topology::GRPC_PORT;
 use crate::counted::{calls_to_meshlimitd, Fallbacks};
 use crate::fleet::Fleet;
 use crate::load::{median, median_rps, Sample, LOADGEN_CPUS, REPEATS, SECONDS};
-use crate::machine::{busy_ticks, cores, cpu_sets, cpu_ticks, pin, stat, with_cpu, CpuShare};
+use crate::machine::{
+    busy_ticks, cores, cpu_sets, cpu_ticks, pin, set_test_cores, stat, with_cpu, CpuShare,
+};
 use crate::report::Report;
 use crate::rows::{run, Target};
 use crate::service::{grpc_load, redis_benchmark};
@@ -34,28 +36,26 @@ pub(crate) const PAIR_ROWS: [usize; 6] = [11, 12, 14, 15, 17, 18];
 /// one run, too wide for a target at 0.9.
 const TARGET_PAIRS: usize = 8;
 
-/// Pins the Envoys under test to a core of their own and everything else
-/// to the others (`pinned`), or lets every process run anywhere. Whether
-/// the runs are pinned (not on one core).
+/// Pins the Envoys under test to wait off the test core (each runs there
+/// alone, see `machine::on_the_test_core`) and everything else to the
+/// other cores (`pinned`), or lets every process run anywhere. Whether the
+/// runs are pinned (not on one core).
 fn set_pinning(targets: &[&Target], support: &[Option<u32>], pinned: bool) -> bool {
     let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
         return false;
     };
     let all = format!("0-{}", cores() - 1);
-    let (envoy_cpus, other_cpus) = if pinned {
-        (envoy_cpus, other_cpus)
-    } else {
-        (all.clone(), all)
-    };
+    let waiting = if pinned { other_cpus.clone() } else { all };
     for t in targets {
-        pin(Some(t.pid), &envoy_cpus);
+        pin(Some(t.pid), &waiting);
     }
     for p in support {
-        pin(*p, &other_cpus);
+        pin(*p, &waiting);
     }
     if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
-        *cpus = pinned.then_some(other_cpus);
+        *cpus = pinned.then(|| other_cpus.clone());
     }
+    set_test_cores(pinned.then_some((envoy_cpus, other_cpus)));
     pinned
 }
 

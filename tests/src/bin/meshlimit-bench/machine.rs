@@ -85,9 +85,10 @@ pub(crate) struct CpuShare {
     pub(crate) per_1000: Vec<(&'static str, f64)>,
 }
 
-/// Pins the Envoys under test (`targets`) to a core of their own and the
-/// rest of `topologies` (upstreams, meshlimitd, Redis) and the load
-/// generator to the other, then warms every row up at a fixed rate.
+/// Pins the Envoys under test (`targets`) to wait off the test core (see
+/// [`TEST_CORES`]) and the rest of `topologies` (upstreams, meshlimitd,
+/// Redis) and the load generator to the other cores, then warms every row
+/// up at a fixed rate.
 pub(crate) fn pin_and_warm<'t>(
     what: &str,
     targets: &[Target],
@@ -98,17 +99,48 @@ pub(crate) fn pin_and_warm<'t>(
         panic!("{what} pins Envoy to a core of its own: it needs two cores");
     };
     for t in targets {
-        pin(Some(t.pid), &envoy_cpus);
+        pin(Some(t.pid), &other_cpus);
     }
     for p in topologies.flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()]) {
         pin(p, &other_cpus);
     }
     if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
-        *cpus = Some(other_cpus);
+        *cpus = Some(other_cpus.clone());
     }
+    set_test_cores(Some((envoy_cpus, other_cpus)));
     for t in targets {
         let _ = run(t, key, Some(2_000));
     }
+}
+
+/// While runs are pinned: the core the Envoy under test runs on, alone,
+/// and the cores every other Envoy under test waits on meanwhile. An idle
+/// Envoy still wakes (its timers, health checks, the filter's tick: about
+/// 0.2% of a core each), and a run beside thirty of them was a run beside
+/// their wake-ups: in `make bench-ab`, ten more copies of one build on the
+/// test core made every copy slower, a reading of 0.94 of the do-nothing
+/// filter became 0.87.
+static TEST_CORES: std::sync::Mutex<Option<(String, String)>> = std::sync::Mutex::new(None);
+
+/// Sets (or, with `None`, ends) the pinning [`on_the_test_core`] follows.
+pub(crate) fn set_test_cores(cores: Option<(String, String)>) {
+    if let Ok(mut c) = TEST_CORES.lock() {
+        *c = cores;
+    }
+}
+
+/// Runs `f` (a run against the Envoy `pid`) with that Envoy moved to the
+/// test core for it, and back to wait with the others after; unpinned,
+/// just runs `f`.
+pub(crate) fn on_the_test_core<T>(pid: u32, f: impl FnOnce() -> T) -> T {
+    let cores = TEST_CORES.lock().map(|c| c.clone()).unwrap_or(None);
+    let Some((test, waiting)) = cores else {
+        return f();
+    };
+    pin(Some(pid), &test);
+    let out = f();
+    pin(Some(pid), &waiting);
+    out
 }
 
 /// A saturation run of `t`, with the Envoy CPU it spent per request

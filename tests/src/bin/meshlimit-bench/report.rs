@@ -133,8 +133,8 @@ impl Report<'_> {
         let pinning = match (self.unpinned.is_empty(), cpu_sets()) {
             (false, Some((envoy, others))) => format!(
                 "The Envoy under test runs alone on CPU {envoy}, as a proxy's worker has a core to itself in \
-                 production; its upstream, meshlimitd, Redis and the load generator share CPU(s) {others} \
-                 (in production meshlimitd and Redis run on other machines). A table of unpinned runs follows."
+                 production; its upstream, meshlimitd, Redis and the load generator share CPU(s) {others}, \
+                 where the other Envoys under test wait for their runs (in production meshlimitd and Redis run on other machines). A table of unpinned runs follows."
             ),
             _ => "No CPU pinning: every process shares the machine's cores.".to_string(),
         };

@@ -47,7 +47,12 @@ pub(crate) fn replica_target(
     }
 }
 
+/// One run against `t`, on the test core while runs are pinned.
 pub(crate) fn run(t: &Target, key: &str, rate: Option<u64>) -> Sample {
+    crate::machine::on_the_test_core(t.pid, || run_here(t, key, rate))
+}
+
+fn run_here(t: &Target, key: &str, rate: Option<u64>) -> Sample {
     // The many-clients runs send no id header: it would win over the
     // query parameter.
     let mut headers: Vec<&str> = t.headers.to_vec();
