@@ -117,9 +117,10 @@ pub(crate) fn pin_and_warm<'t>(
 /// and the cores every other Envoy under test waits on meanwhile. An idle
 /// Envoy still wakes (its timers, health checks, the filter's tick: about
 /// 0.2% of a core each), and a run beside thirty of them was a run beside
-/// their wake-ups: in `make bench-ab`, ten more copies of one build on the
-/// test core made every copy slower, a reading of 0.94 of the do-nothing
-/// filter became 0.87.
+/// their wake-ups: in `make bench-ab` with ten more copies of one build,
+/// the copies read 0.75 to 0.92 of the do-nothing filter (median 0.87)
+/// waiting on the test core, and 0.80 to 0.95 (median 0.91) waiting on
+/// the other.
 static TEST_CORES: std::sync::Mutex<Option<(String, String)>> = std::sync::Mutex::new(None);
 
 /// Sets (or, with `None`, ends) the pinning [`on_the_test_core`] follows.
