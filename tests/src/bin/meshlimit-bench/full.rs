@@ -9,10 +9,8 @@ use meshlimit_testbed::topology::GRPC_PORT;
 
 use crate::counted::{calls_to_meshlimitd, Fallbacks};
 use crate::fleet::Fleet;
-use crate::load::{median, median_rps, Sample, LOADGEN_CPUS, REPEATS, SECONDS};
-use crate::machine::{
-    busy_ticks, cores, cpu_sets, cpu_ticks, pin, set_test_cores, stat, with_cpu, CpuShare,
-};
+use crate::load::{median, median_rps, Sample, REPEATS, SECONDS};
+use crate::machine::{busy_ticks, cpu_ticks, pin_for_runs, stat, unpin_all, with_cpu, CpuShare};
 use crate::report::Report;
 use crate::rows::{run, Target};
 use crate::service::{grpc_load, redis_benchmark};
@@ -37,26 +35,20 @@ pub(crate) const PAIR_ROWS: [usize; 6] = [11, 12, 14, 15, 17, 18];
 const TARGET_PAIRS: usize = 8;
 
 /// Pins the Envoys under test to wait off the test core (each runs there
-/// alone, see `machine::on_the_test_core`) and everything else to the
-/// other cores (`pinned`), or lets every process run anywhere. Whether the
-/// runs are pinned (not on one core).
+/// alone, see `machine::pin_for_runs`) and everything else to the other
+/// cores (`pinned`), or lets every process run anywhere. Whether the runs
+/// are pinned (not on one core).
 fn set_pinning(targets: &[&Target], support: &[Option<u32>], pinned: bool) -> bool {
-    let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
-        return false;
-    };
-    let all = format!("0-{}", cores() - 1);
-    let waiting = if pinned { other_cpus.clone() } else { all };
-    for t in targets {
-        pin(Some(t.pid), &waiting);
+    if pinned {
+        return pin_for_runs(targets.iter().map(|t| t.pid), support.iter().copied());
     }
-    for p in support {
-        pin(*p, &waiting);
-    }
-    if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
-        *cpus = pinned.then(|| other_cpus.clone());
-    }
-    set_test_cores(pinned.then_some((envoy_cpus, other_cpus)));
-    pinned
+    unpin_all(
+        targets
+            .iter()
+            .map(|t| Some(t.pid))
+            .chain(support.iter().copied()),
+    );
+    false
 }
 
 /// The client id a row sends: row 4's client is over its limit.

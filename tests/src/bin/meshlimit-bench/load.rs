@@ -30,9 +30,6 @@ pub(crate) fn oha() -> String {
     std::env::var("OHA").unwrap_or_else(|_| "oha".into())
 }
 
-/// CPUs of the load generator while the runs are pinned (None: unpinned).
-pub(crate) static LOADGEN_CPUS: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
-
 /// One oha run; `rate` None means as fast as possible. `url` is a URL, a
 /// regex or a file of URLs, as `how` says; each request then goes to a
 /// URL drawn from it.
@@ -48,7 +45,7 @@ pub(crate) fn load(
     } else {
         SATURATION_CONNECTIONS
     };
-    let loadgen_cpus = LOADGEN_CPUS.lock().map(|c| c.clone()).unwrap_or(None);
+    let loadgen_cpus = crate::machine::loadgen_cores();
     let mut cmd = match loadgen_cpus {
         Some(cpus) => {
             let mut c = Command::new("taskset");

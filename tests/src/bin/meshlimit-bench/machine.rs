@@ -6,7 +6,7 @@ use std::process::Command;
 use meshlimit_testbed::http;
 use meshlimit_testbed::Topology;
 
-use crate::load::{Sample, LOADGEN_CPUS, SECONDS};
+use crate::load::{Sample, SECONDS};
 use crate::rows::{run, Target};
 
 /// The machine's cores, read once, first thing: the bench later pins its
@@ -85,57 +85,84 @@ pub(crate) struct CpuShare {
     pub(crate) per_1000: Vec<(&'static str, f64)>,
 }
 
-/// Pins the Envoys under test (`targets`) to wait off the test core (see
-/// [`TEST_CORES`]) and the rest of `topologies` (upstreams, meshlimitd,
-/// Redis) and the load generator to the other cores, then warms every row
-/// up at a fixed rate.
+/// Pins the Envoys under test (`targets`) to wait off the test core and
+/// the rest of `topologies` (upstreams, meshlimitd, Redis) and the load
+/// generator to the other cores (see [`pin_for_runs`]), then warms every
+/// row up at a fixed rate.
 pub(crate) fn pin_and_warm<'t>(
     what: &str,
     targets: &[Target],
     topologies: impl Iterator<Item = &'t Topology>,
     key: &str,
 ) {
-    let Some((envoy_cpus, other_cpus)) = cpu_sets() else {
+    let support = topologies.flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()]);
+    if !pin_for_runs(targets.iter().map(|t| t.pid), support) {
         panic!("{what} pins Envoy to a core of its own: it needs two cores");
-    };
-    for t in targets {
-        pin(Some(t.pid), &other_cpus);
     }
-    for p in topologies.flat_map(|t| [t.upstream_pid(), t.meshlimitd_pid(), t.redis_pid()]) {
-        pin(p, &other_cpus);
-    }
-    if let Ok(mut cpus) = LOADGEN_CPUS.lock() {
-        *cpus = Some(other_cpus.clone());
-    }
-    set_test_cores(Some((envoy_cpus, other_cpus)));
     for t in targets {
         let _ = run(t, key, Some(2_000));
     }
 }
 
 /// While runs are pinned: the core the Envoy under test runs on, alone,
-/// and the cores every other Envoy under test waits on meanwhile. An idle
-/// Envoy still wakes (its timers, health checks, the filter's tick: about
-/// 0.2% of a core each), and a run beside thirty of them was a run beside
-/// their wake-ups: in `make bench-ab` with ten more copies of one build,
-/// the copies read 0.75 to 0.92 of the do-nothing filter (median 0.87)
-/// waiting on the test core, and 0.80 to 0.95 (median 0.91) waiting on
-/// the other.
-static TEST_CORES: std::sync::Mutex<Option<(String, String)>> = std::sync::Mutex::new(None);
+/// and the cores every other process waits on meanwhile (the other Envoys
+/// under test, the upstreams, meshlimitd, Redis, the load generator). An
+/// idle Envoy still wakes (its timers, health checks, the filter's tick:
+/// about 0.2% of a core each), and a run beside thirty of them was a run
+/// beside their wake-ups: in `make bench-ab` with ten more copies of one
+/// build, the copies read 0.75 to 0.92 of the do-nothing filter (median
+/// 0.87) waiting on the test core, and 0.80 to 0.95 (median 0.91) waiting
+/// on the other.
+static PINNING: std::sync::Mutex<Option<(String, String)>> = std::sync::Mutex::new(None);
 
-/// Sets (or, with `None`, ends) the pinning [`on_the_test_core`] follows.
-pub(crate) fn set_test_cores(cores: Option<(String, String)>) {
-    if let Ok(mut c) = TEST_CORES.lock() {
-        *c = cores;
+fn pinning() -> Option<(String, String)> {
+    PINNING.lock().map(|c| c.clone()).unwrap_or(None)
+}
+
+/// Pins the Envoys under test (`envoys`) and everything else (`support`)
+/// to wait off the test core, where [`on_the_test_core`] moves each for
+/// its run. False (nothing pinned) on one core.
+pub(crate) fn pin_for_runs(
+    envoys: impl IntoIterator<Item = u32>,
+    support: impl IntoIterator<Item = Option<u32>>,
+) -> bool {
+    let Some((test, waiting)) = cpu_sets() else {
+        return false;
+    };
+    for pid in envoys {
+        pin(Some(pid), &waiting);
     }
+    for pid in support {
+        pin(pid, &waiting);
+    }
+    if let Ok(mut p) = PINNING.lock() {
+        *p = Some((test, waiting));
+    }
+    true
+}
+
+/// Ends the pinning: every process may run on every core.
+pub(crate) fn unpin_all(pids: impl IntoIterator<Item = Option<u32>>) {
+    let all = format!("0-{}", cores() - 1);
+    for pid in pids {
+        pin(pid, &all);
+    }
+    if let Ok(mut p) = PINNING.lock() {
+        *p = None;
+    }
+}
+
+/// The cores the load generator runs on while runs are pinned (None:
+/// unpinned).
+pub(crate) fn loadgen_cores() -> Option<String> {
+    pinning().map(|(_, waiting)| waiting)
 }
 
 /// Runs `f` (a run against the Envoy `pid`) with that Envoy moved to the
 /// test core for it, and back to wait with the others after; unpinned,
 /// just runs `f`.
 pub(crate) fn on_the_test_core<T>(pid: u32, f: impl FnOnce() -> T) -> T {
-    let cores = TEST_CORES.lock().map(|c| c.clone()).unwrap_or(None);
-    let Some((test, waiting)) = cores else {
+    let Some((test, waiting)) = pinning() else {
         return f();
     };
     pin(Some(pid), &test);
