@@ -132,6 +132,20 @@ impl PlanMemo {
                 return Plan::Check(Rc::clone(check));
             }
         }
+        self.plan_afresh(config, request, method, path)
+    }
+
+    /// Plans the request, and keeps its check when planning read the same
+    /// inputs as the last time. Out of line: a busy client's requests
+    /// reuse the check, and their code stays short.
+    #[inline(never)]
+    fn plan_afresh(
+        &mut self,
+        config: &Config,
+        request: &impl RequestView,
+        method: &str,
+        path: &str,
+    ) -> Plan {
         let mut inputs = std::mem::take(&mut self.spare);
         inputs.start(method, path);
         let recorder = Recorder {

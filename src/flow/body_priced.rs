@@ -11,6 +11,8 @@ impl Worker {
     /// The headers of a request whose reservation is in its body (not yet
     /// in): held, refused from the deny cache, or let go while the body
     /// waits.
+    #[cold]
+    #[inline(never)]
     pub(super) fn await_body(
         &self,
         host: &impl Host,
@@ -36,7 +38,7 @@ impl Worker {
             // Nothing goes on before the body decides it (a cached
             // deny included: answered once the body is in, a refusal
             // never cuts a client's upload short).
-            stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
+            stream.awaiting_body = Some(Box::new(Rc::unwrap_or_clone(check)));
             return Step::Pause;
         }
         // The headers would go on: a budget the deny cache knows to be
@@ -62,7 +64,7 @@ impl Worker {
                 };
             }
         }
-        stream.awaiting_body = Some(Rc::unwrap_or_clone(check));
+        stream.awaiting_body = Some(Box::new(Rc::unwrap_or_clone(check)));
         Step::Continue
     }
 }

@@ -31,12 +31,12 @@ impl Worker {
         );
         match dispatched {
             Ok(token) => {
-                stream.in_flight = Some(InFlight {
+                stream.in_flight = Some(Box::new(InFlight {
                     token,
                     check,
                     started_ms: now,
                     local,
-                });
+                }));
                 Step::Pause
             }
             Err(e) => {

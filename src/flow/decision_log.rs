@@ -172,6 +172,8 @@ impl DecisionLog {
         x % 1_000_000 < u64::from(config.sample_ppm)
     }
 
+    #[cold]
+    #[inline(never)]
     fn write<'a>(
         &self,
         now: u64,

@@ -120,6 +120,8 @@ impl Worker {
 
     /// Puts every draw this worker holds back in its slot: a lease ended
     /// early takes back what its draws had left.
+    #[cold]
+    #[inline(never)]
     pub(super) fn put_back_every_draw<H: Host>(&self, leases: &Leases<'_, H>) {
         let draws = self.lease_book.observer.borrow_mut().take_all_draws();
         self.put_back_draws(leases, draws);

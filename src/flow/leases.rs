@@ -192,6 +192,7 @@ impl Worker {
     /// left lasts at the check's pace); or, with no lease to
     /// draw from, `None`, and the request's call asks for one when `want`
     /// is not 0 and no other ask is out (the ask, in `Err`).
+    #[inline(never)]
     fn draw<H: Host>(
         &self,
         leases: &Leases<'_, H>,
@@ -270,6 +271,8 @@ impl Worker {
     /// or more, it waits for the next batch or the tick, with other checks'
     /// renewals (a call for many instead of one each); else it goes in the
     /// next batch.
+    #[cold]
+    #[inline(never)]
     fn renew(
         &self,
         host: &impl Host,

@@ -33,6 +33,19 @@ impl Worker {
         if check.local.is_empty() {
             return Outcome::Next(None);
         }
+        self.decide_local_rules(host, stream, (now, reused), check)
+    }
+
+    /// [`Worker::local_rules`] of a check that has some: out of line, so
+    /// that a check without stays short.
+    #[inline(never)]
+    fn decide_local_rules(
+        &self,
+        host: &impl Host,
+        stream: &mut Stream,
+        (now, reused): (u64, bool),
+        check: &Rc<Check>,
+    ) -> Outcome<Option<CheckResult>> {
         if let Some(applied) = local_draws::drawable(check) {
             return Outcome::Decided(self.local_draw(host, stream, (now, reused), check, applied));
         }

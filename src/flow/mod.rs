@@ -110,33 +110,44 @@ pub fn perform(host: &impl Host, step: Step, paused: bool) -> bool {
         }
         Step::Pause => false,
         Step::Reply(reply) => {
-            // A gRPC client reads the HTTP status as UNAVAILABLE, and
-            // retries: it gets a gRPC status instead (one more hostcall,
-            // on replies only).
-            let grpc = crate::reply::is_grpc(host.request_headers().first("content-type"));
-            let sent = if grpc {
-                host.send_grpc_reply(&reply)
-            } else {
-                host.send_reply(&reply)
-            };
-            if !sent {
-                warn!("cannot send the {} response", reply.status);
-            }
+            send_reply(host, &reply);
             false
         }
     }
 }
 
-/// One HTTP request's state.
+/// Answers the current stream with `reply`. Out of line, with the other
+/// paths a lease hit never takes: the hit's code stays short (see
+/// `Worker::on_request_headers`).
+#[cold]
+#[inline(never)]
+fn send_reply(host: &impl Host, reply: &DenyResponse) {
+    // A gRPC client reads the HTTP status as UNAVAILABLE, and retries: it
+    // gets a gRPC status instead (one more hostcall, on replies only).
+    let grpc = crate::reply::is_grpc(host.request_headers().first("content-type"));
+    let sent = if grpc {
+        host.send_grpc_reply(reply)
+    } else {
+        host.send_reply(reply)
+    };
+    if !sent {
+        warn!("cannot send the {} response", reply.status);
+    }
+}
+
+/// One HTTP request's state. The check a stream calls for or prices from
+/// its body is boxed: most streams are hits that hold neither, and a
+/// stream of 640 bytes (natively; 96 with the boxes) made every request's
+/// allocation a large one.
 pub struct Stream {
     pub context_id: u32,
     /// The check this stream called for itself, while the call is out.
-    in_flight: Option<InFlight>,
+    in_flight: Option<Box<InFlight>>,
     /// RateLimit headers to add to the upstream's response.
     response_headers: Headers,
     /// A check whose reservation is read from the request body, while the
     /// body comes in.
-    awaiting_body: Option<Check>,
+    awaiting_body: Option<Box<Check>>,
     /// Admitted without a call (a lease hit, or `scope: local` rules
     /// alone): it was never queued, called for, resumed by the root or
     /// priced in tokens, so the worker's tables of such streams hold
@@ -353,16 +364,22 @@ impl Worker {
     /// The upstream's response headers are in: add the RateLimit headers.
     /// False when the response must wait (a token budget settling first).
     pub fn on_response_headers(&self, host: &impl Host, stream: &mut Stream) -> bool {
-        let mut headers = std::mem::take(&mut stream.response_headers);
         if stream.hit {
             if let Some(hit) = stream.hit_headers.take() {
                 self.add_hit_headers(host, &hit);
             }
-            for (name, value) in headers {
+            for (name, value) in std::mem::take(&mut stream.response_headers) {
                 host.add_response_header(name, &value);
             }
             return true;
         }
+        self.on_decided_response_headers(host, stream)
+    }
+
+    /// The response of a request decided otherwise than as a hit.
+    #[inline(never)]
+    fn on_decided_response_headers(&self, host: &impl Host, stream: &mut Stream) -> bool {
+        let mut headers = std::mem::take(&mut stream.response_headers);
         if let Some(decided) = self.decided_headers.borrow_mut().remove(&stream.context_id) {
             headers.extend(decided);
         }

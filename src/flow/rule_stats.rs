@@ -215,6 +215,8 @@ impl RuleStats {
     }
 
     /// Adds the counts kept in memory to the stats.
+    #[cold]
+    #[inline(never)]
     pub(super) fn flush(&self, host: &impl Host) {
         self.unflushed.set(0);
         let mut pending = self.pending.borrow_mut();

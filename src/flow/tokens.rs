@@ -116,12 +116,14 @@ impl Worker {
             return Step::Continue;
         };
         let body = (size <= max).then(|| host.request_body(size)).flatten();
-        self.decide_with_body(host, stream, check, body.as_deref(), size)
+        self.decide_with_body(host, stream, *check, body.as_deref(), size)
     }
 
     /// Decides a check whose reservation (and body fields) are read from
     /// the request's `body` (`None`: none, or past `max_body_bytes`) of
     /// `size` bytes.
+    #[cold]
+    #[inline(never)]
     pub(super) fn decide_with_body(
         &self,
         host: &impl Host,
