@@ -11,7 +11,6 @@ impl Worker {
     /// The headers of a request whose reservation is in its body (not yet
     /// in): held, refused from the deny cache, or let go while the body
     /// waits.
-    #[cold]
     #[inline(never)]
     pub(super) fn await_body(
         &self,

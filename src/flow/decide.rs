@@ -124,7 +124,6 @@ impl Worker {
     }
 
     /// Stage 3: a deny remembered from an earlier answer.
-    #[cold]
     #[inline(never)]
     pub(super) fn cached_deny(
         &self,
@@ -153,7 +152,6 @@ impl Worker {
     }
 
     /// Stage 4, breaker open: decided by `failure_mode`, without a call.
-    #[cold]
     #[inline(never)]
     fn without_meshlimitd(
         &self,
@@ -179,7 +177,6 @@ impl Worker {
     /// whose answer matters after its request (a lease granted, a
     /// reservation to give back) leaves from the root, group commit or not
     /// (see `outbox`); another, with group commit off, from the stream.
-    #[cold]
     #[inline(never)]
     fn call(
         &self,

@@ -117,9 +117,8 @@ pub fn perform(host: &impl Host, step: Step, paused: bool) -> bool {
 }
 
 /// Answers the current stream with `reply`. Out of line, with the other
-/// paths a lease hit never takes: the hit's code stays short (see
-/// `Worker::on_request_headers`).
-#[cold]
+/// paths a lease hit never takes, so that the hit's code stays short; not
+/// `#[cold]`: under abuse, replies from the deny cache are most requests.
 #[inline(never)]
 fn send_reply(host: &impl Host, reply: &DenyResponse) {
     // A gRPC client reads the HTTP status as UNAVAILABLE, and retries: it

@@ -122,7 +122,6 @@ impl Worker {
     /// Decides a check whose reservation (and body fields) are read from
     /// the request's `body` (`None`: none, or past `max_body_bytes`) of
     /// `size` bytes.
-    #[cold]
     #[inline(never)]
     pub(super) fn decide_with_body(
         &self,
