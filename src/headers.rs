@@ -49,6 +49,11 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
             let policy = draft_policy(limits, statuses.chain(std::iter::repeat(None)));
             draft(policy, name, status.remaining, status.reset_after_ms)
         }
+        HeaderStyle::RateLimitOnly => {
+            let mut now = String::with_capacity(name.len() + 32);
+            push_rate_limit(&mut now, name, status.remaining, status.reset_after_ms);
+            vec![("ratelimit", now)]
+        }
     }
 }
 
@@ -88,6 +93,16 @@ pub fn add_admitted(
         HeaderStyle::Draft => {
             let policy = policy.get_or_init(|| draft_policy(limits, std::iter::repeat(None)));
             add("ratelimit-policy", policy);
+            scratch.clear();
+            push_rate_limit(
+                scratch,
+                &top.limit.qualified_name,
+                remaining,
+                reset_after_ms,
+            );
+            add("ratelimit", scratch);
+        }
+        HeaderStyle::RateLimitOnly => {
             scratch.clear();
             push_rate_limit(
                 scratch,
@@ -236,6 +251,7 @@ mod tests {
         ];
         for style in [
             HeaderStyle::Draft,
+            HeaderStyle::RateLimitOnly,
             HeaderStyle::XRatelimit,
             HeaderStyle::None,
         ] {
@@ -291,6 +307,7 @@ mod tests {
         ];
         for style in [
             HeaderStyle::Draft,
+            HeaderStyle::RateLimitOnly,
             HeaderStyle::XRatelimit,
             HeaderStyle::None,
         ] {
@@ -392,6 +409,27 @@ mod tests {
         );
     }
 
+    /// `ratelimit`: the draft's `RateLimit` as `draft` makes it, and no
+    /// `RateLimit-Policy`.
+    #[test]
+    fn ratelimit_style_sends_the_draft_field_alone() {
+        let (a, b) = (
+            limit("per-second", 10, 1_000),
+            limit("per-hour", 1000, 3_600_000),
+        );
+        let result = CheckResult {
+            allowed: true,
+            limits: vec![st(true, 10, 9, 400, 0), st(true, 1000, 3, 1_800_001, 0)],
+            receipts: None,
+            leased: 0,
+        };
+        let h = rate_limit_headers(HeaderStyle::RateLimitOnly, &[ap(&a), ap(&b)], &result);
+        assert_eq!(
+            h,
+            vec![("ratelimit", "\"api/per-hour\";r=3;t=1801".to_string())]
+        );
+    }
+
     #[test]
     fn x_ratelimit_style() {
         let a = limit("m", 20, 60_000);
@@ -481,7 +519,7 @@ mod proptests {
             remaining in any::<u64>(),
             reset in any::<u64>(),
             allowed in any::<bool>(),
-            style in prop::sample::select(vec![HeaderStyle::Draft, HeaderStyle::XRatelimit, HeaderStyle::None]),
+            style in prop::sample::select(vec![HeaderStyle::Draft, HeaderStyle::RateLimitOnly, HeaderStyle::XRatelimit, HeaderStyle::None]),
         ) {
             let limit = crate::testing::limit(&format!("r/{name}"), requests, window_ms);
             let applied = crate::testing::applied(&limit);

@@ -470,6 +470,11 @@ pub enum FailureMode {
 pub enum HeaderStyle {
     /// `RateLimit-Policy` and `RateLimit` per the IETF httpapi draft.
     Draft,
+    /// The draft's `RateLimit` alone (`r` and `t`): one header, and one
+    /// hostcall, fewer a response, for operators who would rather not
+    /// repeat a policy their clients know (docs/behaviour.md).
+    #[serde(rename = "ratelimit")]
+    RateLimitOnly,
     /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
     XRatelimit,
     None,

@@ -101,6 +101,26 @@ fn full_design_example_parses() {
 }
 
 #[test]
+fn each_header_style_is_read_by_its_name() {
+    for (name, style) in [
+        ("draft", HeaderStyle::Draft),
+        ("ratelimit", HeaderStyle::RateLimitOnly),
+        ("x-ratelimit", HeaderStyle::XRatelimit),
+        ("none", HeaderStyle::None),
+    ] {
+        let json = MINIMAL.replacen(
+            '{',
+            &format!(r#"{{"response": {{"headers": "{name}"}},"#),
+            1,
+        );
+        assert_eq!(parse_str(&json).unwrap().response.headers, style, "{name}");
+    }
+    let wrong = MINIMAL.replacen('{', r#"{"response": {"headers": "rate-limit"},"#, 1);
+    let e = parse_str(&wrong).unwrap_err();
+    assert_eq!(e.field, "response.headers", "{e}");
+}
+
+#[test]
 fn empty_config_is_rejected() {
     assert!(parse(b"").unwrap_err().problem.contains("empty"));
     assert!(parse(b"  \n").unwrap_err().problem.contains("empty"));

@@ -677,3 +677,32 @@ fn clients_going_idle_together_give_every_unit_back() {
     let log = t.logs("replica-1");
     assert!(!log.contains("cannot give leased units back"), "{log}");
 }
+
+/// `response.headers: ratelimit` (the draft's `RateLimit` alone, one
+/// header fewer a response): every response carries `RateLimit` as
+/// `draft` makes it and no `RateLimit-Policy`, those decided from a lease
+/// (made at the response, from the hit) as those decided by a call.
+#[test]
+fn the_ratelimit_style_sends_the_ratelimit_field_alone_from_leases_too() {
+    let t = topology(
+        PluginConfig::new()
+            .limits(json!([{"name": "per-minute", "requests": 1000, "window": "60s"}]))
+            .set("response", json!({"headers": "ratelimit"}))
+            .build(),
+    );
+    wait_for_fresh_window(Duration::from_secs(10));
+    for i in 0..200 {
+        let r = send(&t, &key("one-header"));
+        assert_eq!(r.status, 200, "request {i}: {}", r.body);
+        assert_eq!(r.header("ratelimit-policy"), None, "request {i}");
+        let value = r.header("ratelimit").unwrap_or_default();
+        let fields: Vec<&str> = value.split(';').collect();
+        assert!(
+            matches!(fields.as_slice(), ["\"api/per-minute\"", r, t]
+                if r.strip_prefix("r=").is_some_and(|n| n.parse::<u64>().is_ok_and(|n| n < 1000))
+                    && t.strip_prefix("t=").is_some_and(|s| s.parse::<u64>().is_ok())),
+            "request {i}: RateLimit {value:?}"
+        );
+    }
+    assert!(t.lease_hits() > 0, "no request was decided from a lease");
+}
