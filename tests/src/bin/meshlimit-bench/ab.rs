@@ -237,8 +237,23 @@ type Build = (&'static str, Option<std::path::PathBuf>, String);
 /// `MESHLIMIT_BENCH_AB_RULES=<n>`, this build twice instead: with
 /// `config`, and with `n - 1` more rules the request does not match (the
 /// cost of the per-rule stats a configuration defines, five a limit, and
-/// of the rules the request is matched against).
+/// of the rules the request is matched against); with
+/// `MESHLIMIT_BENCH_AB_HEADERS=<style>`, twice: with `config` and with
+/// that `response.headers`.
 fn ab_builds(others: &[std::path::PathBuf], config: &str) -> Vec<Build> {
+    // MESHLIMIT_BENCH_AB_HEADERS=<style>: this build twice, with the
+    // default `response.headers` and with `style` (what a header costs).
+    if let Ok(style) = std::env::var("MESHLIMIT_BENCH_AB_HEADERS") {
+        let mut styled: serde_json::Value =
+            serde_json::from_str(config).unwrap_or_else(|e| panic!("bench config: {e}"));
+        styled["response"] = json!({ "headers": style });
+        let name: &'static str =
+            Box::leak(format!("this build, headers: {style}").into_boxed_str());
+        return vec![
+            ("this build", None, config.to_string()),
+            (name, None, styled.to_string()),
+        ];
+    }
     let rules: Option<usize> = std::env::var("MESHLIMIT_BENCH_AB_RULES")
         .ok()
         .and_then(|n| n.parse().ok());
