@@ -47,12 +47,12 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
             // length varies (a month): `w` is optional in the draft.
             let statuses = result.limits.iter().map(Some);
             let policy = draft_policy(limits, statuses.chain(std::iter::repeat(None)));
-            draft(policy, name, status.remaining, status.reset_after_ms)
+            let mut headers = vec![("ratelimit-policy", policy)];
+            headers.extend(rate_limit(name, status.remaining, status.reset_after_ms));
+            headers
         }
         HeaderStyle::RateLimitOnly => {
-            let mut now = String::with_capacity(name.len() + 32);
-            push_rate_limit(&mut now, name, status.remaining, status.reset_after_ms);
-            vec![("ratelimit", now)]
+            rate_limit(name, status.remaining, status.reset_after_ms).into()
         }
     }
 }
@@ -90,19 +90,11 @@ pub fn add_admitted(
                 add(name, scratch);
             }
         }
-        HeaderStyle::Draft => {
-            let policy = policy.get_or_init(|| draft_policy(limits, std::iter::repeat(None)));
-            add("ratelimit-policy", policy);
-            scratch.clear();
-            push_rate_limit(
-                scratch,
-                &top.limit.qualified_name,
-                remaining,
-                reset_after_ms,
-            );
-            add("ratelimit", scratch);
-        }
-        HeaderStyle::RateLimitOnly => {
+        HeaderStyle::Draft | HeaderStyle::RateLimitOnly => {
+            if style == HeaderStyle::Draft {
+                let policy = policy.get_or_init(|| draft_policy(limits, std::iter::repeat(None)));
+                add("ratelimit-policy", policy);
+            }
             scratch.clear();
             push_rate_limit(
                 scratch,
@@ -162,11 +154,11 @@ fn draft_policy<'a>(
     policy
 }
 
-/// Both draft headers: `policy`, and `RateLimit` for the limit `name`.
-fn draft(policy: String, name: &str, remaining: u64, reset_after_ms: u64) -> Headers {
+/// The `RateLimit` header for the limit `name`.
+fn rate_limit(name: &str, remaining: u64, reset_after_ms: u64) -> [(&'static str, String); 1] {
     let mut now = String::with_capacity(name.len() + 32);
     push_rate_limit(&mut now, name, remaining, reset_after_ms);
-    vec![("ratelimit-policy", policy), ("ratelimit", now)]
+    [("ratelimit", now)]
 }
 
 /// The `RateLimit` value for the limit `name`: `"name";r=<remaining>;t=<s>`.
