@@ -47,12 +47,13 @@ pub fn rate_limit_headers(style: HeaderStyle, limits: &[Applied], result: &Check
             // length varies (a month): `w` is optional in the draft.
             let statuses = result.limits.iter().map(Some);
             let policy = draft_policy(limits, statuses.chain(std::iter::repeat(None)));
-            let mut headers = vec![("ratelimit-policy", policy)];
-            headers.extend(rate_limit(name, status.remaining, status.reset_after_ms));
-            headers
+            vec![
+                ("ratelimit-policy", policy),
+                rate_limit(name, status.remaining, status.reset_after_ms),
+            ]
         }
         HeaderStyle::RateLimitOnly => {
-            rate_limit(name, status.remaining, status.reset_after_ms).into()
+            vec![rate_limit(name, status.remaining, status.reset_after_ms)]
         }
     }
 }
@@ -155,10 +156,10 @@ fn draft_policy<'a>(
 }
 
 /// The `RateLimit` header for the limit `name`.
-fn rate_limit(name: &str, remaining: u64, reset_after_ms: u64) -> [(&'static str, String); 1] {
+fn rate_limit(name: &str, remaining: u64, reset_after_ms: u64) -> (&'static str, String) {
     let mut now = String::with_capacity(name.len() + 32);
     push_rate_limit(&mut now, name, remaining, reset_after_ms);
-    [("ratelimit", now)]
+    ("ratelimit", now)
 }
 
 /// The `RateLimit` value for the limit `name`: `"name";r=<remaining>;t=<s>`.
@@ -376,19 +377,25 @@ mod tests {
         assert_eq!(h[0].1, "\"api/per-minute\";q=100;w=60");
     }
 
-    #[test]
-    fn draft_lists_policies_and_reports_least_remaining() {
-        let (a, b) = (
-            limit("per-second", 10, 1000),
-            limit("per-hour", 1000, 3_600_000),
-        );
+    /// Two limits admitted, the second with the least remaining.
+    fn per_second_and_per_hour() -> ([Applied; 2], CheckResult) {
+        let limits = [
+            ap(&limit("per-second", 10, 1000)),
+            ap(&limit("per-hour", 1000, 3_600_000)),
+        ];
         let result = CheckResult {
             allowed: true,
             limits: vec![st(true, 10, 9, 400, 0), st(true, 1000, 3, 1_800_001, 0)],
             receipts: None,
             leased: 0,
         };
-        let h = rate_limit_headers(HeaderStyle::Draft, &[ap(&a), ap(&b)], &result);
+        (limits, result)
+    }
+
+    #[test]
+    fn draft_lists_policies_and_reports_least_remaining() {
+        let (limits, result) = per_second_and_per_hour();
+        let h = rate_limit_headers(HeaderStyle::Draft, &limits, &result);
         assert_eq!(
             h,
             vec![
@@ -405,17 +412,8 @@ mod tests {
     /// `RateLimit-Policy`.
     #[test]
     fn ratelimit_style_sends_the_draft_field_alone() {
-        let (a, b) = (
-            limit("per-second", 10, 1_000),
-            limit("per-hour", 1000, 3_600_000),
-        );
-        let result = CheckResult {
-            allowed: true,
-            limits: vec![st(true, 10, 9, 400, 0), st(true, 1000, 3, 1_800_001, 0)],
-            receipts: None,
-            leased: 0,
-        };
-        let h = rate_limit_headers(HeaderStyle::RateLimitOnly, &[ap(&a), ap(&b)], &result);
+        let (limits, result) = per_second_and_per_hour();
+        let h = rate_limit_headers(HeaderStyle::RateLimitOnly, &limits, &result);
         assert_eq!(
             h,
             vec![("ratelimit", "\"api/per-hour\";r=3;t=1801".to_string())]
