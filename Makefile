@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup setup-rust build config-docs test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers bench-perf
+.PHONY: all setup setup-rust build config-docs test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers bench-perf bench-headers
 
 all: build
 
@@ -100,15 +100,30 @@ bench: setup build
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
+# The filter built with each profile feature in $(1) (src/flow/profile.rs),
+# each in target/profile-<feature>.
+define profile-builds
+for v in $(1); do \
+	  $(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-$$v --target-dir target/profile-$$v || exit 1; \
+	done
+endef
+
 ## bench-profile: what each step of the asynchronous path costs Envoy (builds that skip one each); writes docs/benchmarks-profile.md.
 PROFILE_VARIANTS := skip-headers skip-pause skip-call skip-decide skip-plan skip-read
 bench-profile: setup build
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
-	for v in $(PROFILE_VARIANTS); do \
-	  $(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-$$v --target-dir target/profile-$$v || exit 1; \
-	done
+	$(call profile-builds,$(PROFILE_VARIANTS))
 	MESHLIMIT_BENCH_PROFILE=1 $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
+
+## bench-headers: what a lease hit's two RateLimit headers cost, split: this build beside builds that add none, that cross into Envoy in their place without adding them, and that add one-byte ones (src/flow/profile.rs); every Envoy loaded at once, AB_ROUNDS rounds (default 8); prints tables, writes nothing.
+HEADER_VARIANTS := skip-headers headers-cross-only headers-tiny
+HEADER_WASMS := $(foreach v,$(HEADER_VARIANTS),target/profile-$(v)/wasm32-wasip1/release/meshlimit.wasm)
+bench-headers: setup build
+	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
+	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+	$(call profile-builds,$(HEADER_VARIANTS))
+	MESHLIMIT_BENCH_AB=$$(echo $(HEADER_WASMS) | tr ' ' ':') MESHLIMIT_BENCH_AB_TOGETHER=1 MESHLIMIT_BENCH_AB_ROUNDS=$(AB_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-timers: where one Envoy's time goes, inside the VM: a build with each callback and costly hostcall timed (src/wasm/timers.rs), beside this build and the do-nothing filter, one hot client then the Zipf mix (TIMERS_ROUNDS rounds, default 2); prints tables, writes nothing.
 TIMERS_ROUNDS ?= 2

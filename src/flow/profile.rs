@@ -15,6 +15,15 @@
 //! - `SKIP_DECIDE`: a request goes on once its check is planned (its
 //!   headers read, its rules matched, its subject made): what the filter
 //!   costs before it decides anything.
+//!
+//! And, for a lease hit's two RateLimit headers (`make bench-headers`),
+//! builds that make the headers' values but add them otherwise:
+//!
+//! - `HEADERS_CROSS_ONLY`: in place of each header, one crossing into
+//!   Envoy that adds nothing (a clock read): what the crossings and the
+//!   values cost, without Envoy's work for a header.
+//! - `HEADERS_TINY`: each header added with a one-byte name and value:
+//!   Envoy's work for a header, apart from its bytes.
 
 pub(crate) const SKIP_HEADERS: bool = cfg!(feature = "profile-skip-headers");
 pub(crate) const SKIP_PAUSE: bool = cfg!(feature = "profile-skip-pause");
@@ -22,3 +31,5 @@ pub(crate) const SKIP_CALL: bool = cfg!(feature = "profile-skip-call");
 pub(crate) const SKIP_DECIDE: bool = cfg!(feature = "profile-skip-decide");
 pub(crate) const SKIP_READ: bool = cfg!(feature = "profile-skip-read");
 pub(crate) const SKIP_PLAN: bool = cfg!(feature = "profile-skip-plan");
+pub(crate) const HEADERS_CROSS_ONLY: bool = cfg!(feature = "profile-headers-cross-only");
+pub(crate) const HEADERS_TINY: bool = cfg!(feature = "profile-headers-tiny");
