@@ -74,6 +74,10 @@ pub fn meshlimitd() -> PathBuf {
     )
 }
 
+/// The filter's module stays under this size (README): every proxy that
+/// loads it fetches and compiles it, an Istio sidecar per pod.
+pub const WASM_MAX_BYTES: u64 = 1 << 20;
+
 /// The filter module: `MESHLIMIT_WASM` if set (to compare another build of
 /// the filter), else the release build.
 pub fn wasm() -> PathBuf {

@@ -154,3 +154,26 @@ fn the_readmes_install_commands_run_here_too() {
         .count();
     assert!(ran >= 3, "the README's kubectl and compose commands");
 }
+
+/// What every proxy loads: the release module stays under the size the
+/// README promises (`make bench` reports it too), so that growth is caught
+/// by the change that causes it.
+#[test]
+fn the_filter_module_stays_under_one_mib() {
+    let wasm = tools::wasm();
+    let bytes = std::fs::metadata(&wasm)
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot read {}: {e} (`make build` makes it)",
+                wasm.display()
+            )
+        })
+        .len();
+    assert!(
+        bytes < tools::WASM_MAX_BYTES,
+        "{} is {} KiB, over the {} KiB the README promises",
+        wasm.display(),
+        bytes / 1024,
+        tools::WASM_MAX_BYTES / 1024
+    );
+}

@@ -261,7 +261,7 @@ impl Report<'_> {
             md,
             "| wasm module < 1 MiB | {} KiB | {} |",
             self.wasm_bytes / 1024,
-            check(self.wasm_bytes < 1 << 20)
+            check(self.wasm_bytes < tools::WASM_MAX_BYTES)
         );
     }
 
