@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/meshlimit.wasm
 MESHLIMITD := target/release/meshlimitd
 
-.PHONY: all setup setup-rust build config-docs test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers bench-perf bench-headers
+.PHONY: all setup setup-rust build config-docs test unit e2e lint fmt demo compose-configs clean accuracy soak memory fuzz coverage images bench bench-profile bench-ab bench-timers bench-perf bench-headers bench-tools
 
 all: build
 
@@ -94,10 +94,14 @@ images: build
 	docker build -t $(IMAGE_REGISTRY)/meshlimitd:$(IMAGE_TAG) .
 	docker build -f Dockerfile.wasm -t $(IMAGE_REGISTRY)/meshlimit-wasm:$(IMAGE_TAG) .
 
-## bench: configurations side by side, as ratios to bare Envoy (oha, redis-benchmark); writes docs/benchmarks.md and .svg.
-bench: setup build
+# What every bench target loads and compares with: the load generator and
+# the do-nothing filter.
+bench-tools: setup
 	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+
+## bench: configurations side by side, as ratios to bare Envoy (oha, redis-benchmark); writes docs/benchmarks.md and .svg.
+bench: setup build bench-tools
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 # The filter built with each profile feature in $(1) (src/flow/profile.rs),
@@ -110,43 +114,33 @@ endef
 
 ## bench-profile: what each step of the asynchronous path costs Envoy (builds that skip one each); writes docs/benchmarks-profile.md.
 PROFILE_VARIANTS := skip-headers skip-pause skip-call skip-decide skip-plan skip-read
-bench-profile: setup build
-	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
-	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+bench-profile: setup build bench-tools
 	$(call profile-builds,$(PROFILE_VARIANTS))
 	MESHLIMIT_BENCH_PROFILE=1 $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-headers: what a lease hit's two RateLimit headers cost, split: this build beside builds that add none, that cross into Envoy in their place without adding them, and that add one-byte ones (src/flow/profile.rs); every Envoy loaded at once, AB_ROUNDS rounds (default 8); prints tables, writes nothing.
 HEADER_VARIANTS := skip-headers headers-cross-only headers-tiny
 HEADER_WASMS := $(foreach v,$(HEADER_VARIANTS),target/profile-$(v)/wasm32-wasip1/release/meshlimit.wasm)
-bench-headers: setup build
-	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
-	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+bench-headers: setup build bench-tools
 	$(call profile-builds,$(HEADER_VARIANTS))
 	MESHLIMIT_BENCH_AB=$$(echo $(HEADER_WASMS) | tr ' ' ':') MESHLIMIT_BENCH_AB_TOGETHER=1 MESHLIMIT_BENCH_AB_ROUNDS=$(AB_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-timers: where one Envoy's time goes, inside the VM: a build with each callback and costly hostcall timed (src/wasm/timers.rs), beside this build and the do-nothing filter, one hot client then the Zipf mix (TIMERS_ROUNDS rounds, default 2); prints tables, writes nothing.
 TIMERS_ROUNDS ?= 2
 TIMERS_WASM := target/profile-timers/wasm32-wasip1/release/meshlimit.wasm
-bench-timers: setup build
-	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
-	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
+bench-timers: setup build bench-tools
 	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit --features profile-timers --target-dir target/profile-timers
 	MESHLIMIT_BENCH_AB=$(TIMERS_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(TIMERS_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 	MESHLIMIT_BENCH_AB_ZIPF=1 MESHLIMIT_BENCH_AB=$(TIMERS_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(TIMERS_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-perf: where each Envoy's CPU goes per request, from perf's call chains over a bench-ab run (this build beside the do-nothing filter, and AB_WASM if set; MESHLIMIT_BENCH_AB_ZIPF=1 for the mix): the filter's wasm, its hostcalls, Envoy outside the VM, and the call paths that differ (scripts/perf_split.py); recordings in target/bench-perf.
 PERF_ROUNDS ?= 4
-bench-perf: setup build
+bench-perf: setup build bench-tools
 	@command -v perf >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-perf >/dev/null; }
-	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
-	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	MESHLIMIT_BENCH_PERF=$(CURDIR)/target/bench-perf MESHLIMIT_BENCH_AB=$(AB_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(PERF_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
 ## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8); AB_RATE=<req/s> measures p50 at that fixed rate instead, beside Envoy alone.
 AB_ROUNDS ?= 8
-bench-ab: setup build
+bench-ab: setup build bench-tools
 	@test -n "$(AB_WASM)" || { echo "bench-ab: set AB_WASM to the build to compare with" >&2; exit 2; }
-	@command -v oha >/dev/null || $(CARGO) install oha --version 1.16.0 --locked
-	$(CARGO) build --release --target wasm32-wasip1 -p meshlimit-bench-noop
 	MESHLIMIT_BENCH_AB=$(AB_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(AB_ROUNDS) MESHLIMIT_BENCH_AB_RATE=$(AB_RATE) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
