@@ -244,34 +244,25 @@ fn ab_builds(others: &[std::path::PathBuf], config: &str) -> Vec<Build> {
     // MESHLIMIT_BENCH_AB_HEADERS=<style>: this build twice, with the
     // default `response.headers` and with `style` (what a header costs).
     if let Ok(style) = std::env::var("MESHLIMIT_BENCH_AB_HEADERS") {
-        let mut styled: serde_json::Value =
-            serde_json::from_str(config).unwrap_or_else(|e| panic!("bench config: {e}"));
-        styled["response"] = json!({ "headers": style });
-        let name: &'static str =
-            Box::leak(format!("this build, headers: {style}").into_boxed_str());
-        return vec![
-            ("this build", None, config.to_string()),
-            (name, None, styled.to_string()),
-        ];
+        let name = format!("this build, headers: {style}");
+        return this_build_twice(config, "this build", name, |styled| {
+            styled["response"] = json!({ "headers": style });
+        });
     }
     let rules: Option<usize> = std::env::var("MESHLIMIT_BENCH_AB_RULES")
         .ok()
         .and_then(|n| n.parse().ok());
     if let Some(n) = rules {
-        let mut many: serde_json::Value =
-            serde_json::from_str(config).unwrap_or_else(|e| panic!("bench config: {e}"));
-        if let Some(rules) = many["rules"].as_array_mut() {
-            for i in 1..n {
-                rules.push(json!({"name": format!("other-{i}"),
-                    "match": {"path": {"prefix": format!("/other-{i}/")}},
-                    "limits": [{"name": "hour", "requests": 1_000_000_000u64, "window": "1h"}]}));
+        let name = format!("this build, {n} rules");
+        return this_build_twice(config, "this build, 1 rule", name, |many| {
+            if let Some(rules) = many["rules"].as_array_mut() {
+                for i in 1..n {
+                    rules.push(json!({"name": format!("other-{i}"),
+                        "match": {"path": {"prefix": format!("/other-{i}/")}},
+                        "limits": [{"name": "hour", "requests": 1_000_000_000u64, "window": "1h"}]}));
+                }
             }
-        }
-        let name: &'static str = Box::leak(format!("this build, {n} rules").into_boxed_str());
-        return vec![
-            ("this build, 1 rule", None, config.to_string()),
-            (name, None, many.to_string()),
-        ];
+        });
     }
     for other in others {
         assert!(
@@ -286,4 +277,21 @@ fn ab_builds(others: &[std::path::PathBuf], config: &str) -> Vec<Build> {
             (name, Some(p.clone()), config.to_string())
         }))
         .collect()
+}
+
+/// This build twice: named `first` with `config`, and named `second` with
+/// `config` as `edit` changes it.
+fn this_build_twice(
+    config: &str,
+    first: &'static str,
+    second: String,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> Vec<Build> {
+    let mut edited: serde_json::Value =
+        serde_json::from_str(config).unwrap_or_else(|e| panic!("bench config: {e}"));
+    edit(&mut edited);
+    vec![
+        (first, None, config.to_string()),
+        (Box::leak(second.into_boxed_str()), None, edited.to_string()),
+    ]
 }
