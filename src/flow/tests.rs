@@ -8,6 +8,7 @@ use serde_json::json;
 
 mod decision_log;
 mod fleet_switch;
+mod interleavings;
 mod leases;
 mod local;
 mod routing;

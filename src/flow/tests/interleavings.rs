@@ -1,0 +1,518 @@
+//! Random interleavings of everything that can happen to a worker:
+//! requests of a few clients, the root's wake-ups and ticks, answers in
+//! any order (right, lost, 503, malformed, short of a result, every number
+//! at `u64::MAX`), streams reset at any point, time passing; with leases,
+//! group commit on or off, two limits, a `scope: local` rule, or
+//! `failure_mode: deny`. The right answers come from a model meshlimitd
+//! that keeps exact counters, so that, whatever the order:
+//!
+//! - no callback panics (these tests build with overflow checks, so an
+//!   arithmetic overflow the release build would wrap is caught here);
+//! - the flow acts only on a stream that waits for it, and once;
+//! - no stream is stranded: once every call is answered and the root has
+//!   run, every paused stream still alive was resumed or replied to;
+//! - with no call failing, or with `failure_mode: deny`, no client is
+//!   admitted more requests than the model charged it units (leases
+//!   included): nothing goes on that meshlimitd did not count;
+//! - whatever failed, every admission is a unit the model charged or a
+//!   decision the fallback made and counted (`fallback_allowed`).
+//!
+//! Each was seen failing on a flow broken for it (a failed call left
+//! paused; a lease hit that spends half a unit; a fallback admission
+//! counted as a denial). `PROPTEST_CASES=20000` runs more (80 s).
+
+use std::collections::{HashMap, HashSet};
+
+use meshlimit_protocol::{
+    CheckOutcome, CheckRequest, CheckResponse, CheckResult, LimitStatus, Receipt, SettleOutcome,
+};
+use proptest::prelude::*;
+
+use super::*;
+
+const CLIENTS: [&str; 3] = ["a", "b", "c"];
+const WINDOW_MS: u64 = 60_000;
+
+/// How the model answers a call.
+#[derive(Debug, Clone, Copy)]
+enum Reply {
+    /// As meshlimitd would: exact counters, leases granted from them.
+    Right,
+    /// No answer: a timeout or reset (Envoy calls back with no headers).
+    Lost,
+    /// A 503, as meshlimitd sends when Redis is away.
+    Unavailable,
+    /// A 200 whose body is not an answer.
+    Malformed,
+    /// The model's answer with every number at `u64::MAX` (a meshlimitd
+    /// gone wrong, or not meshlimitd at all).
+    Extreme,
+    /// The model's answer with one result fewer than the checks.
+    Short,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Request(usize),
+    Wake,
+    Tick,
+    /// Answers the `n`th call still unanswered (modulo their number).
+    Answer(usize, Reply),
+    /// The `n`th stream still alive gets its response (if admitted) and
+    /// ends, or is reset (if it waits).
+    End(usize),
+    Advance(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..CLIENTS.len()).prop_map(Op::Request),
+        3 => Just(Op::Wake),
+        1 => Just(Op::Tick),
+        5 => (any::<usize>(), reply()).prop_map(|(n, r)| Op::Answer(n, r)),
+        3 => any::<usize>().prop_map(Op::End),
+        2 => prop_oneof![Just(1u64), Just(40), Just(300), Just(2_500)].prop_map(Op::Advance),
+    ]
+}
+
+fn reply() -> impl Strategy<Value = Reply> {
+    prop_oneof![
+        12 => Just(Reply::Right),
+        1 => Just(Reply::Lost),
+        1 => Just(Reply::Unavailable),
+        1 => Just(Reply::Malformed),
+        1 => Just(Reply::Extreme),
+        1 => Just(Reply::Short),
+    ]
+}
+
+/// Every number in `value` set to `u64::MAX`.
+fn extreme(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Number(n) => *n = u64::MAX.into(),
+        serde_json::Value::Array(items) => items.iter_mut().for_each(extreme),
+        serde_json::Value::Object(fields) => fields.values_mut().for_each(extreme),
+        _ => {}
+    }
+}
+
+/// Where a stream stands, as the test saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    Waiting,
+    Admitted,
+    Refused,
+}
+
+struct Live {
+    stream: Stream,
+    client: usize,
+    fate: Fate,
+}
+
+/// meshlimitd with exact fixed-window counters, one per subject.
+#[derive(Default)]
+struct Model {
+    /// Units charged per subject in the current window.
+    used: HashMap<String, u64>,
+    window: u64,
+    /// Units charged per subject over the whole run (costs and leases).
+    charged: HashMap<String, u64>,
+}
+
+impl Model {
+    fn answer(&mut self, body: &[u8], now: u64) -> String {
+        let window = now / WINDOW_MS;
+        if window != self.window {
+            self.window = window;
+            self.used.clear();
+        }
+        let reset_after_ms = (window + 1) * WINDOW_MS - now;
+        let request: CheckRequest = serde_json::from_slice(body).unwrap();
+        let results = request
+            .checks
+            .iter()
+            .map(|check| {
+                let limit = check.limits.iter().map(|l| l.requests).min().unwrap_or(0);
+                let cost = check.limits.first().map_or(1, |l| l.cost);
+                let used = self.used.entry(check.subject.clone()).or_default();
+                let allowed = *used + cost <= limit;
+                let mut leased = 0;
+                if allowed {
+                    *used += cost;
+                    if let Some(ask) = check.lease {
+                        leased = ask.units.min((limit - *used) / ask.share.max(1));
+                        *used += leased;
+                    }
+                    *self.charged.entry(check.subject.clone()).or_default() += cost + leased;
+                }
+                let remaining = limit - *used;
+                CheckOutcome::Decided(CheckResult {
+                    allowed,
+                    limits: check
+                        .limits
+                        .iter()
+                        .map(|l| LimitStatus {
+                            allowed,
+                            limit: l.requests,
+                            remaining,
+                            reset_after_ms,
+                            retry_after_ms: if allowed { 0 } else { reset_after_ms },
+                            shadow: false,
+                            reason: None,
+                        })
+                        .collect(),
+                    receipts: (allowed && (leased > 0 || check.receipt)).then(|| {
+                        check
+                            .limits
+                            .iter()
+                            .map(|_| Receipt {
+                                clock_us: now * 1000,
+                                nonce: format!("n.{now}"),
+                                place: 1,
+                                epoch: 0,
+                                units: cost + leased,
+                                mac: String::new(),
+                            })
+                            .collect()
+                    }),
+                    leased,
+                })
+            })
+            .collect();
+        // Returns are settlements at 0: applied, and (to stay an upper
+        // bound) not taken off `charged`.
+        let settled = request
+            .settlements
+            .iter()
+            .map(|s| SettleOutcome::Settled {
+                remaining: vec![0; s.limits.len()],
+            })
+            .collect();
+        serde_json::to_string(&CheckResponse {
+            results,
+            settled,
+            enforcement: None,
+        })
+        .unwrap()
+    }
+}
+
+struct Run {
+    h: Harness,
+    model: Model,
+    streams: HashMap<u32, Live>,
+    answered: HashSet<u32>,
+    admitted: [u64; CLIENTS.len()],
+    /// A call failed (lost, 503, malformed): the fallback may have
+    /// decided, and admits by its own local counters.
+    faults: bool,
+    setup: Setup,
+}
+
+/// The configurations tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Setup {
+    OneLimit,
+    /// A second, shorter limit on the same rule (the tighter decides).
+    TwoLimits,
+    /// A `scope: local` rule before the global one.
+    WithLocalRule,
+    /// `failure_mode: deny`: nothing meshlimitd did not charge goes on.
+    FailClosed,
+}
+
+impl Run {
+    fn new(limit: u64, group_commit: bool, setup: Setup) -> Run {
+        let (extra, rules) = match setup {
+            Setup::OneLimit => (
+                "",
+                format!(
+                    r#"{{"name": "api", "match": {{"path_prefix": "/api/"}},
+                "limits": [{{"name": "m", "requests": {limit}, "window": "60s"}}]}}"#
+                ),
+            ),
+            Setup::TwoLimits => (
+                "",
+                format!(
+                    r#"{{"name": "api", "match": {{"path_prefix": "/api/"}},
+                "limits": [{{"name": "s", "requests": {}, "window": "1s"}},
+                           {{"name": "m", "requests": {limit}, "window": "60s"}}]}}"#,
+                    limit.div_ceil(4)
+                ),
+            ),
+            Setup::WithLocalRule => (
+                "",
+                format!(
+                    r#"{{"name": "edge", "scope": "local",
+                "limits": [{{"name": "s", "requests": 4, "window": "1s"}}]}},
+                {{"name": "api", "limits": [{{"name": "m", "requests": {limit}, "window": "60s"}}]}}"#
+                ),
+            ),
+            Setup::FailClosed => (
+                r#""failure_mode": "deny","#,
+                format!(
+                    r#"{{"name": "api",
+                "limits": [{{"name": "m", "requests": {limit}, "window": "60s"}}]}}"#
+                ),
+            ),
+        };
+        let config = crate::config::parse(
+            format!(
+                r#"{{{extra} "leases": {{"interval": "1s"}}, "group_commit": {{"enabled": {group_commit}}},
+                "client_id": {{"headers": ["x-api-key"], "when_missing": "reject"}},
+                "rules": [{rules}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        Run {
+            h: harness_with(config),
+            model: Model::default(),
+            streams: HashMap::new(),
+            answered: HashSet::new(),
+            admitted: [0; CLIENTS.len()],
+            faults: false,
+            setup,
+        }
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match *op {
+            Op::Request(client) => {
+                let (stream, step) = self.h.request(CLIENTS[client]);
+                let id = stream.context_id;
+                self.streams.insert(
+                    id,
+                    Live {
+                        stream,
+                        client,
+                        fate: Fate::Waiting,
+                    },
+                );
+                self.decided_by_step(id, step);
+            }
+            Op::Wake => self.h.wake(),
+            Op::Tick => self.h.tick(),
+            Op::Answer(n, reply) => {
+                let mut open = self.unanswered();
+                if open.is_empty() {
+                    return;
+                }
+                open.sort_unstable();
+                let token = open[n % open.len()];
+                self.answer(token, reply);
+            }
+            Op::End(n) => {
+                let mut alive: Vec<u32> = self.streams.keys().copied().collect();
+                if alive.is_empty() {
+                    return;
+                }
+                alive.sort_unstable();
+                let id = alive[n % alive.len()];
+                let mut live = self.streams.remove(&id).unwrap();
+                if live.fate == Fate::Admitted {
+                    self.h.host.enter(id);
+                    self.h
+                        .worker
+                        .on_response_headers(&self.h.host, &mut live.stream);
+                }
+                self.h.end(&live.stream);
+            }
+            Op::Advance(ms) => self.h.advance(ms),
+        }
+        self.collect_acted();
+    }
+
+    fn unanswered(&self) -> Vec<u32> {
+        self.h
+            .host
+            .sent
+            .borrow()
+            .iter()
+            .map(|c| c.token)
+            .filter(|t| !self.answered.contains(t))
+            .collect()
+    }
+
+    /// Call `token` comes back where the SDK sends it: to the stream whose
+    /// own call it is, to the root, or nowhere (its context ended).
+    fn answer(&mut self, token: u32, reply: Reply) {
+        self.answered.insert(token);
+        let Some(to) = self.h.host.answer_goes_to(token) else {
+            return;
+        };
+        let body = self
+            .h
+            .host
+            .sent
+            .borrow()
+            .iter()
+            .find(|c| c.token == token)
+            .map(|c| c.body.clone())
+            .unwrap();
+        let (status, body) = match reply {
+            Reply::Right => (Some(200), self.model.answer(&body, self.h.host.now.get())),
+            Reply::Lost => (None, String::new()),
+            Reply::Unavailable => (Some(503), r#"{"error":"unavailable"}"#.to_string()),
+            Reply::Malformed => (Some(200), r#"{"results":[{"allowed":"#.to_string()),
+            Reply::Extreme => {
+                let right = self.model.answer(&body, self.h.host.now.get());
+                let mut answer: serde_json::Value = serde_json::from_str(&right).unwrap();
+                extreme(&mut answer);
+                (Some(200), answer.to_string())
+            }
+            Reply::Short => {
+                let right = self.model.answer(&body, self.h.host.now.get());
+                let mut answer: CheckResponse = serde_json::from_str(&right).unwrap();
+                answer.results.pop();
+                (Some(200), serde_json::to_string(&answer).unwrap())
+            }
+        };
+        if !matches!(reply, Reply::Right) {
+            self.faults = true;
+        }
+        self.h.host.respond(status, &body);
+        self.h.host.enter(to);
+        let headers = usize::from(status.is_some());
+        let owner = self
+            .streams
+            .get(&to)
+            .is_some_and(|l| self.h.worker.owns_call(&l.stream, token));
+        if owner {
+            let live = self.streams.get_mut(&to).unwrap();
+            let step =
+                self.h
+                    .worker
+                    .on_call_answer(&self.h.host, &mut live.stream, headers, body.len());
+            self.decided_by_step(to, step);
+        } else {
+            self.h
+                .worker
+                .on_batch_answer(&self.h.host, token, headers, body.len());
+        }
+    }
+
+    /// A callback's own step for stream `id` (not through the host).
+    fn decided_by_step(&mut self, id: u32, step: Step) {
+        match step {
+            Step::Pause => {}
+            Step::Continue => self.decide(id, Fate::Admitted),
+            Step::Reply(_) => self.decide(id, Fate::Refused),
+        }
+    }
+
+    fn decide(&mut self, id: u32, fate: Fate) {
+        let live = self
+            .streams
+            .get_mut(&id)
+            .unwrap_or_else(|| panic!("the flow acted on stream {id}, which is not alive"));
+        assert_eq!(
+            live.fate,
+            Fate::Waiting,
+            "stream {id} was decided twice ({:?}, then {fate:?})",
+            live.fate
+        );
+        live.fate = fate;
+        if fate == Fate::Admitted {
+            self.admitted[live.client] += 1;
+        }
+    }
+
+    /// What the root (or a callback) did to streams through the host.
+    fn collect_acted(&mut self) {
+        for acted in self.h.host.take_acted() {
+            match acted {
+                Acted::Resumed(id) => self.decide(id, Fate::Admitted),
+                Acted::Replied(id, _) => self.decide(id, Fate::Refused),
+                Acted::ResumedResponse(id) => panic!("no response of {id} was paused"),
+            }
+        }
+    }
+
+    /// Every call answered (rightly, or as lost while `faults`), the root
+    /// woken and ticked, time passing, until nothing is left to answer.
+    fn drain(&mut self) {
+        for _ in 0..64 {
+            self.h.wake();
+            self.collect_acted();
+            let open = self.unanswered();
+            if open.is_empty() {
+                break;
+            }
+            for token in open {
+                self.answer(token, Reply::Right);
+                self.collect_acted();
+            }
+            self.h.tick();
+            self.collect_acted();
+            self.h.advance(100);
+        }
+        assert!(self.unanswered().is_empty(), "calls kept coming");
+    }
+
+    fn check(&self) {
+        for (id, live) in &self.streams {
+            assert_ne!(live.fate, Fate::Waiting, "stream {id} was stranded");
+        }
+        let charged = |client: &str| {
+            self.model
+                .charged
+                .iter()
+                .filter(|(subject, _)| subject.ends_with(&format!(":{client}")))
+                .map(|(_, units)| units)
+                .sum::<u64>()
+        };
+        if self.faults && self.setup != Setup::FailClosed {
+            // Whatever failed, an admission is a unit meshlimitd charged or
+            // a decision the fallback made and counted.
+            let admitted: u64 = self.admitted.iter().sum();
+            let charged: u64 = CLIENTS.iter().map(|c| charged(c)).sum();
+            let fallback = self.h.stat("fallback_allowed");
+            assert!(
+                admitted <= charged + fallback,
+                "{admitted} admitted, {charged} charged, {fallback} by the fallback"
+            );
+        } else {
+            for (client, admitted) in CLIENTS.iter().zip(self.admitted) {
+                let charged = charged(client);
+                assert!(
+                    admitted <= charged,
+                    "client {client}: {admitted} admitted, {charged} charged"
+                );
+            }
+            if !self.faults {
+                assert_eq!(self.h.fallbacks(), 0, "nothing failed");
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        // More with PROPTEST_CASES (e.g. 20000) when hunting.
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(256),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn no_interleaving_strands_a_stream_or_admits_an_uncharged_request(
+        limit in prop_oneof![Just(3u64), Just(40), Just(1_000)],
+        group_commit in any::<bool>(),
+        setup in prop_oneof![
+            Just(Setup::OneLimit),
+            Just(Setup::TwoLimits),
+            Just(Setup::WithLocalRule),
+            Just(Setup::FailClosed),
+        ],
+        ops in proptest::collection::vec(op(), 1..80),
+    ) {
+        let mut run = Run::new(limit, group_commit, setup);
+        for op in &ops {
+            run.apply(op);
+        }
+        run.drain();
+        run.check();
+    }
+}
