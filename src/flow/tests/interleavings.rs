@@ -2,15 +2,17 @@
 //! requests of a few clients, the root's wake-ups and ticks, answers in
 //! any order (right, lost, 503, malformed, short of a result, every number
 //! at `u64::MAX`), streams reset at any point, time passing; with leases,
-//! group commit on or off, two limits, a `scope: local` rule, or
-//! `failure_mode: deny`. The right answers come from a model meshlimitd
+//! group commit on or off, two limits, a `scope: local` rule,
+//! `failure_mode: deny`, or a token budget (request bodies, responses
+//! paused for their settlement). The right answers come from a model meshlimitd
 //! that keeps exact counters, so that, whatever the order:
 //!
 //! - no callback panics (these tests build with overflow checks, so an
 //!   arithmetic overflow the release build would wrap is caught here);
 //! - the flow acts only on a stream that waits for it, and once;
 //! - no stream is stranded: once every call is answered and the root has
-//!   run, every paused stream still alive was resumed or replied to;
+//!   run, every paused request still alive was resumed or replied to, and
+//!   every paused response resumed;
 //! - with no call failing, or with `failure_mode: deny`, no client is
 //!   admitted more requests than the model charged it units (leases
 //!   included): nothing goes on that meshlimitd did not count;
@@ -19,7 +21,8 @@
 //!
 //! Each was seen failing on a flow broken for it (a failed call left
 //! paused; a lease hit that spends half a unit; a fallback admission
-//! counted as a denial). `PROPTEST_CASES=20000` runs more (80 s).
+//! counted as a denial; a failed settlement that leaves its response
+//! paused). `PROPTEST_CASES=20000` runs more (80 s).
 
 use std::collections::{HashMap, HashSet};
 
@@ -61,6 +64,12 @@ enum Op {
     /// The `n`th stream still alive gets its response (if admitted) and
     /// ends, or is reset (if it waits).
     End(usize),
+    /// The `n`th stream whose request body is due sends it, whole
+    /// (token budgets).
+    Body(usize),
+    /// The `n`th stream admitted gets its response headers, or, once they
+    /// went on, its response body, whole (token budgets).
+    Respond(usize),
     Advance(u64),
 }
 
@@ -71,6 +80,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Tick),
         5 => (any::<usize>(), reply()).prop_map(|(n, r)| Op::Answer(n, r)),
         3 => any::<usize>().prop_map(Op::End),
+        3 => any::<usize>().prop_map(Op::Body),
+        3 => any::<usize>().prop_map(Op::Respond),
         2 => prop_oneof![Just(1u64), Just(40), Just(300), Just(2_500)].prop_map(Op::Advance),
     ]
 }
@@ -99,9 +110,19 @@ fn extreme(value: &mut serde_json::Value) {
 /// Where a stream stands, as the test saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fate {
+    /// Its request body is due (token budgets): the client's turn.
+    AwaitingBody,
     Waiting,
     Admitted,
     Refused,
+    /// Its response headers are paused (a token budget settling).
+    ResponseHeld,
+    /// Its response headers went on; its body is due.
+    ResponseOpen,
+    /// Its response's end is paused until its settlement is answered.
+    ResponseWaiting,
+    /// Its response went out whole.
+    Responded,
 }
 
 struct Live {
@@ -220,6 +241,9 @@ enum Setup {
     WithLocalRule,
     /// `failure_mode: deny`: nothing meshlimitd did not charge goes on.
     FailClosed,
+    /// A token budget: a reservation read from the body, settled from the
+    /// response's usage before the response ends.
+    Tokens,
 }
 
 impl Run {
@@ -256,6 +280,16 @@ impl Run {
                 "limits": [{{"name": "m", "requests": {limit}, "window": "60s"}}]}}"#
                 ),
             ),
+            Setup::Tokens => (
+                "",
+                format!(
+                    r#"{{"name": "llm", "match": {{"path_prefix": "/v1/"}},
+                "cost": {{"reserve": {{"request_json": "max_tokens", "default": 50, "max": 500}},
+                          "response": {{"json": "usage.total_tokens"}}}},
+                "limits": [{{"name": "tokens", "requests": {}, "window": "60s"}}]}}"#,
+                    limit * 100
+                ),
+            ),
         };
         let config = crate::config::parse(
             format!(
@@ -279,6 +313,26 @@ impl Run {
 
     fn apply(&mut self, op: &Op) {
         match *op {
+            Op::Request(client) if self.setup == Setup::Tokens => {
+                let (stream, step) = self.h.post(CLIENTS[client]);
+                let id = stream.context_id;
+                let fate = match step {
+                    // The headers go on; the body is read first.
+                    Step::Continue => Fate::AwaitingBody,
+                    _ => Fate::Waiting,
+                };
+                self.streams.insert(
+                    id,
+                    Live {
+                        stream,
+                        client,
+                        fate,
+                    },
+                );
+                if fate == Fate::Waiting {
+                    self.decided_by_step(id, step);
+                }
+            }
             Op::Request(client) => {
                 let (stream, step) = self.h.request(CLIENTS[client]);
                 let id = stream.context_id;
@@ -291,6 +345,41 @@ impl Run {
                     },
                 );
                 self.decided_by_step(id, step);
+            }
+            Op::Body(n) => {
+                let Some(id) = self.nth_in(n, &[Fate::AwaitingBody]) else {
+                    return;
+                };
+                let live = self.streams.get_mut(&id).unwrap();
+                live.fate = Fate::Waiting;
+                let tokens = 10 + 37 * (n % 12);
+                let body = format!(r#"{{"max_tokens": {tokens}}}"#);
+                let step = self.h.request_body(&mut live.stream, body.as_bytes(), true);
+                self.decided_by_step(id, step);
+            }
+            Op::Respond(n) => {
+                let Some(id) = self.nth_in(n, &[Fate::Admitted, Fate::ResponseOpen]) else {
+                    return;
+                };
+                let live = self.streams.get_mut(&id).unwrap();
+                live.fate = if live.fate == Fate::Admitted {
+                    let go_on =
+                        self.h
+                            .response_headers(&mut live.stream, "200", "application/json");
+                    if go_on {
+                        Fate::ResponseOpen
+                    } else {
+                        Fate::ResponseHeld
+                    }
+                } else {
+                    let usage = format!(r#"{{"usage":{{"total_tokens":{}}}}}"#, 5 * (n % 50));
+                    let (_, go_on) = self.h.response_body(&live.stream, usage.as_bytes(), true);
+                    if go_on {
+                        Fate::Responded
+                    } else {
+                        Fate::ResponseWaiting
+                    }
+                };
             }
             Op::Wake => self.h.wake(),
             Op::Tick => self.h.tick(),
@@ -311,7 +400,7 @@ impl Run {
                 alive.sort_unstable();
                 let id = alive[n % alive.len()];
                 let mut live = self.streams.remove(&id).unwrap();
-                if live.fate == Fate::Admitted {
+                if live.fate == Fate::Admitted && self.setup != Setup::Tokens {
                     self.h.host.enter(id);
                     self.h
                         .worker
@@ -322,6 +411,18 @@ impl Run {
             Op::Advance(ms) => self.h.advance(ms),
         }
         self.collect_acted();
+    }
+
+    /// The `n`th (modulo their number) live stream in one of `fates`.
+    fn nth_in(&self, n: usize, fates: &[Fate]) -> Option<u32> {
+        let mut ids: Vec<u32> = self
+            .streams
+            .iter()
+            .filter(|(_, l)| fates.contains(&l.fate))
+            .map(|(id, _)| *id)
+            .collect();
+        ids.sort_unstable();
+        ids.get(n % ids.len().max(1)).copied()
     }
 
     fn unanswered(&self) -> Vec<u32> {
@@ -425,7 +526,16 @@ impl Run {
             match acted {
                 Acted::Resumed(id) => self.decide(id, Fate::Admitted),
                 Acted::Replied(id, _) => self.decide(id, Fate::Refused),
-                Acted::ResumedResponse(id) => panic!("no response of {id} was paused"),
+                Acted::ResumedResponse(id) => {
+                    let live = self.streams.get_mut(&id).unwrap_or_else(|| {
+                        panic!("the flow resumed the response of {id}, which is not alive")
+                    });
+                    live.fate = match live.fate {
+                        Fate::ResponseHeld => Fate::ResponseOpen,
+                        Fate::ResponseWaiting => Fate::Responded,
+                        other => panic!("the response of {id} was resumed when {other:?}"),
+                    };
+                }
             }
         }
     }
@@ -453,7 +563,14 @@ impl Run {
 
     fn check(&self) {
         for (id, live) in &self.streams {
-            assert_ne!(live.fate, Fate::Waiting, "stream {id} was stranded");
+            assert!(
+                !matches!(
+                    live.fate,
+                    Fate::Waiting | Fate::ResponseHeld | Fate::ResponseWaiting
+                ),
+                "stream {id} was stranded ({:?})",
+                live.fate
+            );
         }
         let charged = |client: &str| {
             self.model
@@ -463,6 +580,10 @@ impl Run {
                 .map(|(_, units)| units)
                 .sum::<u64>()
         };
+        if self.setup == Setup::Tokens {
+            // Units are tokens there, not requests: liveness is checked.
+            return;
+        }
         if self.faults && self.setup != Setup::FailClosed {
             // Whatever failed, an admission is a unit meshlimitd charged or
             // a decision the fallback made and counted.
@@ -505,6 +626,7 @@ proptest! {
             Just(Setup::TwoLimits),
             Just(Setup::WithLocalRule),
             Just(Setup::FailClosed),
+            Just(Setup::Tokens),
         ],
         ops in proptest::collection::vec(op(), 1..80),
     ) {

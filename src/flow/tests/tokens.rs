@@ -34,7 +34,7 @@ fn reserved(remaining: u64) -> String {
 
 impl Harness {
     /// A POST to `/v1/chat` from `id` whose body follows.
-    fn post(&mut self, id: &str) -> (Stream, Step) {
+    pub(super) fn post(&mut self, id: &str) -> (Stream, Step) {
         self.next_context += 1;
         let mut stream = self.worker.stream(self.next_context);
         *self.host.request.borrow_mut() = FakeRequest::default()
@@ -62,14 +62,19 @@ impl Harness {
         s
     }
 
-    fn request_body(&self, stream: &mut Stream, body: &[u8], end: bool) -> Step {
+    pub(super) fn request_body(&self, stream: &mut Stream, body: &[u8], end: bool) -> Step {
         *self.host.request_body.borrow_mut() = body.to_vec();
         self.host.enter(stream.context_id);
         self.worker
             .on_request_body(&self.host, stream, body.len(), end)
     }
 
-    fn response_headers(&self, stream: &mut Stream, status: &str, content_type: &str) -> bool {
+    pub(super) fn response_headers(
+        &self,
+        stream: &mut Stream,
+        status: &str,
+        content_type: &str,
+    ) -> bool {
         self.response_headers_with(
             stream,
             &[(":status", status), ("content-type", content_type)],
@@ -86,7 +91,12 @@ impl Harness {
     }
 
     /// A response chunk; what the client gets of it, and whether it went on.
-    fn response_body(&self, stream: &Stream, chunk: &[u8], end: bool) -> (Vec<u8>, bool) {
+    pub(super) fn response_body(
+        &self,
+        stream: &Stream,
+        chunk: &[u8],
+        end: bool,
+    ) -> (Vec<u8>, bool) {
         *self.host.response_body.borrow_mut() = chunk.to_vec();
         self.host.enter(stream.context_id);
         let go_on = self
