@@ -273,6 +273,19 @@ fn unmatched_requests_pass_untouched() {
     assert_eq!(h.host.take_hostcalls(), ["get_header_map_pairs"]);
 }
 
+/// Envoy keeps one stat per name: each worker's VM that defines it gets
+/// an id of its own, and all of them count into it (what the end-to-end
+/// tests read from the admin API, summed over two workers). The fake
+/// host does the same.
+#[test]
+fn every_worker_counts_into_the_same_stat() {
+    let mut h = harness("");
+    assert_eq!(reply_status(&h.request("").1), Some(401));
+    h.worker = Worker::new(&h.host, config(""), ROOT);
+    assert_eq!(reply_status(&h.request("").1), Some(401));
+    assert_eq!(h.stat("rejected_no_client_id"), 2);
+}
+
 #[test]
 fn rejections_are_replied_and_counted_without_a_call() {
     let mut h = harness("");

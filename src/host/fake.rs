@@ -197,7 +197,11 @@ pub struct FakeHost {
     /// The response body Envoy holds for the current stream (the chunk,
     /// or what is buffered).
     pub response_body: RefCell<Vec<u8>>,
+    /// Stats by name and kind, as Envoy's stats scope holds them: every
+    /// worker's VM that defines one gets an id of its own for the same
+    /// stat (`metric_ids`: id to stat).
     metrics: RefCell<Vec<(String, MetricKind, u64)>>,
+    metric_ids: RefCell<Vec<usize>>,
     next_token: Cell<u32>,
     /// Every hostcall made, by name, in order.
     pub hostcalls: RefCell<Vec<&'static str>>,
@@ -229,6 +233,7 @@ impl Default for FakeHost {
             request_body: RefCell::default(),
             response_body: RefCell::default(),
             metrics: RefCell::default(),
+            metric_ids: RefCell::default(),
             next_token: Cell::new(1),
             hostcalls: RefCell::default(),
         }
@@ -294,6 +299,11 @@ impl FakeHost {
         };
     }
 
+    /// The stat behind metric id `id`.
+    fn metric_of(&self, id: u32) -> Option<usize> {
+        self.metric_ids.borrow().get(id as usize).copied()
+    }
+
     /// What the flow did to streams, taken (so each test step sees its own).
     pub fn take_acted(&self) -> Vec<Acted> {
         std::mem::take(&mut *self.acted.borrow_mut())
@@ -352,13 +362,22 @@ impl Host for FakeHost {
             return None;
         }
         let mut metrics = self.metrics.borrow_mut();
-        metrics.push((name.to_string(), kind, 0));
-        u32::try_from(metrics.len() - 1).ok()
+        let stat = match metrics.iter().position(|(n, k, _)| n == name && *k == kind) {
+            Some(stat) => stat,
+            None => {
+                metrics.push((name.to_string(), kind, 0));
+                metrics.len() - 1
+            }
+        };
+        let mut ids = self.metric_ids.borrow_mut();
+        ids.push(stat);
+        u32::try_from(ids.len() - 1).ok()
     }
 
     fn increment_metric(&self, id: u32, delta: u64) {
         self.hostcall("increment_metric");
-        if let Some(m) = self.metrics.borrow_mut().get_mut(id as usize) {
+        let stat = self.metric_of(id).unwrap_or(usize::MAX);
+        if let Some(m) = self.metrics.borrow_mut().get_mut(stat) {
             assert_eq!(m.1, MetricKind::Counter, "{} is not a counter", m.0);
             m.2 += delta;
         }
@@ -366,7 +385,8 @@ impl Host for FakeHost {
 
     fn record_metric(&self, id: u32, value: u64) {
         self.hostcall("record_metric");
-        if let Some(m) = self.metrics.borrow_mut().get_mut(id as usize) {
+        let stat = self.metric_of(id).unwrap_or(usize::MAX);
+        if let Some(m) = self.metrics.borrow_mut().get_mut(stat) {
             assert_eq!(m.1, MetricKind::Gauge, "{} is not a gauge", m.0);
             m.2 = value;
         }
