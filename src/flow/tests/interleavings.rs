@@ -1,28 +1,31 @@
-//! Random interleavings of everything that can happen to a worker:
-//! requests of a few clients, the root's wake-ups and ticks, answers in
-//! any order (right, lost, 503, malformed, short of a result, every number
-//! at `u64::MAX`), streams reset at any point, time passing; with leases,
-//! group commit on or off, two limits, a `scope: local` rule,
-//! `failure_mode: deny`, or a token budget (request bodies, responses
-//! paused for their settlement). The right answers come from a model meshlimitd
-//! that keeps exact counters, so that, whatever the order:
+//! Random interleavings of everything that can happen to the workers of
+//! one Envoy (two VMs, one shared data): requests of a few clients on
+//! either, each root's wake-ups and ticks, answers in any order (right,
+//! lost, 503, malformed, short of a result, every number at `u64::MAX`),
+//! streams reset at any point, time passing; with leases, group commit on
+//! or off, two limits, a `scope: local` rule, `failure_mode: deny`, or a
+//! token budget (request bodies, responses paused for their settlement).
+//! The right answers come from a model meshlimitd that keeps exact
+//! counters, so that, whatever the order:
 //!
 //! - no callback panics (these tests build with overflow checks, so an
 //!   arithmetic overflow the release build would wrap is caught here);
-//! - the flow acts only on a stream that waits for it, and once;
+//! - the flow acts only on a stream that waits for it, of its own worker,
+//!   and once;
 //! - no stream is stranded: once every call is answered and the root has
 //!   run, every paused request still alive was resumed or replied to, and
 //!   every paused response resumed;
 //! - with no call failing, or with `failure_mode: deny`, no client is
-//!   admitted more requests than the model charged it units (leases
-//!   included): nothing goes on that meshlimitd did not count;
+//!   admitted more requests, over both workers, than the model charged it
+//!   units (leases included, drawn by either worker): nothing goes on that
+//!   meshlimitd did not count;
 //! - whatever failed, every admission is a unit the model charged or a
 //!   decision the fallback made and counted (`fallback_allowed`).
 //!
 //! Each was seen failing on a flow broken for it (a failed call left
 //! paused; a lease hit that spends half a unit; a fallback admission
 //! counted as a denial; a failed settlement that leaves its response
-//! paused). `PROPTEST_CASES=20000` runs more (80 s).
+//! paused). `PROPTEST_CASES=20000` runs more (about 2 minutes).
 
 use std::collections::{HashMap, HashSet};
 
@@ -34,6 +37,9 @@ use proptest::prelude::*;
 use super::*;
 
 const CLIENTS: [&str; 3] = ["a", "b", "c"];
+/// Workers of one Envoy: each its own VM (flow state), all one shared
+/// data (the fake host's store), as Envoy's worker threads.
+const WORKERS: usize = 2;
 const WINDOW_MS: u64 = 60_000;
 
 /// How the model answers a call.
@@ -56,9 +62,12 @@ enum Reply {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Request(usize),
-    Wake,
-    Tick,
+    /// A request of a client, on a worker.
+    Request(usize, usize),
+    /// A worker's root is woken.
+    Wake(usize),
+    /// A worker's root ticks.
+    Tick(usize),
     /// Answers the `n`th call still unanswered (modulo their number).
     Answer(usize, Reply),
     /// The `n`th stream still alive gets its response (if admitted) and
@@ -75,9 +84,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0..CLIENTS.len()).prop_map(Op::Request),
-        3 => Just(Op::Wake),
-        1 => Just(Op::Tick),
+        6 => (0..CLIENTS.len(), 0..WORKERS).prop_map(|(c, w)| Op::Request(c, w)),
+        3 => (0..WORKERS).prop_map(Op::Wake),
+        1 => (0..WORKERS).prop_map(Op::Tick),
         5 => (any::<usize>(), reply()).prop_map(|(n, r)| Op::Answer(n, r)),
         3 => any::<usize>().prop_map(Op::End),
         3 => any::<usize>().prop_map(Op::Body),
@@ -128,6 +137,8 @@ enum Fate {
 struct Live {
     stream: Stream,
     client: usize,
+    /// The worker whose VM holds the stream.
+    worker: usize,
     fate: Fate,
 }
 
@@ -220,7 +231,13 @@ impl Model {
 }
 
 struct Run {
+    /// The host, and the worker being driven (`current`).
     h: Harness,
+    current: usize,
+    /// The other workers, each in its place (`None`: the one in `h`).
+    parked: Vec<Option<Worker>>,
+    /// Which worker sent each call (its answer goes back to that VM).
+    sender: HashMap<u32, usize>,
     model: Model,
     streams: HashMap<u32, Live>,
     answered: HashSet<u32>,
@@ -291,17 +308,21 @@ impl Run {
                 ),
             ),
         };
-        let config = crate::config::parse(
-            format!(
-                r#"{{{extra} "leases": {{"interval": "1s"}}, "group_commit": {{"enabled": {group_commit}}},
+        let config = format!(
+            r#"{{{extra} "leases": {{"interval": "1s"}}, "group_commit": {{"enabled": {group_commit}}},
                 "client_id": {{"headers": ["x-api-key"], "when_missing": "reject"}},
                 "rules": [{rules}]}}"#
-            )
-            .as_bytes(),
-        )
-        .unwrap();
+        );
+        let config = || crate::config::parse(config.as_bytes()).unwrap();
+        let h = harness_with(config());
+        let parked = (0..WORKERS)
+            .map(|w| (w > 0).then(|| Worker::new(&h.host, config(), ROOT)))
+            .collect();
         Run {
-            h: harness_with(config),
+            h,
+            current: 0,
+            parked,
+            sender: HashMap::new(),
             model: Model::default(),
             streams: HashMap::new(),
             answered: HashSet::new(),
@@ -313,7 +334,8 @@ impl Run {
 
     fn apply(&mut self, op: &Op) {
         match *op {
-            Op::Request(client) if self.setup == Setup::Tokens => {
+            Op::Request(client, worker) if self.setup == Setup::Tokens => {
+                self.switch(worker);
                 let (stream, step) = self.h.post(CLIENTS[client]);
                 let id = stream.context_id;
                 let fate = match step {
@@ -326,6 +348,7 @@ impl Run {
                     Live {
                         stream,
                         client,
+                        worker,
                         fate,
                     },
                 );
@@ -333,7 +356,8 @@ impl Run {
                     self.decided_by_step(id, step);
                 }
             }
-            Op::Request(client) => {
+            Op::Request(client, worker) => {
+                self.switch(worker);
                 let (stream, step) = self.h.request(CLIENTS[client]);
                 let id = stream.context_id;
                 self.streams.insert(
@@ -341,6 +365,7 @@ impl Run {
                     Live {
                         stream,
                         client,
+                        worker,
                         fate: Fate::Waiting,
                     },
                 );
@@ -350,6 +375,7 @@ impl Run {
                 let Some(id) = self.nth_in(n, &[Fate::AwaitingBody]) else {
                     return;
                 };
+                self.switch(self.streams[&id].worker);
                 let live = self.streams.get_mut(&id).unwrap();
                 live.fate = Fate::Waiting;
                 let tokens = 10 + 37 * (n % 12);
@@ -361,6 +387,7 @@ impl Run {
                 let Some(id) = self.nth_in(n, &[Fate::Admitted, Fate::ResponseOpen]) else {
                     return;
                 };
+                self.switch(self.streams[&id].worker);
                 let live = self.streams.get_mut(&id).unwrap();
                 live.fate = if live.fate == Fate::Admitted {
                     let go_on =
@@ -381,8 +408,14 @@ impl Run {
                     }
                 };
             }
-            Op::Wake => self.h.wake(),
-            Op::Tick => self.h.tick(),
+            Op::Wake(worker) => {
+                self.switch(worker);
+                self.h.wake();
+            }
+            Op::Tick(worker) => {
+                self.switch(worker);
+                self.h.tick();
+            }
             Op::Answer(n, reply) => {
                 let mut open = self.unanswered();
                 if open.is_empty() {
@@ -399,6 +432,7 @@ impl Run {
                 }
                 alive.sort_unstable();
                 let id = alive[n % alive.len()];
+                self.switch(self.streams[&id].worker);
                 let mut live = self.streams.remove(&id).unwrap();
                 if live.fate == Fate::Admitted && self.setup != Setup::Tokens {
                     self.h.host.enter(id);
@@ -411,6 +445,27 @@ impl Run {
             Op::Advance(ms) => self.h.advance(ms),
         }
         self.collect_acted();
+        self.note_senders();
+    }
+
+    /// Drives worker `w` from now on; the calls the current one sent are
+    /// noted as its own first.
+    fn switch(&mut self, w: usize) {
+        self.note_senders();
+        if w == self.current {
+            return;
+        }
+        let next = self.parked[w].take().unwrap();
+        let last = std::mem::replace(&mut self.h.worker, next);
+        self.parked[self.current] = Some(last);
+        self.current = w;
+    }
+
+    /// Calls sent since last noted are the current worker's.
+    fn note_senders(&mut self) {
+        for call in self.h.host.sent.borrow().iter() {
+            self.sender.entry(call.token).or_insert(self.current);
+        }
     }
 
     /// The `n`th (modulo their number) live stream in one of `fates`.
@@ -439,6 +494,8 @@ impl Run {
     /// Call `token` comes back where the SDK sends it: to the stream whose
     /// own call it is, to the root, or nowhere (its context ended).
     fn answer(&mut self, token: u32, reply: Reply) {
+        self.note_senders();
+        self.switch(self.sender[&token]);
         self.answered.insert(token);
         let Some(to) = self.h.host.answer_goes_to(token) else {
             return;
@@ -492,6 +549,8 @@ impl Run {
                 .worker
                 .on_batch_answer(&self.h.host, token, headers, body.len());
         }
+        self.collect_acted();
+        self.note_senders();
     }
 
     /// A callback's own step for stream `id` (not through the host).
@@ -508,6 +567,11 @@ impl Run {
             .streams
             .get_mut(&id)
             .unwrap_or_else(|| panic!("the flow acted on stream {id}, which is not alive"));
+        assert_eq!(
+            live.worker, self.current,
+            "worker {} acted on stream {id} of worker {}",
+            self.current, live.worker
+        );
         assert_eq!(
             live.fate,
             Fate::Waiting,
@@ -530,6 +594,7 @@ impl Run {
                     let live = self.streams.get_mut(&id).unwrap_or_else(|| {
                         panic!("the flow resumed the response of {id}, which is not alive")
                     });
+                    assert_eq!(live.worker, self.current, "another worker resumed {id}");
                     live.fate = match live.fate {
                         Fate::ResponseHeld => Fate::ResponseOpen,
                         Fate::ResponseWaiting => Fate::Responded,
@@ -544,18 +609,24 @@ impl Run {
     /// woken and ticked, time passing, until nothing is left to answer.
     fn drain(&mut self) {
         for _ in 0..64 {
-            self.h.wake();
-            self.collect_acted();
+            for w in 0..WORKERS {
+                self.switch(w);
+                self.h.wake();
+                self.collect_acted();
+            }
+            self.note_senders();
             let open = self.unanswered();
             if open.is_empty() {
                 break;
             }
             for token in open {
                 self.answer(token, Reply::Right);
+            }
+            for w in 0..WORKERS {
+                self.switch(w);
+                self.h.tick();
                 self.collect_acted();
             }
-            self.h.tick();
-            self.collect_acted();
             self.h.advance(100);
         }
         assert!(self.unanswered().is_empty(), "calls kept coming");
