@@ -71,9 +71,11 @@ soak: setup build
 memory: setup build
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-soak -- --flood $${FLOOD_IDS:-1000000}
 
-## fuzz: the plugin-config parser and the check-API decoders, FUZZ_SECONDS each (default 60); needs cargo-fuzz.
+## fuzz: the plugin-config parser and the check-API decoders, FUZZ_SECONDS each (default 60; needs cargo-fuzz), then FLOW_CASES random interleavings of the request flow (default 20000).
 FUZZ_SECONDS ?= 60
+FLOW_CASES ?= 20000
 fuzz: setup
+	PROPTEST_CASES=$(FLOW_CASES) $(CARGO) test -q -p meshlimit --lib flow::tests::interleavings
 	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz
 	# cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets the stable toolchain accept them.
 	for target in plugin_config check_api event_stream; do \
