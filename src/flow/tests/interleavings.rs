@@ -19,13 +19,17 @@
 //!   admitted more requests, over both workers, than the model charged it
 //!   units (leases included, drawn by either worker): nothing goes on that
 //!   meshlimitd did not count;
+//! - and the other way, with no call failing and the run within one
+//!   window: every unit the model charged was admitted, given back (a
+//!   lease returned, a reservation settled below it), or charged for a
+//!   client that left while it waited: no unit is kept from its client;
 //! - whatever failed, every admission is a unit the model charged or a
 //!   decision the fallback made and counted (`fallback_allowed`).
 //!
 //! Each was seen failing on a flow broken for it (a failed call left
 //! paused; a lease hit that spends half a unit; a fallback admission
 //! counted as a denial; a failed settlement that leaves its response
-//! paused). `PROPTEST_CASES=20000` runs more (about 2 minutes).
+//! paused; a lease return one unit short). `PROPTEST_CASES=20000` runs more (about 2 minutes).
 
 use std::collections::{HashMap, HashSet};
 
@@ -150,6 +154,9 @@ struct Model {
     window: u64,
     /// Units charged per subject over the whole run (costs and leases).
     charged: HashMap<String, u64>,
+    /// Units given back per subject (lease returns, settlements below
+    /// their reservation).
+    returned: HashMap<String, u64>,
 }
 
 impl Model {
@@ -212,13 +219,20 @@ impl Model {
                 })
             })
             .collect();
-        // Returns are settlements at 0: applied, and (to stay an upper
-        // bound) not taken off `charged`.
+        // A return is a settlement at 0 of the units left: what the first
+        // limit reserved beyond what was used goes back.
         let settled = request
             .settlements
             .iter()
-            .map(|s| SettleOutcome::Settled {
-                remaining: vec![0; s.limits.len()],
+            .map(|s| {
+                let reserved = s.limits.first().map_or(0, |l| l.cost);
+                let back = reserved.saturating_sub(s.actual.first().copied().unwrap_or(0));
+                *self.returned.entry(s.subject.clone()).or_default() += back;
+                let used = self.used.entry(s.subject.clone()).or_default();
+                *used = used.saturating_sub(back);
+                SettleOutcome::Settled {
+                    remaining: vec![0; s.limits.len()],
+                }
             })
             .collect();
         serde_json::to_string(&CheckResponse {
@@ -246,6 +260,11 @@ struct Run {
     /// decided, and admits by its own local counters.
     faults: bool,
     setup: Setup,
+    /// Requests per client whose stream ended while they waited: a check
+    /// meshlimitd charged for a client that left is not given back.
+    left_waiting: [u64; CLIENTS.len()],
+    /// The window the run began in.
+    window: u64,
 }
 
 /// The configurations tried.
@@ -315,6 +334,9 @@ impl Run {
         );
         let config = || crate::config::parse(config.as_bytes()).unwrap();
         let h = harness_with(config());
+        // Begin at the start of a window: most runs end within it.
+        let start = h.host.now.get().div_ceil(WINDOW_MS) * WINDOW_MS + 1;
+        h.host.now.set(start);
         let parked = (0..WORKERS)
             .map(|w| (w > 0).then(|| Worker::new(&h.host, config(), ROOT)))
             .collect();
@@ -329,6 +351,8 @@ impl Run {
             admitted: [0; CLIENTS.len()],
             faults: false,
             setup,
+            left_waiting: [0; CLIENTS.len()],
+            window: start / WINDOW_MS,
         }
     }
 
@@ -434,6 +458,9 @@ impl Run {
                 let id = alive[n % alive.len()];
                 self.switch(self.streams[&id].worker);
                 let mut live = self.streams.remove(&id).unwrap();
+                if live.fate == Fate::Waiting {
+                    self.left_waiting[live.client] += 1;
+                }
                 if live.fate == Fate::Admitted && self.setup != Setup::Tokens {
                     self.h.host.enter(id);
                     self.h
@@ -607,7 +634,10 @@ impl Run {
 
     /// Every call answered (rightly, or as lost while `faults`), the root
     /// woken and ticked, time passing, until nothing is left to answer.
+    /// A second at a time, so that idle leases go back on the ticks; done
+    /// when three rounds in a row had nothing to answer.
     fn drain(&mut self) {
+        let mut quiet = 0;
         for _ in 0..64 {
             for w in 0..WORKERS {
                 self.switch(w);
@@ -616,20 +646,30 @@ impl Run {
             }
             self.note_senders();
             let open = self.unanswered();
-            if open.is_empty() {
+            quiet = if open.is_empty() { quiet + 1 } else { 0 };
+            if quiet == 3 {
                 break;
             }
             for token in open {
                 self.answer(token, Reply::Right);
             }
+            self.h.advance(1_000);
             for w in 0..WORKERS {
                 self.switch(w);
                 self.h.tick();
                 self.collect_acted();
             }
-            self.h.advance(100);
         }
         assert!(self.unanswered().is_empty(), "calls kept coming");
+    }
+
+    /// The sum of `units` over the subjects of `client`.
+    fn of_client(&self, units: &HashMap<String, u64>, client: &str) -> u64 {
+        units
+            .iter()
+            .filter(|(subject, _)| subject.ends_with(&format!(":{client}")))
+            .map(|(_, n)| n)
+            .sum()
     }
 
     fn check(&self) {
@@ -672,6 +712,22 @@ impl Run {
                     admitted <= charged,
                     "client {client}: {admitted} admitted, {charged} charged"
                 );
+            }
+            let within_the_window = self.h.host.now.get() / WINDOW_MS == self.window;
+            if !self.faults && within_the_window {
+                // And the other way: a unit charged was used, given back, or
+                // charged for a client that left while it waited.
+                for (i, client) in CLIENTS.iter().enumerate() {
+                    let charged = charged(client);
+                    let returned = self.of_client(&self.model.returned, client);
+                    let accounted = self.admitted[i] + returned + self.left_waiting[i];
+                    assert!(
+                        charged <= accounted,
+                        "client {client}: {charged} charged, {} admitted, {returned} given back, {} left waiting",
+                        self.admitted[i],
+                        self.left_waiting[i]
+                    );
+                }
             }
             if !self.faults {
                 assert_eq!(self.h.fallbacks(), 0, "nothing failed");
