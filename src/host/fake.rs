@@ -203,6 +203,8 @@ pub struct FakeHost {
     metrics: RefCell<Vec<(String, MetricKind, u64)>>,
     metric_ids: RefCell<Vec<usize>>,
     next_token: Cell<u32>,
+    /// Seeds handed out (see `random_seed`).
+    seeds: Cell<u64>,
     /// Every hostcall made, by name, in order.
     pub hostcalls: RefCell<Vec<&'static str>>,
 }
@@ -235,6 +237,7 @@ impl Default for FakeHost {
             metrics: RefCell::default(),
             metric_ids: RefCell::default(),
             next_token: Cell::new(1),
+            seeds: Cell::new(0),
             hostcalls: RefCell::default(),
         }
     }
@@ -353,7 +356,11 @@ impl Host for FakeHost {
     }
 
     fn random_seed(&self) -> (u64, u64) {
-        (0x5eed, 0xc0ffee)
+        // Fresh on every call, as WASI's random_get makes it (each worker
+        // seeds its ids from it), but the same sequence in every test run.
+        let n = self.seeds.get().wrapping_add(1);
+        self.seeds.set(n);
+        (splitmix64(2 * n), splitmix64(2 * n + 1))
     }
 
     fn define_metric(&self, kind: MetricKind, name: &str) -> Option<u32> {
@@ -578,4 +585,13 @@ impl Host for FakeHost {
             .push(Acted::ResumedResponse(self.context.get()));
         true
     }
+}
+
+/// SplitMix64's output function: distinct, well-spread values from a
+/// counter.
+fn splitmix64(n: u64) -> u64 {
+    let mut z = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
