@@ -19,17 +19,20 @@
 //!   admitted more requests, over both workers, than the model charged it
 //!   units (leases included, drawn by either worker): nothing goes on that
 //!   meshlimitd did not count;
-//! - and the other way, with no call failing and the run within one
-//!   window: every unit the model charged was admitted, given back (a
-//!   lease returned, a reservation settled below it), or charged for a
-//!   client that left while it waited: no unit is kept from its client;
+//! - and the other way, with every answer right or lost (a lost answer's
+//!   scripts ran: the model charged them) and the run within one window:
+//!   every unit the model charged was admitted, given back (a lease
+//!   returned, a reservation settled below it, what a lost ask was granted,
+//!   once the filter named it), or is the own cost of a request that left
+//!   while it waited or whose answer was lost: no leased unit is kept from
+//!   its client;
 //! - whatever failed, every admission is a unit the model charged or a
 //!   decision the fallback made and counted (`fallback_allowed`).
 //!
 //! Each was seen failing on a flow broken for it (a failed call left
 //! paused; a lease hit that spends half a unit; a fallback admission
 //! counted as a denial; a failed settlement that leaves its response
-//! paused; a lease return one unit short). `PROPTEST_CASES=20000` runs more (about 2 minutes).
+//! paused; a lease return one unit short; a lost ask never named). `PROPTEST_CASES=20000` runs more (about 2 minutes).
 
 use std::collections::{HashMap, HashSet};
 
@@ -155,11 +158,22 @@ struct Model {
     /// Units charged per subject over the whole run (costs and leases).
     charged: HashMap<String, u64>,
     /// Units given back per subject (lease returns, settlements below
-    /// their reservation).
+    /// their reservation, grants of answers lost).
     returned: HashMap<String, u64>,
+    /// What each lease ask or reservation with an id was granted, by
+    /// subject and id, while not given back (meshlimitd's records).
+    grants: HashMap<(String, u64), u64>,
+    /// Settlements applied, by subject and id: an id is applied once.
+    settled_ids: HashSet<(String, u64)>,
 }
 
 impl Model {
+    fn give_back(&mut self, subject: &str, units: u64) {
+        *self.returned.entry(subject.to_string()).or_default() += units;
+        let used = self.used.entry(subject.to_string()).or_default();
+        *used = used.saturating_sub(units);
+    }
+
     fn answer(&mut self, body: &[u8], now: u64) -> String {
         let window = now / WINDOW_MS;
         if window != self.window {
@@ -173,6 +187,7 @@ impl Model {
             .iter()
             .map(|check| {
                 let limit = check.limits.iter().map(|l| l.requests).min().unwrap_or(0);
+                let ask_id = check.lease.map_or(0, |a| a.id);
                 let cost = check.limits.first().map_or(1, |l| l.cost);
                 let used = self.used.entry(check.subject.clone()).or_default();
                 let allowed = *used + cost <= limit;
@@ -184,6 +199,12 @@ impl Model {
                         *used += leased;
                     }
                     *self.charged.entry(check.subject.clone()).or_default() += cost + leased;
+                    if ask_id != 0 && leased > 0 {
+                        self.grants.insert((check.subject.clone(), ask_id), leased);
+                    }
+                    if check.id != 0 {
+                        self.grants.insert((check.subject.clone(), check.id), cost);
+                    }
                 }
                 let remaining = limit - *used;
                 CheckOutcome::Decided(CheckResult {
@@ -225,16 +246,23 @@ impl Model {
             .settlements
             .iter()
             .map(|s| {
-                let reserved = s.limits.first().map_or(0, |l| l.cost);
-                let back = reserved.saturating_sub(s.actual.first().copied().unwrap_or(0));
-                *self.returned.entry(s.subject.clone()).or_default() += back;
-                let used = self.used.entry(s.subject.clone()).or_default();
-                *used = used.saturating_sub(back);
+                if s.id == 0 || self.settled_ids.insert((s.subject.clone(), s.id)) {
+                    let reserved = s.limits.first().map_or(0, |l| l.cost);
+                    let used = s.actual.first().copied().unwrap_or(0);
+                    self.give_back(&s.subject, reserved.saturating_sub(used));
+                }
                 SettleOutcome::Settled {
                     remaining: vec![0; s.limits.len()],
                 }
             })
             .collect();
+        // What the scripts of asks whose answers were lost granted goes
+        // back, once.
+        for lost in &request.lost {
+            if let Some(units) = self.grants.remove(&(lost.subject.clone(), lost.id)) {
+                self.give_back(&lost.subject, units);
+            }
+        }
         serde_json::to_string(&CheckResponse {
             results,
             settled,
@@ -265,6 +293,13 @@ struct Run {
     left_waiting: [u64; CLIENTS.len()],
     /// The window the run began in.
     window: u64,
+    /// Units per client of the checks whose answers were lost: the
+    /// request's own cost stays charged (the fallback decided it); only
+    /// leased and reserved units go back.
+    lost_costs: [u64; CLIENTS.len()],
+    /// An answer came back unreadable or short (or a 503): what it
+    /// charged cannot be accounted for.
+    garbled: bool,
 }
 
 /// The configurations tried.
@@ -353,6 +388,8 @@ impl Run {
             setup,
             left_waiting: [0; CLIENTS.len()],
             window: start / WINDOW_MS,
+            lost_costs: [0; CLIENTS.len()],
+            garbled: false,
         }
     }
 
@@ -538,7 +575,20 @@ impl Run {
             .unwrap();
         let (status, body) = match reply {
             Reply::Right => (Some(200), self.model.answer(&body, self.h.host.now.get())),
-            Reply::Lost => (None, String::new()),
+            Reply::Lost => {
+                // The scripts ran; the answer never came back.
+                self.model.answer(&body, self.h.host.now.get());
+                let request: CheckRequest = serde_json::from_slice(&body).unwrap();
+                for check in &request.checks {
+                    let client = CLIENTS
+                        .iter()
+                        .position(|c| check.subject.ends_with(&format!(":{c}")));
+                    if let Some(i) = client {
+                        self.lost_costs[i] += check.limits.first().map_or(1, |l| l.cost);
+                    }
+                }
+                (None, String::new())
+            }
             Reply::Unavailable => (Some(503), r#"{"error":"unavailable"}"#.to_string()),
             Reply::Malformed => (Some(200), r#"{"results":[{"allowed":"#.to_string()),
             Reply::Extreme => {
@@ -556,6 +606,9 @@ impl Run {
         };
         if !matches!(reply, Reply::Right) {
             self.faults = true;
+        }
+        if !matches!(reply, Reply::Right | Reply::Lost) {
+            self.garbled = true;
         }
         self.h.host.respond(status, &body);
         self.h.host.enter(to);
@@ -713,25 +766,29 @@ impl Run {
                     "client {client}: {admitted} admitted, {charged} charged"
                 );
             }
-            let within_the_window = self.h.host.now.get() / WINDOW_MS == self.window;
-            if !self.faults && within_the_window {
-                // And the other way: a unit charged was used, given back, or
-                // charged for a client that left while it waited.
-                for (i, client) in CLIENTS.iter().enumerate() {
-                    let charged = charged(client);
-                    let returned = self.of_client(&self.model.returned, client);
-                    let accounted = self.admitted[i] + returned + self.left_waiting[i];
-                    assert!(
-                        charged <= accounted,
-                        "client {client}: {charged} charged, {} admitted, {returned} given back, {} left waiting",
-                        self.admitted[i],
-                        self.left_waiting[i]
-                    );
-                }
+        }
+        let within_the_window = self.h.host.now.get() / WINDOW_MS == self.window;
+        if !self.garbled && within_the_window {
+            // And the other way: a unit charged was used, given back, or
+            // charged for a request that left while it waited or whose
+            // answer was lost.
+            for (i, client) in CLIENTS.iter().enumerate() {
+                let charged = charged(client);
+                let returned = self.of_client(&self.model.returned, client);
+                let accounted =
+                    self.admitted[i] + returned + self.left_waiting[i] + self.lost_costs[i];
+                assert!(
+                    charged <= accounted,
+                    "client {client}: {charged} charged, {} admitted, {returned} given back, \
+                     {} left waiting, {} lost",
+                    self.admitted[i],
+                    self.left_waiting[i],
+                    self.lost_costs[i]
+                );
             }
-            if !self.faults {
-                assert_eq!(self.h.fallbacks(), 0, "nothing failed");
-            }
+        }
+        if !self.faults {
+            assert_eq!(self.h.fallbacks(), 0, "nothing failed");
         }
     }
 }
