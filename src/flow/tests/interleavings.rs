@@ -395,42 +395,31 @@ impl Run {
 
     fn apply(&mut self, op: &Op) {
         match *op {
-            Op::Request(client, worker) if self.setup == Setup::Tokens => {
+            Op::Request(client, worker) => {
                 self.switch(worker);
-                let (stream, step) = self.h.post(CLIENTS[client]);
-                let id = stream.context_id;
-                let fate = match step {
-                    // The headers go on; the body is read first.
-                    Step::Continue => Fate::AwaitingBody,
-                    _ => Fate::Waiting,
+                let tokens = self.setup == Setup::Tokens;
+                let (stream, step) = if tokens {
+                    self.h.post(CLIENTS[client])
+                } else {
+                    self.h.request(CLIENTS[client])
                 };
-                self.streams.insert(
-                    id,
-                    Live {
-                        stream,
-                        client,
-                        worker,
-                        fate,
-                    },
-                );
+                let id = stream.context_id;
+                // A token budget's headers go on; its body is read first.
+                let fate = if tokens && step == Step::Continue {
+                    Fate::AwaitingBody
+                } else {
+                    Fate::Waiting
+                };
+                let live = Live {
+                    stream,
+                    client,
+                    worker,
+                    fate,
+                };
+                self.streams.insert(id, live);
                 if fate == Fate::Waiting {
                     self.decided_by_step(id, step);
                 }
-            }
-            Op::Request(client, worker) => {
-                self.switch(worker);
-                let (stream, step) = self.h.request(CLIENTS[client]);
-                let id = stream.context_id;
-                self.streams.insert(
-                    id,
-                    Live {
-                        stream,
-                        client,
-                        worker,
-                        fate: Fate::Waiting,
-                    },
-                );
-                self.decided_by_step(id, step);
             }
             Op::Body(n) => {
                 let Some(id) = self.nth_in(n, &[Fate::AwaitingBody]) else {
