@@ -56,9 +56,12 @@ pub(super) struct LeaseRecord {
     pub(super) lease_id: u64,
     pub(super) check: Check,
     pub(super) receipts: Vec<Receipt>,
-    /// Only fixed windows: once expired, their window is gone and so is
-    /// any point in giving units back.
-    pub(super) fixed_only: bool,
+    /// Every limit it was charged on is a fixed window that ends when it
+    /// expires: once expired, those windows are gone, and so is any point
+    /// in giving units back. A lease that also holds units of a longer
+    /// window (a limit per second and one per minute) gives them back when
+    /// it expires: the longer window still counts them.
+    pub(super) ends_with_its_windows: bool,
     /// The tick looks at the slot again from then (see
     /// [`Reclaim::Keep`]): a live lease costs a shared-data read every half
     /// interval or less often, not one a tick.
@@ -359,10 +362,7 @@ impl Worker {
                 lease_id,
                 check: check.clone(),
                 receipts,
-                fixed_only: check
-                    .global
-                    .iter()
-                    .all(|a| a.limit.algorithm.lease_life() == LeaseLife::UntilReset),
+                ends_with_its_windows: ends_with_its_windows(check, result),
                 look_at_ms: 0,
             });
             return;
@@ -529,6 +529,21 @@ fn lease_ends_with_window(check: &Check) -> bool {
 /// How long a lease may be used, from when it was asked: as long as each
 /// limit's algorithm lets its units be spent ([`LeaseLife`]), the shortest
 /// of the check's limits.
+/// Whether every limit of a lease granted with `result` is a fixed window
+/// that resets when the lease expires (see
+/// [`LeaseRecord::ends_with_its_windows`]).
+fn ends_with_its_windows(check: &Check, result: &CheckResult) -> bool {
+    let first_reset = result.limits.first().map(|s| s.reset_after_ms);
+    check
+        .global
+        .iter()
+        .all(|a| a.limit.algorithm.lease_life() == LeaseLife::UntilReset)
+        && result
+            .limits
+            .iter()
+            .all(|s| Some(s.reset_after_ms) == first_reset)
+}
+
 fn lease_lifetime(
     check: &Check,
     result: &CheckResult,

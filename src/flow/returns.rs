@@ -288,7 +288,7 @@ impl Worker {
                 Err(_) => true,
                 Ok(Reclaim::Gone) => false,
                 Ok(Reclaim::Back { units, expired }) => {
-                    if !(expired && record.fixed_only) {
+                    if !(expired && record.ends_with_its_windows) {
                         returns.push(self.lease_return(&record.check, units, &record.receipts));
                     }
                     false

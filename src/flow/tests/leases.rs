@@ -455,6 +455,62 @@ fn an_expired_fixed_window_lease_is_dropped_and_a_token_bucket_one_given_back() 
     assert_eq!(h.last_call_body()["settlements"][0]["limits"][0]["cost"], 7);
 }
 
+/// A lease on two fixed windows of different lengths lives as long as
+/// the shorter; when that one ends, the units left are still charged in
+/// the longer window, which has not ended: they go back (meshlimitd gives
+/// them back to the window that has not ended, and skips the one that
+/// has). Before, an expired lease on fixed windows only was dropped, and a
+/// client with "per second and per minute" lost its unused leased units
+/// from its minute every second.
+#[test]
+fn an_expired_lease_goes_back_to_the_longer_windows_it_was_charged_in() {
+    let mut h = harness_with(
+        crate::config::parse(
+            br#"{"leases": {"interval": "1s"},
+                "client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
+                "rules": [{"name": "api", "limits": [
+                    {"name": "s", "requests": 100, "window": "1s"},
+                    {"name": "m", "requests": 6000, "window": "60s"}]}]}"#,
+        )
+        .unwrap(),
+    );
+    // meshlimitd's answer on both limits, with `leased` units.
+    let two_windows = |leased: u64| {
+        format!(
+            r#"{{"allowed":true,"leased":{leased},"limits":[{{"allowed":true,"limit":100,"remaining":80,"reset_after_ms":600,"retry_after_ms":0}},{{"allowed":true,"limit":6000,"remaining":5980,"reset_after_ms":30000,"retry_after_ms":0}}],"receipts":[{{"clock_us":7000,"nonce":"n.1","place":0}},{{"clock_us":7000,"nonce":"n.1","place":1}}]}}"#
+        )
+    };
+    // Busy: eight requests through group commit, then one that asks.
+    for token in 1..=8 {
+        assert_eq!(h.request("a").1, Step::Pause);
+        h.wake();
+        h.answer_batch(token, Some(200), &answer(&[two_windows(0)]));
+    }
+    h.advance(100);
+    assert_eq!(h.request("a").1, Step::Pause);
+    h.wake();
+    assert!(h.last_call_body()["checks"][0]["lease"].is_object());
+    h.answer_batch(9, Some(200), &answer(&[two_windows(8)]));
+    let calls = h.calls();
+    let (_, step) = h.request("a");
+    assert_eq!(step, Step::Continue, "from the lease");
+    // The second ends; the minute has 29 s to go.
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(h.calls(), calls + 1, "the units left go back");
+    let back = &h.last_call_body()["settlements"][0];
+    assert_eq!(back["limits"][0]["cost"], 7, "{back}");
+    assert_eq!(back["limits"][1]["cost"], 7, "{back}");
+    assert_eq!(back["actual"], json!([0, 0]));
+    // A lease whose windows all end when it does is still dropped.
+    let mut h = harness("");
+    h.lease_for_a(&granted(10, 8));
+    h.advance(30_000);
+    let calls = h.calls();
+    h.tick();
+    assert_eq!(h.calls(), calls, "no return for windows that all ended");
+}
+
 #[test]
 fn a_grant_for_a_slot_that_still_holds_units_goes_back_at_once() {
     let mut h = harness("");
