@@ -7,6 +7,7 @@ use crate::host::fake::{Acted, FakeHost, FakeRequest};
 use serde_json::json;
 
 mod decision_log;
+mod fake_meshlimitd;
 mod fleet_switch;
 mod interleavings;
 mod leases;

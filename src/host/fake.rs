@@ -123,6 +123,9 @@ pub struct SentCall {
     pub path: String,
     pub body: Vec<u8>,
     pub timeout_ms: u64,
+    /// When it was sent (the host's clock): Envoy gives up on it at
+    /// `sent_ms + timeout_ms`, and no answer comes after that.
+    pub sent_ms: u64,
     pub authorization: Option<String>,
     /// The trace headers it carried.
     pub trace_headers: Vec<(String, String)>,
@@ -444,6 +447,7 @@ impl Host for FakeHost {
             path: call.path.to_string(),
             body: call.body.to_vec(),
             timeout_ms: call.timeout_ms,
+            sent_ms: self.now.get(),
             authorization: call.authorization.map(String::from),
             trace_headers: call
                 .trace

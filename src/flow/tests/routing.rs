@@ -6,146 +6,14 @@
 //! worker (a lease renewal, a return, a settlement, a top-up), so those
 //! must leave from the root, with group commit on or off.
 //!
-//! [`FakeMeshlimitd`] answers the calls as meshlimitd does for a fixed
-//! window (it charges whether or not the answer is delivered), so a test
+//! [`FakeMeshlimitd`] answers the calls as meshlimitd does for fixed
+//! windows (it charges whether or not the answer is delivered), so a test
 //! can count what a client was admitted against what was charged.
 
 use std::collections::HashMap;
 
-use meshlimit_protocol::{
-    CheckOutcome, CheckRequest, CheckResponse, CheckResult, LimitStatus, Receipt, SettleOutcome,
-};
-
+use super::fake_meshlimitd::FakeMeshlimitd;
 use super::*;
-
-/// meshlimitd on one Redis, for fixed windows that never end during a
-/// test: each check is charged its cost and the lease it is granted
-/// (decide.lua's rule: what fits after the request, divided by `share`,
-/// none under 8), and settlements give back what they did not use.
-#[derive(Default)]
-struct FakeMeshlimitd {
-    /// Units charged, by subject and limit name.
-    used: HashMap<(String, String), u64>,
-    nonce: u64,
-}
-
-/// decide.lua's MIN_LEASE_SHARE.
-const MIN_LEASE_SHARE: u64 = 8;
-
-impl FakeMeshlimitd {
-    /// Decides a call's body and charges it; the answer's body.
-    fn answer(&mut self, body: &[u8]) -> String {
-        let request: CheckRequest = serde_json::from_slice(body).unwrap();
-        let results = request
-            .checks
-            .iter()
-            .map(|check| CheckOutcome::Decided(self.decide(check)))
-            .collect();
-        let settled = request
-            .settlements
-            .iter()
-            .map(|s| {
-                let remaining = s
-                    .limits
-                    .iter()
-                    .zip(&s.actual)
-                    .map(|(limit, actual)| {
-                        let used = self
-                            .used
-                            .entry((s.subject.clone(), limit.name.clone()))
-                            .or_default();
-                        if *actual < limit.cost {
-                            *used = used.saturating_sub(limit.cost - actual);
-                        } else {
-                            *used += actual - limit.cost;
-                        }
-                        limit.requests.saturating_sub(*used)
-                    })
-                    .collect();
-                SettleOutcome::Settled { remaining }
-            })
-            .collect();
-        serde_json::to_string(&CheckResponse {
-            results,
-            settled,
-            enforcement: None,
-        })
-        .unwrap()
-    }
-
-    fn decide(&mut self, check: &meshlimit_protocol::Check) -> CheckResult {
-        let used: Vec<u64> = check
-            .limits
-            .iter()
-            .map(|l| self.used_by(&check.subject, &l.name))
-            .collect();
-        let fits: Vec<bool> = check
-            .limits
-            .iter()
-            .zip(&used)
-            .map(|(l, u)| u + l.cost <= l.requests)
-            .collect();
-        let allowed = fits.iter().all(|f| *f);
-        let leased = match check.lease {
-            Some(ask) if allowed => check
-                .limits
-                .iter()
-                .zip(&used)
-                .map(|(l, u)| {
-                    let share = (l.requests - u - l.cost) / ask.share.max(1);
-                    if share < MIN_LEASE_SHARE {
-                        0
-                    } else {
-                        share
-                    }
-                })
-                .fold(ask.units, u64::min),
-            _ => 0,
-        };
-        self.nonce += 1;
-        let mut limits = Vec::new();
-        for (l, u) in check.limits.iter().zip(&used) {
-            let charged = if allowed { l.cost + leased } else { 0 };
-            let now = u + charged;
-            self.used
-                .insert((check.subject.clone(), l.name.clone()), now);
-            limits.push(LimitStatus {
-                allowed: u + l.cost <= l.requests,
-                limit: l.requests,
-                remaining: l.requests.saturating_sub(now),
-                reset_after_ms: l.window_ms,
-                retry_after_ms: if allowed { 0 } else { l.window_ms },
-                shadow: false,
-                reason: None,
-            });
-        }
-        let receipts = (allowed && (check.receipt || leased > 0)).then(|| {
-            (0..check.limits.len())
-                .map(|place| Receipt {
-                    clock_us: 1,
-                    nonce: format!("n.{}", self.nonce),
-                    place: place as u32,
-                    epoch: 0,
-                    units: 0,
-                    mac: String::new(),
-                })
-                .collect()
-        });
-        CheckResult {
-            allowed,
-            limits,
-            receipts,
-            leased,
-        }
-    }
-
-    fn used_by(&self, subject: &str, limit: &str) -> u64 {
-        self.used
-            .get(&(subject.to_string(), limit.to_string()))
-            .copied()
-            .unwrap_or(0)
-    }
-}
 
 /// A worker on the strict fake host, its live streams, and meshlimitd
 /// behind it: requests come in, calls are answered and routed as Envoy
@@ -232,7 +100,7 @@ impl Network {
                 return;
             };
             self.answered += 1;
-            let body = self.service.answer(&call.body);
+            let body = self.service.answer(&call.body, self.h.host.now.get());
             self.deliver(call.token, &body);
             self.release_decided();
         }
@@ -308,7 +176,7 @@ fn without_group_commit_a_busy_leased_client_behind_a_fast_upstream_gets_its_who
             net.settle_down();
         }
     }
-    let charged = net.service.used_by("hdr:x-api-key:busy", "api/per-hour");
+    let charged = net.service.used("hdr:x-api-key:busy", "api/per-hour");
     assert_eq!(
         (net.admitted, net.denied),
         (2000, 1000),
@@ -361,7 +229,7 @@ impl Network {
 
     /// What meshlimitd holds charged for `a`'s tokens.
     fn tokens_charged(&self) -> u64 {
-        self.service.used_by("hdr:x-api-key:a", "llm/tokens")
+        self.service.used("hdr:x-api-key:a", "llm/tokens")
     }
 }
 
