@@ -196,6 +196,60 @@ fn unused_units_come_back_as_a_settlement_at_zero() {
     }
 }
 
+/// A lease on a second's window and a minute's lives as long as the
+/// second; once it ended, the filter gives back what the lease left
+/// (`src/flow/leases.rs` `ends_with_its_windows`), and the units go back
+/// to the minute, whose window still counts them, and not to the next
+/// second, which never held them.
+#[test]
+fn units_given_back_after_the_shorter_window_ended_go_to_the_longer_one() {
+    let f = start();
+    let second = json!({"name": "hot/s", "requests": 100, "window_ms": 1_000,
+                        "algorithm": "fixed_window"});
+    let minute = json!({"name": "hot/m", "requests": 6_000, "window_ms": 60_000,
+                        "algorithm": "fixed_window"});
+    let limits = [second.clone(), minute.clone()];
+    // Start early in a second, so that the ask is charged to one that ends
+    // well after it.
+    let early_in_a_second = || {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        now.unwrap().subsec_millis() < 300
+    };
+    assert!(eventually(
+        std::time::Duration::from_secs(3),
+        early_in_a_second
+    ));
+    let r = ask(&f, "two-windows", &limits, 40, 1);
+    assert_eq!(leased(&r), 40, "{r}");
+    assert_eq!((remaining(&r, 0), remaining(&r, 1)), (59, 5_959), "{r}");
+    std::thread::sleep(std::time::Duration::from_millis(1_100));
+    // The second has ended; 30 of the 40 were not used.
+    let unused: Vec<Value> = limits
+        .iter()
+        .map(|l| {
+            let mut l = l.clone();
+            l["cost"] = json!(30);
+            l
+        })
+        .collect();
+    let v = f.check(
+        &json!({"checks": [], "settlements": [{"subject": "two-windows",
+        "limits": unused, "actual": [0, 0], "receipts": r["receipts"]}]}),
+    );
+    let left: Vec<u64> = v["settled"][0]["remaining"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .collect();
+    // The minute has them back (5,989 left); the new second never held
+    // them (all 100 left).
+    assert_eq!(left, [100, 5_989], "{v}");
+    let v = f.check(&json!({"checks": [{"subject": "two-windows", "limits": limits}]}));
+    let r = &v["results"][0];
+    assert_eq!((remaining(r, 0), remaining(r, 1)), (99, 5_988), "{r}");
+}
+
 #[test]
 fn lease_bounds_are_checked_and_named() {
     let f = start();
