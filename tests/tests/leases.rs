@@ -706,3 +706,57 @@ fn the_ratelimit_style_sends_the_ratelimit_field_alone_from_leases_too() {
     }
     assert!(t.lease_hits() > 0, "no request was decided from a lease");
 }
+
+/// A rule with a limit per second and one per minute: each lease lives as
+/// long as its second, and what it leaves when the second ends goes back
+/// to the minute. Before, those units were dropped with the second and
+/// stayed charged in the minute: a busy client's minute counted more than
+/// it was admitted, a second's leftover lease more every second.
+#[test]
+fn a_lease_on_a_second_and_a_minute_gives_the_minute_what_it_did_not_use() {
+    let t = meshlimit_testbed::Topology::start(meshlimit_testbed::TopologyOptions {
+        plugin_config: PluginConfig::new()
+            .limits(json!([
+                {"name": "per-second", "requests": 400, "window": "1s"},
+                {"name": "per-minute", "requests": 100_000, "window": "60s"}
+            ]))
+            .build(),
+        replicas: 1,
+        front: false,
+        replica_workers: 1,
+        shared_token: true,
+        ..meshlimit_testbed::TopologyOptions::default()
+    });
+    // Well inside a minute: the test's seconds all count in one.
+    let into_minute = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() % 60);
+    if into_minute > 40 {
+        std::thread::sleep(Duration::from_secs(61 - into_minute));
+    }
+    // One busy client for four seconds, about 150 requests a second.
+    let mut conn = meshlimit_testbed::http::Conn::new(&t.entry());
+    let mut admitted = 0u64;
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(4) {
+        let r = conn
+            .get("/api/items", &[("x-api-key", b"two-windows")])
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        admitted += 1;
+        std::thread::sleep(Duration::from_millis(6));
+    }
+    let hits = t.lease_hits();
+    assert!(hits > admitted / 2, "{hits} of {admitted} from leases");
+    // Once the last lease went back (its second ends, or it idles), the
+    // minute counts what was admitted, no more.
+    assert!(
+        eventually(Duration::from_secs(10), || charged_to_all(
+            &t,
+            "api/per-minute"
+        ) == admitted),
+        "the minute counts {} for {admitted} admitted; {} units given back",
+        charged_to_all(&t, "api/per-minute"),
+        t.stat(1, "meshlimit.lease_returns"),
+    );
+}
