@@ -198,7 +198,7 @@ fn unused_units_come_back_as_a_settlement_at_zero() {
 
 /// A lease on a second's window and a minute's lives as long as the
 /// second; once it ended, the filter gives back what the lease left
-/// (`src/flow/leases.rs` `ends_with_its_windows`), and the units go back
+/// (`src/flow/leases.rs` `expiry_ends_every_window`), and the units go back
 /// to the minute, whose window still counts them, and not to the next
 /// second, which never held them.
 #[test]

@@ -61,7 +61,7 @@ pub(super) struct LeaseRecord {
     /// in giving units back. A lease that also holds units of a longer
     /// window (a limit per second and one per minute) gives them back when
     /// it expires: the longer window still counts them.
-    pub(super) ends_with_its_windows: bool,
+    pub(super) expiry_ends_every_window: bool,
     /// The tick looks at the slot again from then (see
     /// [`Reclaim::Keep`]): a live lease costs a shared-data read every half
     /// interval or less often, not one a tick.
@@ -362,7 +362,7 @@ impl Worker {
                 lease_id,
                 check: check.clone(),
                 receipts,
-                ends_with_its_windows: ends_with_its_windows(check, result),
+                expiry_ends_every_window: expiry_ends_every_window(check, result),
                 look_at_ms: 0,
             });
             return;
@@ -526,13 +526,10 @@ fn lease_ends_with_window(check: &Check) -> bool {
     })
 }
 
-/// How long a lease may be used, from when it was asked: as long as each
-/// limit's algorithm lets its units be spent ([`LeaseLife`]), the shortest
-/// of the check's limits.
-/// Whether every limit of a lease granted with `result` is a fixed window
-/// that resets when the lease expires (see
-/// [`LeaseRecord::ends_with_its_windows`]).
-fn ends_with_its_windows(check: &Check, result: &CheckResult) -> bool {
+/// Whether a lease granted with `result` expires when every window it was
+/// charged in ends: every limit is a fixed window, and all reset together
+/// (see [`LeaseRecord::expiry_ends_every_window`]).
+fn expiry_ends_every_window(check: &Check, result: &CheckResult) -> bool {
     let first_reset = result.limits.first().map(|s| s.reset_after_ms);
     check
         .global
@@ -544,6 +541,9 @@ fn ends_with_its_windows(check: &Check, result: &CheckResult) -> bool {
             .all(|s| Some(s.reset_after_ms) == first_reset)
 }
 
+/// How long a lease may be used, from when it was asked: as long as each
+/// limit's algorithm lets its units be spent ([`LeaseLife`]), the shortest
+/// of the check's limits.
 fn lease_lifetime(
     check: &Check,
     result: &CheckResult,

@@ -288,7 +288,7 @@ impl Worker {
                 Err(_) => true,
                 Ok(Reclaim::Gone) => false,
                 Ok(Reclaim::Back { units, expired }) => {
-                    if !(expired && record.ends_with_its_windows) {
+                    if !(expired && record.expiry_ends_every_window) {
                         returns.push(self.lease_return(&record.check, units, &record.receipts));
                     }
                     false
