@@ -586,6 +586,38 @@ fn charged_to_all(t: &Topology, limit: &str) -> u64 {
         .unwrap_or_else(|_| panic!("redis-cli: {out}"))
 }
 
+/// Whether, within 10 s, Redis counts exactly `admitted` units on `limit`
+/// over every subject: every lease given back, nothing more charged.
+fn counts_exactly(t: &Topology, limit: &str, admitted: u64) -> bool {
+    eventually(Duration::from_secs(10), || {
+        charged_to_all(t, limit) == admitted
+    })
+}
+
+/// One replica with one worker, and a shared token, on `limits`: every
+/// lease of a client is that worker's, and its stats are the client's.
+fn one_worker(limits: Value) -> Topology {
+    Topology::start(meshlimit_testbed::TopologyOptions {
+        plugin_config: PluginConfig::new().limits(limits).build(),
+        replicas: 1,
+        front: false,
+        replica_workers: 1,
+        shared_token: true,
+        ..meshlimit_testbed::TopologyOptions::default()
+    })
+}
+
+/// Waits, if need be, for the next `period_s` to begin, so that the next
+/// `needed_s` seconds all fall in one window of that length.
+fn start_well_inside(period_s: u64, needed_s: u64) {
+    let into = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() % period_s);
+    if into + needed_s >= period_s {
+        std::thread::sleep(Duration::from_secs(period_s - into + 1));
+    }
+}
+
 /// Many clients whose leases go idle within a tick or two of each other:
 /// every unit comes back, and the filter says so. Their returns used to go
 /// out together, up to 1,024 in one call, one script each; under load
@@ -599,25 +631,8 @@ fn charged_to_all(t: &Topology, limit: &str) -> u64 {
 #[test]
 fn clients_going_idle_together_give_every_unit_back() {
     const CLIENTS: usize = 2_000;
-    let t = meshlimit_testbed::Topology::start(meshlimit_testbed::TopologyOptions {
-        plugin_config: PluginConfig::new()
-            .limits(json!([{"name": "per-hour", "requests": 100_000, "window": "1h"}]))
-            .build(),
-        replicas: 1,
-        front: false,
-        replica_workers: 1,
-        shared_token: true,
-        ..meshlimit_testbed::TopologyOptions::default()
-    });
-    let well_inside_the_hour = {
-        let into_hour = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() % 3600);
-        into_hour + 60 < 3600
-    };
-    if !well_inside_the_hour {
-        std::thread::sleep(Duration::from_secs(61));
-    }
+    let t = one_worker(json!([{"name": "per-hour", "requests": 100_000, "window": "1h"}]));
+    start_well_inside(3600, 60);
     // Three rounds over every client, eight connections: each is busy
     // (its second request asks for a lease) until the last round, so
     // their leases go idle within a round of each other.
@@ -651,10 +666,7 @@ fn clients_going_idle_together_give_every_unit_back() {
     // An interval (2 s) after their last use, and a tick, the leases go
     // back; their returns then take what calls they take.
     assert!(
-        eventually(Duration::from_secs(10), || charged_to_all(
-            &t,
-            "api/per-hour"
-        ) == admitted),
+        counts_exactly(&t, "api/per-hour", admitted),
         "Redis counts {} for {admitted} admitted; {} units given back, {} unconfirmed",
         charged_to_all(&t, "api/per-hour"),
         t.stat(1, "meshlimit.lease_returns"),
@@ -714,26 +726,12 @@ fn the_ratelimit_style_sends_the_ratelimit_field_alone_from_leases_too() {
 /// it was admitted, a second's leftover lease more every second.
 #[test]
 fn a_lease_on_a_second_and_a_minute_gives_the_minute_what_it_did_not_use() {
-    let t = meshlimit_testbed::Topology::start(meshlimit_testbed::TopologyOptions {
-        plugin_config: PluginConfig::new()
-            .limits(json!([
-                {"name": "per-second", "requests": 400, "window": "1s"},
-                {"name": "per-minute", "requests": 100_000, "window": "60s"}
-            ]))
-            .build(),
-        replicas: 1,
-        front: false,
-        replica_workers: 1,
-        shared_token: true,
-        ..meshlimit_testbed::TopologyOptions::default()
-    });
+    let t = one_worker(json!([
+        {"name": "per-second", "requests": 400, "window": "1s"},
+        {"name": "per-minute", "requests": 100_000, "window": "60s"}
+    ]));
     // Well inside a minute: the test's seconds all count in one.
-    let into_minute = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() % 60);
-    if into_minute > 40 {
-        std::thread::sleep(Duration::from_secs(61 - into_minute));
-    }
+    start_well_inside(60, 20);
     // One busy client for four seconds, about 150 requests a second.
     let mut conn = meshlimit_testbed::http::Conn::new(&t.entry());
     let mut admitted = 0u64;
@@ -751,10 +749,7 @@ fn a_lease_on_a_second_and_a_minute_gives_the_minute_what_it_did_not_use() {
     // Once the last lease went back (its second ends, or it idles), the
     // minute counts what was admitted, no more.
     assert!(
-        eventually(Duration::from_secs(10), || charged_to_all(
-            &t,
-            "api/per-minute"
-        ) == admitted),
+        counts_exactly(&t, "api/per-minute", admitted),
         "the minute counts {} for {admitted} admitted; {} units given back",
         charged_to_all(&t, "api/per-minute"),
         t.stat(1, "meshlimit.lease_returns"),
