@@ -625,14 +625,7 @@ impl Run {
                 live.fate
             );
         }
-        let charged = |client: &str| {
-            self.model
-                .charged
-                .iter()
-                .filter(|(subject, _)| subject.ends_with(&format!(":{client}")))
-                .map(|(_, units)| units)
-                .sum::<u64>()
-        };
+        let charged = |client: &str| self.of_client(&self.model.charged, client);
         if self.setup == Setup::Tokens {
             // Units are tokens there, not requests: liveness is checked.
             return;
