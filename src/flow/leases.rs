@@ -341,7 +341,6 @@ impl Worker {
         let lifetime = lease_lifetime(check, result, &receipts, leases.config.interval_ms);
         let reset = result.limits.iter().map(|s| s.reset_after_ms).max();
         let lease_id = self.lease_book.next_lease_id();
-        let expiry_ends = expiry_ends_every_window(check, result);
         let grant = Grant {
             renewal: ticket.renewal,
             lease_id,
@@ -349,7 +348,6 @@ impl Worker {
             expires_ms: ticket.asked_ms.saturating_add(lifetime.unwrap_or(0)),
             reset_at_ms: ticket.asked_ms.saturating_add(reset.unwrap_or(0)),
             beyond: left_beyond.unwrap_or(0),
-            outlives_expiry: !expiry_ends,
         };
         let room = self.lease_book.records.borrow().len() < leases.config.slots as usize;
         if room && lifetime.is_some() && leases.install(ticket.place, grant, now) {
@@ -364,7 +362,7 @@ impl Worker {
                 lease_id,
                 check: check.clone(),
                 receipts,
-                expiry_ends_every_window: expiry_ends,
+                expiry_ends_every_window: expiry_ends_every_window(check, result),
                 look_at_ms: 0,
             });
             return;

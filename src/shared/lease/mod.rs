@@ -48,7 +48,7 @@ use crate::config::LeaseConfig;
 pub(crate) use slot::Slot;
 
 /// Words per lease, and per slot (the check, its ask, three leases).
-const LEASE_WORDS: usize = 9;
+const LEASE_WORDS: usize = 8;
 const WORDS: usize = 2 + 3 * LEASE_WORDS;
 /// An owner takes an expired lease's units back on its next tick (250 ms
 /// at most); units still there this long after the expiry have none.
@@ -192,12 +192,6 @@ pub(crate) struct Grant {
     /// What meshlimitd had left on the tightest limit once it granted
     /// the units (see [`plenty_beyond`] and [`Slot::rest`]).
     pub beyond: u64,
-    /// Its units still count somewhere after it expires (a limit per
-    /// minute beside the one per second it lives as long as, or an
-    /// algorithm whose units outlive the lease): ended with units, it
-    /// waits aside for its owner to give them back rather than give way
-    /// (see [`Slot::set_current_aside`]).
-    pub outlives_expiry: bool,
 }
 
 /// What the granting worker's tick found.

@@ -28,8 +28,6 @@ pub(super) struct Lease {
     /// granted this lease: the client's beyond every lease charged until
     /// then (`RateLimit` on a hit counts it; see [`Slot::rest`]).
     pub(super) beyond: u64,
-    /// Its units still count after it expires ([`Grant::outlives_expiry`]).
-    pub(super) outlives_expiry: bool,
 }
 
 /// One slot's state: the check it is for, and up to two leases.
@@ -148,28 +146,21 @@ impl Slot {
     /// `previous` for them. False when that place is taken by a lease
     /// that is still live.
     ///
-    /// A lease in `previous` that has ended gives way, when nothing counts
-    /// its units any more. Leases of a fixed window all end with it, a
-    /// busy client's two often together (the one in use and the spent one
-    /// whose draws are out), and their owners take them out only on their
-    /// next tick: if they kept the place, every grant until then would go
-    /// back (charged and refunded for nothing) and the client would call
-    /// per request. What the ended lease held is lost to its window, which
-    /// is over.
-    ///
-    /// One whose units still count after it ended (a limit per minute
-    /// beside the per-second one it lives as long as, a sliding window or
-    /// a token bucket: [`Lease::outlives_expiry`]) keeps its place until
-    /// its owner gives them back: a grant meanwhile goes back at once.
-    /// Its owner's tick comes well before the next lease ends, except on a
-    /// machine so loaded that ticks come seconds late; then the client
-    /// calls for that while, and every unit is still given back.
+    /// A lease in `previous` that has ended gives way. Leases of a fixed
+    /// window all end with it, a busy client's two often together (the
+    /// one in use and the spent one whose draws are out), and their owners
+    /// take them out only on their next tick: if they kept the place, every
+    /// grant until then would go back (charged and refunded for nothing)
+    /// and the client would call per request. What the ended lease held is
+    /// lost to its window, which is over for a fixed window's lease; for a
+    /// token bucket's (one interval, renewed before it ends while the
+    /// client is busy) it is at most one lease not refunded: fewer
+    /// admitted, never more.
     pub(super) fn set_current_aside(&mut self, now: u64) -> bool {
         if !self.current.holds_units(now) {
             return true;
         }
-        let previous = &self.previous;
-        if previous.holds_units(now) && (previous.usable(now) || previous.outlives_expiry) {
+        if self.previous.holds_units(now) && self.previous.usable(now) {
             return false;
         }
         self.previous = self.current;
@@ -346,7 +337,6 @@ impl Slot {
             expires_ms: grant.expires_ms,
             reset_at_ms: grant.reset_at_ms,
             last_hit_ms: now,
-            outlives_expiry: grant.outlives_expiry,
         };
         if self.current.usable(now) && self.current.units > 0 {
             // A renewal waits its turn (one at a time); anything else
@@ -434,7 +424,6 @@ impl Slot {
             last_hit_ms: w(at + 5),
             granted: w(at + 6),
             beyond: w(at + 7),
-            outlives_expiry: w(at + 8) != 0,
         };
         Slot {
             fingerprint: w(0),
@@ -456,7 +445,6 @@ impl Slot {
                 l.last_hit_ms,
                 l.granted,
                 l.beyond,
-                u64::from(l.outlives_expiry),
             ]
         };
         let mut words = [0u64; WORDS];
