@@ -23,7 +23,9 @@
 //! - [`Slot::install`] when an answer grants units: only over a lease
 //!   with no units left in the slot, so units are never merged across
 //!   leases or lost. A replaced lease whose draws are still out waits
-//!   aside (`previous`) for them to be accounted for.
+//!   aside (`previous`) for them to be accounted for; an ended one that
+//!   gives that place to a newer one, with units still charged in a
+//!   window that has not ended, is kept owed to its owner (`owed`).
 //! - [`Slot::reclaim`] on the granting worker's tick: a lease that expired
 //!   or went idle, with no draw out, gives its units back (the worker sends
 //!   them to meshlimitd as a settlement at 0, in the very counter and
@@ -47,9 +49,15 @@ use super::store::{self, retry_on_conflict, Purpose, SharedStore, StoreError};
 use crate::config::LeaseConfig;
 pub(crate) use slot::Slot;
 
-/// Words per lease, and per slot (the check, its ask, three leases).
+/// Words per lease, and per slot (the check, its ask, three leases, and
+/// the ended leases owed to their owners).
 const LEASE_WORDS: usize = 8;
-const WORDS: usize = 2 + 3 * LEASE_WORDS;
+const WORDS: usize = 2 + 3 * LEASE_WORDS + OWED * OWED_WORDS;
+/// Ended leases a slot keeps for their owners ([`Slot::owed`]).
+const OWED: usize = 2;
+/// Words kept of an owed lease: its id, units, lent units and expiry
+/// (nothing draws from it; the rest of a lease's words serve draws).
+const OWED_WORDS: usize = 4;
 /// An owner takes an expired lease's units back on its next tick (250 ms
 /// at most); units still there this long after the expiry have none.
 const ABANDONED_AFTER_MS: u64 = 2_000;

@@ -1,5 +1,6 @@
-//! One slot of shared data: the check it is for, its ask, and up to three
-//! leases, with the rules for drawing, installing and reclaiming units.
+//! One slot of shared data: the check it is for, its ask, up to three
+//! leases and the units of ended ones owed to their owners, with the rules
+//! for drawing, installing and reclaiming units.
 
 use super::store::{le_word, le_words};
 use super::*;
@@ -30,7 +31,8 @@ pub(super) struct Lease {
     pub(super) beyond: u64,
 }
 
-/// One slot's state: the check it is for, and up to two leases.
+/// One slot's state: the check it is for, up to three leases, and ended
+/// ones whose units their owners have yet to take out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Slot {
     /// Whose slot it is (0: free).
@@ -46,6 +48,13 @@ pub(crate) struct Slot {
     /// A renewal's lease, granted while the current one still had units:
     /// it becomes current once they are spent.
     pub(super) next: Lease,
+    /// Ended leases that gave `previous` to a newer one while they still
+    /// held units (left unused, or drawn and not put back yet): nobody
+    /// draws from them; draws put back late land here, and each owner's
+    /// tick takes its lease's units out, to give back to the windows that
+    /// still count them (see [`Slot::set_current_aside`]). Only a lease's
+    /// id, units, lent units and expiry are kept (see [`OWED_WORDS`]).
+    pub(super) owed: [Lease; OWED],
 }
 
 impl Lease {
@@ -119,9 +128,10 @@ impl Lease {
 
 impl Slot {
     pub(super) fn holds_units(&self, now: u64) -> bool {
-        self.current.holds_units(now)
-            || self.previous.holds_units(now)
-            || self.next.holds_units(now)
+        [&self.current, &self.previous, &self.next]
+            .into_iter()
+            .chain(&self.owed)
+            .any(|l| l.holds_units(now))
     }
 
     /// Makes the next lease current, once the current one can serve no
@@ -146,32 +156,56 @@ impl Slot {
     /// `previous` for them. False when that place is taken by a lease
     /// that is still live.
     ///
-    /// A lease in `previous` that has ended gives way. Leases of a fixed
-    /// window all end with it, a busy client's two often together (the
-    /// one in use and the spent one whose draws are out), and their owners
-    /// take them out only on their next tick: if they kept the place, every
-    /// grant until then would go back (charged and refunded for nothing)
-    /// and the client would call per request. What the ended lease held is
-    /// lost to its window, which is over for a fixed window's lease; for a
-    /// token bucket's (one interval, renewed before it ends while the
-    /// client is busy) it is at most one lease not refunded: fewer
-    /// admitted, never more.
+    /// A lease in `previous` that has ended gives way, and waits among
+    /// the [`Slot::owed`] for its owner. Leases of a fixed window all end
+    /// with it, a busy client's two often together (the one in use and
+    /// the spent one whose draws are out), and their owners take them out
+    /// only on their next tick: if they kept the place, every grant until
+    /// then would go back (charged and refunded for nothing) and the
+    /// client would call per request. Yet what an ended lease holds may
+    /// still count in a window: a longer limit's, a sliding window's (the
+    /// next window weighs this one), a token bucket's.
     pub(super) fn set_current_aside(&mut self, now: u64) -> bool {
         if !self.current.holds_units(now) {
             return true;
         }
-        if self.previous.holds_units(now) && self.previous.usable(now) {
-            return false;
+        if self.previous.holds_units(now) {
+            if self.previous.usable(now) {
+                return false;
+            }
+            self.owe(self.previous, now);
         }
         self.previous = self.current;
         true
+    }
+
+    /// Keeps the ended `lease` for its owner, in a place that holds no
+    /// units, or else the one that ended first: that lease's units are
+    /// lost to the windows still counting them (fewer admitted, never
+    /// more). With owners' ticks at most a few hundred milliseconds late,
+    /// [`OWED`] places hold every busy client's ended leases: two often
+    /// end together, at the same boundary.
+    fn owe(&mut self, lease: Lease, now: u64) {
+        let free = self.owed.iter().position(|l| !l.holds_units(now));
+        let first_ended = self
+            .owed
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, l)| l.expires_ms)
+            .map_or(0, |(i, _)| i);
+        if let Some(place) = self.owed.get_mut(free.unwrap_or(first_ended)) {
+            *place = lease;
+        }
     }
 
     /// Accounts for `draw` in whichever lease it came from. A draw of a
     /// lease no longer here has nowhere to go (its units are lost to this
     /// window: fewer admitted, never more). True when the slot changed.
     pub(super) fn settle(&mut self, draw: &Draw) -> bool {
-        self.current.settle(draw) || self.previous.settle(draw)
+        [&mut self.current, &mut self.previous]
+            .into_iter()
+            .chain(&mut self.owed)
+            .any(|l| l.settle(draw))
     }
 
     /// What the client has left beyond the draws out, as this slot knows
@@ -390,6 +424,12 @@ impl Slot {
         } else if lease_id != 0 && self.next.lease_id == lease_id {
             // Not drawn from yet: idle since it was granted.
             (&mut self.next, false)
+        } else if let Some(owed) = self
+            .owed
+            .iter_mut()
+            .find(|l| lease_id != 0 && l.lease_id == lease_id)
+        {
+            (owed, true)
         } else {
             return (None, Reclaim::Gone);
         };
@@ -425,12 +465,22 @@ impl Slot {
             granted: w(at + 6),
             beyond: w(at + 7),
         };
+        // The first words of a lease's layout.
+        let owed = |at: usize| Lease {
+            lease_id: w(at),
+            units: w(at + 1),
+            lent: w(at + 2),
+            expires_ms: w(at + 3),
+            ..Lease::default()
+        };
+        let owed_at = 2 + 3 * LEASE_WORDS;
         Slot {
             fingerprint: w(0),
             asking_until_ms: w(1),
             current: lease(2),
             previous: lease(2 + LEASE_WORDS),
             next: lease(2 + 2 * LEASE_WORDS),
+            owed: std::array::from_fn(|i| owed(owed_at + i * OWED_WORDS)),
         }
     }
 
@@ -452,7 +502,12 @@ impl Slot {
             .into_iter()
             .chain(lease(&self.current))
             .chain(lease(&self.previous))
-            .chain(lease(&self.next));
+            .chain(lease(&self.next))
+            .chain(
+                self.owed
+                    .iter()
+                    .flat_map(|l| lease(l).into_iter().take(OWED_WORDS)),
+            );
         for (word, value) in words.iter_mut().zip(all) {
             *word = value;
         }
