@@ -597,6 +597,36 @@ fn ended_leases_that_give_way_keep_their_units_for_their_owners() {
     assert!(!written.unwrap().holds_units(2_600));
 }
 
+/// Two places: a third lease owed while both still hold units takes the
+/// place of the one that ended first (its units are lost to its windows:
+/// fewer admitted, never more); a place whose lease was taken out, or
+/// spent, is used first.
+#[test]
+fn the_lease_owed_longest_gives_way_when_both_places_hold_units() {
+    let lease = |lease_id: u64, expires_ms: u64| Grant {
+        lease_id,
+        ..grant(5, expires_ms)
+    };
+    let mut slot = Slot::default().install(1, lease(7, 1_000), 10).unwrap();
+    for (id, expires_ms) in [(8, 1_200), (9, 1_400), (10, 1_600), (11, 1_800)] {
+        slot = slot
+            .install(1, lease(id, expires_ms), expires_ms - 200)
+            .unwrap();
+    }
+    // 7, 8 and 9 were owed in turn; 7 gave way to 9.
+    assert_eq!(slot.owed.map(|l| l.lease_id), [9, 8]);
+    assert_eq!(slot.reclaim(7, 1_700, 1000).1, Reclaim::Gone);
+    // 8's owner takes its units out: its place is the next one used,
+    // though 9 ended later.
+    let (taken_out, reclaimed) = slot.reclaim(8, 1_700, 1000);
+    assert_eq!(reclaimed, gives_back(5, true));
+    let slot = taken_out
+        .unwrap()
+        .install(1, lease(12, 2_000), 1_800)
+        .unwrap();
+    assert_eq!(slot.owed.map(|l| l.lease_id), [9, 10]);
+}
+
 #[test]
 fn a_clock_stepping_back_ends_a_lease() {
     let slot = Slot::default()
