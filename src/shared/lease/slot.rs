@@ -182,18 +182,19 @@ impl Slot {
     /// Keeps the ended `lease` for its owner, in a place that holds no
     /// units, or else the one that ended first: that lease's units are
     /// lost to the windows still counting them (fewer admitted, never
-    /// more). With owners' ticks at most a few hundred milliseconds late,
-    /// [`OWED`] places hold every busy client's ended leases: two often
-    /// end together, at the same boundary.
+    /// more). About one lease gives way at each of a busy client's
+    /// boundaries, so [`OWED`] places cover owners' ticks that many
+    /// boundaries late.
     fn owe(&mut self, lease: Lease, now: u64) {
         let free = self.owed.iter().position(|l| !l.holds_units(now));
-        let first_ended = self
-            .owed
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, l)| l.expires_ms)
-            .map_or(0, |(i, _)| i);
-        if let Some(place) = self.owed.get_mut(free.unwrap_or(first_ended)) {
+        let place = free.unwrap_or_else(|| {
+            self.owed
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, l)| l.expires_ms)
+                .map_or(0, |(i, _)| i)
+        });
+        if let Some(place) = self.owed.get_mut(place) {
             *place = lease;
         }
     }
