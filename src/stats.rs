@@ -59,6 +59,7 @@ pub enum Stat {
     LeaseUnits,
     LeaseReturns,
     LeaseReturnsUnconfirmed,
+    LeaseUnitsDropped,
     AnswersLost,
     LeaseAsksLost,
     ReservationsLost,
@@ -70,7 +71,7 @@ pub enum Stat {
 
 impl Stat {
     /// Every stat, in declaration order (`stat as usize` is its position).
-    pub const ALL: [Stat; 43] = [
+    pub const ALL: [Stat; 44] = [
         Stat::RequestsAllowed,
         Stat::RequestsDenied,
         Stat::LocalAllowed,
@@ -107,6 +108,7 @@ impl Stat {
         Stat::LeaseUnits,
         Stat::LeaseReturns,
         Stat::LeaseReturnsUnconfirmed,
+        Stat::LeaseUnitsDropped,
         Stat::AnswersLost,
         Stat::LeaseAsksLost,
         Stat::ReservationsLost,
@@ -314,6 +316,11 @@ impl Stat {
                 "meshlimit.lease_returns_unconfirmed",
                 Counter,
                 "leased units given back without meshlimitd confirming it (refused as invalid, or their calls kept failing for ten seconds: a return whose call failed, or that meshlimitd could not apply, is sent again, with its id, once a call succeeds): perhaps given back, perhaps still charged until their window ends",
+            ),
+            Stat::LeaseUnitsDropped => (
+                "meshlimit.lease_units_dropped",
+                Counter,
+                "leased units dropped from shared data before their owner could give them back, while a window still counted them (a longer limit's, a sliding window's, a token bucket's): an ended lease's when workers' ticks came more than two window boundaries late, or one abandoned for 2 s past its end; they stay charged until those windows end (fewer admitted, never more)",
             ),
             Stat::AnswersLost => (
                 "meshlimit.answers_lost",

@@ -204,7 +204,7 @@ pub const FIELDS: &[Field] = &[
     Field {
         path: "leases.slots",
         default: "`4096`",
-        meaning: "shared-data slots for leases (272 bytes each), and entries of each worker's table of busy checks and draws (104 bytes each)",
+        meaning: "shared-data slots for leases (312 bytes each), and entries of each worker's table of busy checks and draws (104 bytes each)",
         schema: r#"{"type": "integer", "minimum": 0}"#,
     },
     Field {

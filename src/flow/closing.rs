@@ -99,7 +99,6 @@ impl Worker {
     /// sent as the root.
     fn give_back_before_going(&self, host: &impl Host, now: u64) {
         host.set_effective_context(self.root_context_id);
-        self.add_lease_hits(host);
         self.rule_stats.flush(host);
         self.give_back_every_local_draw(host);
         if let Some(leases) = self.leases(host, now) {
@@ -108,6 +107,7 @@ impl Worker {
             let returns = self.reclaim_records(&leases, now, Due::Now);
             self.queue_returns(host, returns);
         }
+        self.add_lease_counts(host);
         // Failed ones too, on every tick while it waits: no other call
         // may come to say meshlimitd is back.
         self.resend_returns(host, self.root_context_id);

@@ -24,6 +24,10 @@ pub(super) struct LeaseBook {
     ids: Cell<u64>,
     /// Lease hits not yet added to their stat.
     hits: super::bulk::BulkCount,
+    /// Units the lease slots dropped as this worker wrote them (see
+    /// `Slot::dropped_units`), not yet added to their stat (the tick adds
+    /// them).
+    pub(super) dropped: Cell<u64>,
     /// How busy each check is, as this worker sees it (sizes leases).
     pub(super) observer: RefCell<Observer>,
     /// The root's tick runs (leases on, and the host took the period):
@@ -70,6 +74,7 @@ impl LeaseBook {
             records: RefCell::new(Vec::new()),
             ids: Cell::new(host.random_seed().1),
             hits: super::bulk::BulkCount::default(),
+            dropped: Cell::new(0),
             observer: RefCell::new(Observer::new(observed)),
             ticking,
             asks: super::ask_backoff::AskBackoff::default(),

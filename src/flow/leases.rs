@@ -76,6 +76,7 @@ impl Worker {
             seed: self.guard.seed(host, now),
             store: host,
             keys: self.guard.keys(),
+            dropped: &self.lease_book.dropped,
         })
     }
 
@@ -341,6 +342,7 @@ impl Worker {
         let lifetime = lease_lifetime(check, result, &receipts, leases.config.interval_ms);
         let reset = result.limits.iter().map(|s| s.reset_after_ms).max();
         let lease_id = self.lease_book.next_lease_id();
+        let outlives_expiry = !expiry_ends_every_window(check, result);
         let grant = Grant {
             renewal: ticket.renewal,
             lease_id,
@@ -348,6 +350,7 @@ impl Worker {
             expires_ms: ticket.asked_ms.saturating_add(lifetime.unwrap_or(0)),
             reset_at_ms: ticket.asked_ms.saturating_add(reset.unwrap_or(0)),
             beyond: left_beyond.unwrap_or(0),
+            outlives_expiry,
         };
         let room = self.lease_book.records.borrow().len() < leases.config.slots as usize;
         if room && lifetime.is_some() && leases.install(ticket.place, grant, now) {
@@ -362,7 +365,7 @@ impl Worker {
                 lease_id,
                 check: check.clone(),
                 receipts,
-                expiry_ends_every_window: expiry_ends_every_window(check, result),
+                expiry_ends_every_window: !outlives_expiry,
                 look_at_ms: 0,
             });
             return;
@@ -391,7 +394,6 @@ impl Worker {
     /// last tick) or expired go back to their slots, then leases this
     /// worker installed that expired or went idle give their units back.
     pub(super) fn lease_tick(&self, host: &impl Host) {
-        self.add_lease_hits(host);
         // Also the clock the next hits reuse.
         let now = self.hits.clock.read(host);
         let (Some(leases), Some(tick_ms)) = (self.leases(host, now), self.lease_tick_ms()) else {
@@ -405,6 +407,7 @@ impl Worker {
         self.put_back_draws(&leases, due);
         let returns = self.reclaim_records(&leases, now, Due::Idle);
         self.queue_returns(host, returns);
+        self.add_lease_counts(host);
         // Failed returns too, once a call got through since they failed.
         self.pump_returns(host, self.root_context_id, true);
         // The tick runs as the root: send the returns now rather than at
@@ -412,12 +415,24 @@ impl Worker {
         self.flush_deferred(host, now);
     }
 
-    /// The lease hits counted in bulk since the last time, added to their
-    /// stat.
-    pub(super) fn add_lease_hits(&self, host: &impl Host) {
+    /// The lease hits counted in bulk since the last time, and the units
+    /// the lease slots dropped as this worker wrote them, added to their
+    /// stats; a drop is logged too (rate-limited).
+    pub(super) fn add_lease_counts(&self, host: &impl Host) {
         let hits = self.lease_book.take_hits();
         if hits > 0 {
             self.metrics.add(host, Stat::LeaseHits, hits as usize);
+        }
+        let dropped = self.lease_book.dropped.take();
+        if dropped == 0 {
+            return;
+        }
+        self.metrics
+            .add(host, Stat::LeaseUnitsDropped, dropped as usize);
+        if let Some(skipped) = self.error_log.allow(host.now_ms()) {
+            warn!(
+                "{dropped} leased units dropped before their owners gave them back (their ticks came late); they stay charged until their windows end ({skipped} similar lines suppressed)"
+            );
         }
     }
 

@@ -776,6 +776,7 @@ fn a_lease_on_a_second_and_a_minute_gives_the_minute_what_it_did_not_use() {
         "lease_units",
         "lease_returns",
         "lease_returns_unconfirmed",
+        "lease_units_dropped",
         "answers_lost",
         "lease_asks_lost",
         "fallback_allowed",

@@ -464,33 +464,8 @@ fn an_expired_fixed_window_lease_is_dropped_and_a_token_bucket_one_given_back() 
 /// from its minute every second.
 #[test]
 fn an_expired_lease_goes_back_to_the_longer_windows_it_was_charged_in() {
-    let mut h = harness_with(
-        crate::config::parse(
-            br#"{"leases": {"interval": "1s"},
-                "client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
-                "rules": [{"name": "api", "limits": [
-                    {"name": "s", "requests": 100, "window": "1s"},
-                    {"name": "m", "requests": 6000, "window": "60s"}]}]}"#,
-        )
-        .unwrap(),
-    );
-    // meshlimitd's answer on both limits, with `leased` units.
-    let two_windows = |leased: u64| {
-        format!(
-            r#"{{"allowed":true,"leased":{leased},"limits":[{{"allowed":true,"limit":100,"remaining":80,"reset_after_ms":600,"retry_after_ms":0}},{{"allowed":true,"limit":6000,"remaining":5980,"reset_after_ms":30000,"retry_after_ms":0}}],"receipts":[{{"clock_us":7000,"nonce":"n.1","place":0}},{{"clock_us":7000,"nonce":"n.1","place":1}}]}}"#
-        )
-    };
-    // Busy: eight requests through group commit, then one that asks.
-    for token in 1..=8 {
-        assert_eq!(h.request("a").1, Step::Pause);
-        h.wake();
-        h.answer_batch(token, Some(200), &answer(&[two_windows(0)]));
-    }
-    h.advance(100);
-    assert_eq!(h.request("a").1, Step::Pause);
-    h.wake();
-    assert!(h.last_call_body()["checks"][0]["lease"].is_object());
-    h.answer_batch(9, Some(200), &answer(&[two_windows(8)]));
+    let mut h = two_windows_harness();
+    h.lease_on_two_windows_for_a();
     let calls = h.calls();
     let (_, step) = h.request("a");
     assert_eq!(step, Step::Continue, "from the lease");
@@ -509,6 +484,89 @@ fn an_expired_lease_goes_back_to_the_longer_windows_it_was_charged_in() {
     let calls = h.calls();
     h.tick();
     assert_eq!(h.calls(), calls, "no return for windows that all ended");
+}
+
+/// `api`: 100 a second and 6,000 a minute per `x-api-key`, leases
+/// observed over 1 s.
+fn two_windows_harness() -> Harness {
+    harness_with(
+        crate::config::parse(
+            br#"{"leases": {"interval": "1s"},
+                "client_id": {"headers": ["x-api-key"], "when_missing": "reject"},
+                "rules": [{"name": "api", "limits": [
+                    {"name": "s", "requests": 100, "window": "1s"},
+                    {"name": "m", "requests": 6000, "window": "60s"}]}]}"#,
+        )
+        .unwrap(),
+    )
+}
+
+/// meshlimitd's answer on both limits of [`two_windows_harness`], with
+/// `leased` units: the second ends in 600 ms, the minute in 30 s.
+fn two_windows(leased: u64) -> String {
+    format!(
+        r#"{{"allowed":true,"leased":{leased},"limits":[{{"allowed":true,"limit":100,"remaining":80,"reset_after_ms":600,"retry_after_ms":0}},{{"allowed":true,"limit":6000,"remaining":5980,"reset_after_ms":30000,"retry_after_ms":0}}],"receipts":[{{"clock_us":7000,"nonce":"n.1","place":0}},{{"clock_us":7000,"nonce":"n.1","place":1}}]}}"#
+    )
+}
+
+impl Harness {
+    /// `a` is busy (requests through group commit, 100 ms apart after the
+    /// eighth) until one asks for a lease, granted 8 units on
+    /// [`two_windows`].
+    fn lease_on_two_windows_for_a(&mut self) {
+        for i in 0..20 {
+            if i >= 8 {
+                self.advance(100);
+            }
+            assert_eq!(self.request("a").1, Step::Pause, "request {i}");
+            self.wake();
+            let asks = self.last_call_body()["checks"][0]["lease"].is_object();
+            let leased = if asks { 8 } else { 0 };
+            self.answer_batch(
+                self.last_token(),
+                Some(200),
+                &answer(&[two_windows(leased)]),
+            );
+            if asks {
+                return;
+            }
+        }
+        panic!("a busy client never asked for a lease");
+    }
+}
+
+/// A lease whose owner's tick has not come 2 s past its end is taken for
+/// abandoned (its worker replaced by a configuration push): the next
+/// grant in its slot takes its place. Its units, still charged in the
+/// minute, are lost to it, and its owner's late tick finds nothing to give
+/// back. Before, nothing said so; they are counted now, and logged.
+#[test]
+fn units_a_late_tick_leaves_to_be_overwritten_are_counted_dropped() {
+    let mut h = two_windows_harness();
+    h.lease_on_two_windows_for_a();
+    assert_eq!(h.request("a").1, Step::Continue, "from the lease");
+    // No tick for three seconds (a starved worker): the lease ended at
+    // 600 ms with 7 units its owner has not taken out.
+    h.advance(3_000);
+    h.lease_on_two_windows_for_a();
+    assert_eq!(h.stat("lease_grants"), 2);
+    let calls = h.calls();
+    h.tick();
+    assert_eq!(h.stat("lease_units_dropped"), 7);
+    assert_eq!(h.calls(), calls, "nothing left to give back");
+    assert!(logged(&[
+        "WARN 7 leased units dropped before their owners gave them back"
+    ]));
+    // A lease given back in time drops nothing.
+    let mut h = two_windows_harness();
+    h.lease_on_two_windows_for_a();
+    assert_eq!(h.request("a").1, Step::Continue);
+    h.advance(1_000);
+    h.tick();
+    h.advance(2_000);
+    h.lease_on_two_windows_for_a();
+    h.tick();
+    assert_eq!(h.stat("lease_units_dropped"), 0);
 }
 
 #[test]

@@ -44,6 +44,8 @@ mod slot;
 #[cfg(test)]
 mod tests;
 
+use std::cell::Cell;
+
 use super::keys::Keys;
 use super::store::{self, retry_on_conflict, Purpose, SharedStore, StoreError};
 use crate::config::LeaseConfig;
@@ -51,13 +53,14 @@ pub(crate) use slot::Slot;
 
 /// Words per lease, and per slot (the check, its ask, three leases, and
 /// the ended leases owed to their owners).
-const LEASE_WORDS: usize = 8;
+const LEASE_WORDS: usize = 9;
 const WORDS: usize = 2 + 3 * LEASE_WORDS + OWED * OWED_WORDS;
 /// Ended leases a slot keeps for their owners ([`Slot::owed`]).
 const OWED: usize = 2;
-/// Words kept of an owed lease: its id, units, lent units and expiry
-/// (nothing draws from it; the rest of a lease's words serve draws).
-const OWED_WORDS: usize = 4;
+/// Words kept of an owed lease: its id, units, lent units, expiry and
+/// whether its units outlive it (nothing draws from it; the rest of a
+/// lease's words serve draws).
+const OWED_WORDS: usize = 5;
 /// An owner takes an expired lease's units back on its next tick (250 ms
 /// at most); units still there this long after the expiry have none.
 const ABANDONED_AFTER_MS: u64 = 2_000;
@@ -105,6 +108,10 @@ pub(crate) struct Draw {
     pub expires_ms: u64,
     pub reset_at_ms: u64,
     pub last_hit_ms: u64,
+    /// Its lease's units still count once it has expired (see
+    /// [`Slot::dropped_units`]): put back with its lease gone, its units
+    /// left are counted dropped.
+    pub outlives_expiry: bool,
 }
 
 impl Draw {
@@ -200,6 +207,10 @@ pub(crate) struct Grant {
     /// What meshlimitd had left on the tightest limit once it granted
     /// the units (see [`plenty_beyond`] and [`Slot::rest`]).
     pub beyond: u64,
+    /// Its units still count in a window once it has expired (a longer
+    /// limit's, a sliding window's, a token bucket's): dropped from the
+    /// slot before its owner gives them back, they are counted.
+    pub outlives_expiry: bool,
 }
 
 /// What the granting worker's tick found.
@@ -227,6 +238,9 @@ pub(crate) struct Leases<'s, S: SharedStore> {
     pub seed: (u64, u64),
     pub store: &'s S,
     pub keys: &'s Keys,
+    /// The worker's count of units dropped (see [`Slot::dropped_units`]),
+    /// added to as each slot that dropped some is written.
+    pub dropped: &'s Cell<u64>,
 }
 
 /// Where a check's lease lives: its fingerprint, its slot, and the slot
@@ -284,7 +298,11 @@ impl<S: SharedStore> Leases<'_, S> {
             match self.take_at(at, cost, now, want, ask_for, here.as_ref()) {
                 Err(_) => return (Take::Miss { want: 0 }, carried, place),
                 // The draw's lease is no longer in its slot: nowhere to go.
-                Ok(Take::Occupied) if here.is_some() => carried = None,
+                Ok(Take::Occupied) if here.is_some() => {
+                    let lost = here.filter(|d| d.outlives_expiry).map_or(0, |d| d.left);
+                    self.note_dropped(lost);
+                    carried = None;
+                }
                 Ok(Take::Occupied) => {}
                 Ok(take) => {
                     let kept = carried.filter(|d| d.slot != slot);
@@ -293,6 +311,18 @@ impl<S: SharedStore> Leases<'_, S> {
             }
         }
         (Take::Miss { want: 0 }, carried, place)
+    }
+
+    /// Writes `slot` at `key` (compare-and-swap with `cas`), counting what
+    /// the operation that made it dropped once it is written.
+    fn write(&self, key: &str, slot: &Slot, cas: Option<u32>) -> Result<(), StoreError> {
+        self.store.set(key, &slot.encode(), cas)?;
+        self.note_dropped(slot.dropped_units);
+        Ok(())
+    }
+
+    fn note_dropped(&self, units: u64) {
+        self.dropped.set(self.dropped.get().saturating_add(units));
     }
 
     /// [`Leases::take`] in one slot.
@@ -311,7 +341,7 @@ impl<S: SharedStore> Leases<'_, S> {
             let (slot, take) =
                 Slot::decode(bytes.as_deref()).take(at, cost, now, want, ask_for, previous);
             if let Some(slot) = slot {
-                self.store.set(&key, &slot.encode(), cas)?;
+                self.write(&key, &slot, cas)?;
             }
             Ok(take)
         })
@@ -323,7 +353,7 @@ impl<S: SharedStore> Leases<'_, S> {
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
             match Slot::decode(bytes.as_deref()).put_back(draw) {
-                Some(slot) => self.store.set(&key, &slot.encode(), cas),
+                Some(slot) => self.write(&key, &slot, cas),
                 None => Ok(()),
             }
         })
@@ -339,7 +369,7 @@ impl<S: SharedStore> Leases<'_, S> {
             let (bytes, cas) = self.store.get(&key)?;
             let (slot, held) = Slot::decode(bytes.as_deref()).heard(place.fingerprint, fresh, now);
             if let Some(slot) = slot {
-                self.store.set(&key, &slot.encode(), cas)?;
+                self.write(&key, &slot, cas)?;
             }
             Ok(held)
         })
@@ -353,7 +383,7 @@ impl<S: SharedStore> Leases<'_, S> {
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
             match Slot::decode(bytes.as_deref()).install(place.fingerprint, grant, now) {
-                Some(slot) => self.store.set(&key, &slot.encode(), cas).map(|()| true),
+                Some(slot) => self.write(&key, &slot, cas).map(|()| true),
                 None => Ok(false),
             }
         })
@@ -367,7 +397,7 @@ impl<S: SharedStore> Leases<'_, S> {
         retry_on_conflict(|| {
             let (bytes, cas) = self.store.get(&key)?;
             match Slot::decode(bytes.as_deref()).revoke(place.fingerprint, now) {
-                Some(slot) => self.store.set(&key, &slot.encode(), cas).map(|()| true),
+                Some(slot) => self.write(&key, &slot, cas).map(|()| true),
                 None => Ok(false),
             }
         })
@@ -398,7 +428,7 @@ impl<S: SharedStore> Leases<'_, S> {
             let (bytes, cas) = self.store.get(&key)?;
             let (slot, reclaim) = Slot::decode(bytes.as_deref()).reclaim(lease_id, now, idle_ms);
             if let Some(slot) = slot {
-                self.store.set(&key, &slot.encode(), cas)?;
+                self.write(&key, &slot, cas)?;
             }
             Ok(reclaim)
         })

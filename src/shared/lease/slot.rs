@@ -29,6 +29,12 @@ pub(super) struct Lease {
     /// granted this lease: the client's beyond every lease charged until
     /// then (`RateLimit` on a hit counts it; see [`Slot::rest`]).
     pub(super) beyond: u64,
+    /// Its units still count in a window once it has expired (a longer
+    /// limit's, a sliding window's, a token bucket's), so that units the
+    /// slot drops before its owner gives them back stay charged there
+    /// (see [`Slot::dropped_units`]). A lease whose expiry ends every
+    /// window it was charged in owes nothing once expired.
+    pub(super) outlives_expiry: bool,
 }
 
 /// One slot's state: the check it is for, up to three leases, and ended
@@ -53,8 +59,37 @@ pub(crate) struct Slot {
     /// draws from them; draws put back late land here, and each owner's
     /// tick takes its lease's units out, to give back to the windows that
     /// still count them (see [`Slot::set_current_aside`]). Only a lease's
-    /// id, units, lent units and expiry are kept (see [`OWED_WORDS`]).
+    /// id, units, lent units, expiry and whether its units outlive it are
+    /// kept (see [`OWED_WORDS`]).
     pub(super) owed: [Lease; OWED],
+    /// Not in shared data: the units of leases that outlive their expiry
+    /// which the operations on this value since it was read had to drop
+    /// (an ended
+    /// lease giving way while both owed places hold units, one abandoned
+    /// past [`ABANDONED_AFTER_MS`], a draw put back with its lease gone).
+    /// They stay charged in the windows that count them until those end:
+    /// fewer admitted, never more. The store helper adds them to the
+    /// worker's `lease_units_dropped` once the slot is written.
+    pub(super) dropped_units: u64,
+}
+
+/// The units lost when `lease` is overwritten: any it still holds, when a
+/// window still counts them (see [`Lease::outlives_expiry`]). A lease
+/// that holds units is overwritten only once it has ended and no place
+/// is left for it, or it was abandoned.
+fn units_lost(lease: &Lease) -> u64 {
+    if lease.lease_id != 0 && lease.outlives_expiry {
+        lease.units
+    } else {
+        0
+    }
+}
+
+/// Writes `with` over the lease in `place`; the units that loses.
+fn overwrite(place: &mut Lease, with: Lease) -> u64 {
+    let lost = units_lost(place);
+    *place = with;
+    lost
 }
 
 impl Lease {
@@ -146,7 +181,8 @@ impl Slot {
         if !self.set_current_aside(now) {
             return false;
         }
-        self.current = self.next;
+        let lost = overwrite(&mut self.current, self.next);
+        self.add_dropped(lost);
         self.next = Lease::default();
         true
     }
@@ -165,6 +201,8 @@ impl Slot {
     /// client would call per request. Yet what an ended lease holds may
     /// still count in a window: a longer limit's, a sliding window's (the
     /// next window weighs this one), a token bucket's.
+    /// Once set aside, `current` is empty; when it holds no units it is
+    /// left for the caller to overwrite.
     pub(super) fn set_current_aside(&mut self, now: u64) -> bool {
         if !self.current.holds_units(now) {
             return true;
@@ -173,9 +211,12 @@ impl Slot {
             if self.previous.usable(now) {
                 return false;
             }
-            self.owe(self.previous, now);
+            let ended = std::mem::take(&mut self.previous);
+            self.owe(ended, now);
         }
-        self.previous = self.current;
+        let aside = std::mem::take(&mut self.current);
+        let lost = overwrite(&mut self.previous, aside);
+        self.add_dropped(lost);
         true
     }
 
@@ -195,13 +236,42 @@ impl Slot {
                 .map_or(0, |(i, _)| i)
         });
         if let Some(place) = self.owed.get_mut(place) {
-            *place = lease;
+            let lost = overwrite(place, lease);
+            self.add_dropped(lost);
         }
     }
 
+    /// A fresh slot for check `fingerprint` in place of this one, which
+    /// holds no units anyone will take out (free, or its leases spent or
+    /// abandoned: those units are dropped).
+    fn fresh_for(&self, fingerprint: u64) -> Slot {
+        let all = [&self.current, &self.previous, &self.next]
+            .into_iter()
+            .chain(&self.owed);
+        Slot {
+            fingerprint,
+            dropped_units: all
+                .map(units_lost)
+                .fold(self.dropped_units, u64::saturating_add),
+            ..Slot::default()
+        }
+    }
+
+    /// Accounts for `draw` whose lease is no longer here: its units left
+    /// are dropped. True when that loses units a window still counts.
+    fn drop_draw(&mut self, draw: &Draw) -> bool {
+        let lost = if draw.outlives_expiry { draw.left } else { 0 };
+        self.add_dropped(lost);
+        lost > 0
+    }
+
+    fn add_dropped(&mut self, units: u64) {
+        self.dropped_units = self.dropped_units.saturating_add(units);
+    }
+
     /// Accounts for `draw` in whichever lease it came from. A draw of a
-    /// lease no longer here has nowhere to go (its units are lost to this
-    /// window: fewer admitted, never more). True when the slot changed.
+    /// lease no longer here has nowhere to go (see [`Slot::drop_draw`]).
+    /// True when the slot changed.
     pub(super) fn settle(&mut self, draw: &Draw) -> bool {
         [&mut self.current, &mut self.previous]
             .into_iter()
@@ -260,8 +330,10 @@ impl Slot {
     }
 
     /// The slot after a worker puts back `draw`; `None`: nothing to write.
+    /// A draw whose lease is gone is dropped, and the slot written for
+    /// its count (see [`Slot::dropped_units`]).
     pub(crate) fn put_back(mut self, draw: &Draw) -> Option<Slot> {
-        self.settle(draw).then_some(self)
+        (self.settle(draw) || self.drop_draw(draw)).then_some(self)
     }
 
     /// The slot after a busy check's request of `cost` from the worker
@@ -284,12 +356,9 @@ impl Slot {
                 // Another check's units: its owner gives them back first.
                 return (None, Take::Occupied);
             }
-            self = Slot {
-                fingerprint: place.fingerprint,
-                ..Slot::default()
-            };
+            self = self.fresh_for(place.fingerprint);
         }
-        let settled = previous.is_some_and(|d| self.settle(d));
+        let settled = previous.is_some_and(|d| self.settle(d) || self.drop_draw(d));
         let promoted = self.promote(cost, now);
         let lease = &mut self.current;
         if lease.usable(now) && lease.units >= cost {
@@ -322,6 +391,7 @@ impl Slot {
                 expires_ms: lease.expires_ms,
                 reset_at_ms: lease.reset_at_ms,
                 last_hit_ms: now,
+                outlives_expiry: lease.outlives_expiry,
             };
             draw.rest = self.rest(now);
             let next_due = self.next.lease_id == 0 || !self.next.holds_units(now);
@@ -337,7 +407,7 @@ impl Slot {
             }
             return (Some(self), Take::Hit(draw));
         }
-        let written = (settled || promoted).then_some(self);
+        let written = (settled || promoted || self.dropped_units > 0).then_some(self);
         if want == 0 || now < self.asking_until_ms {
             // One ask at a time.
             return (written, Take::Miss { want: 0 });
@@ -358,10 +428,7 @@ impl Slot {
             if self.holds_units(now) {
                 return None;
             }
-            self = Slot {
-                fingerprint,
-                ..Slot::default()
-            };
+            self = self.fresh_for(fingerprint);
         }
         let lease = Lease {
             lease_id: grant.lease_id,
@@ -372,6 +439,7 @@ impl Slot {
             expires_ms: grant.expires_ms,
             reset_at_ms: grant.reset_at_ms,
             last_hit_ms: now,
+            outlives_expiry: grant.outlives_expiry,
         };
         if self.current.usable(now) && self.current.units > 0 {
             // A renewal waits its turn (one at a time); anything else
@@ -379,7 +447,8 @@ impl Slot {
             if !grant.renewal || self.next.holds_units(now) {
                 return None;
             }
-            self.next = lease;
+            let lost = overwrite(&mut self.next, lease);
+            self.add_dropped(lost);
             self.asking_until_ms = 0;
             return Some(self);
         }
@@ -388,7 +457,8 @@ impl Slot {
         if !self.set_current_aside(now) {
             return None;
         }
-        self.current = lease;
+        let lost = overwrite(&mut self.current, lease);
+        self.add_dropped(lost);
         self.asking_until_ms = 0;
         Some(self)
     }
@@ -406,7 +476,8 @@ impl Slot {
         if !self.set_current_aside(now) {
             return None;
         }
-        self.current = Lease::default();
+        let lost = overwrite(&mut self.current, Lease::default());
+        self.add_dropped(lost);
         Some(self)
     }
 
@@ -461,10 +532,11 @@ impl Slot {
             units: w(at + 1),
             lent: w(at + 2),
             expires_ms: w(at + 3),
-            reset_at_ms: w(at + 4),
-            last_hit_ms: w(at + 5),
-            granted: w(at + 6),
-            beyond: w(at + 7),
+            outlives_expiry: w(at + 4) != 0,
+            reset_at_ms: w(at + 5),
+            last_hit_ms: w(at + 6),
+            granted: w(at + 7),
+            beyond: w(at + 8),
         };
         // The first words of a lease's layout.
         let owed = |at: usize| Lease {
@@ -472,6 +544,7 @@ impl Slot {
             units: w(at + 1),
             lent: w(at + 2),
             expires_ms: w(at + 3),
+            outlives_expiry: w(at + 4) != 0,
             ..Lease::default()
         };
         let owed_at = 2 + 3 * LEASE_WORDS;
@@ -482,16 +555,19 @@ impl Slot {
             previous: lease(2 + LEASE_WORDS),
             next: lease(2 + 2 * LEASE_WORDS),
             owed: std::array::from_fn(|i| owed(owed_at + i * OWED_WORDS)),
+            dropped_units: 0,
         }
     }
 
     pub(super) fn encode(&self) -> Vec<u8> {
+        // The owed layout is the first OWED_WORDS of these: keep it so.
         let lease = |l: &Lease| {
             [
                 l.lease_id,
                 l.units,
                 l.lent,
                 l.expires_ms,
+                u64::from(l.outlives_expiry),
                 l.reset_at_ms,
                 l.last_hit_ms,
                 l.granted,

@@ -59,6 +59,9 @@ fn grant(units: u64, expires_ms: u64) -> Grant {
         reset_at_ms: expires_ms,
         renewal: false,
         beyond: 0,
+        // A window counts its units past its end (a longer limit, a
+        // sliding window): what the slot drops of it is counted.
+        outlives_expiry: true,
     }
 }
 
@@ -206,9 +209,73 @@ fn workers_draw_half_of_what_is_left_and_put_back_what_they_leave() {
     // `a` idles with 19 left: back in the slot.
     let slot = slot.put_back(&a).unwrap();
     assert_eq!((slot.current.units, slot.current.lent), (35, 4));
-    // A draw of another lease has nowhere to go.
+    // A draw of another lease has nowhere to go: `b` spent what it drew.
     let stale = Draw { lease_id: 99, ..b };
     assert_eq!(slot.put_back(&stale), None);
+}
+
+/// A draw put back after its lease left the slot loses its units left:
+/// counted when a window still counts them, and the slot is written for
+/// that count; a lease whose expiry ended every window owes nothing.
+#[test]
+fn a_draw_put_back_with_its_lease_gone_counts_its_units_dropped() {
+    let slot = Slot::default().install(1, grant(40, 5_000), 10).unwrap();
+    let (slot, t) = take(slot, 1, 20);
+    let draw = drawn(t);
+    assert_eq!(draw.left, 19);
+    let stale = Draw {
+        lease_id: 99,
+        ..draw
+    };
+    let written = slot.put_back(&stale).expect("written for the count");
+    assert_eq!(written.dropped_units, 19);
+    assert_eq!(written.encode(), slot.encode(), "nothing else changed");
+    let owes_nothing = Draw {
+        outlives_expiry: false,
+        ..stale
+    };
+    assert_eq!(slot.put_back(&owes_nothing), None);
+    // Brought to a take, the same.
+    let (written, _) = slot.take(at(1), 1, 30, BUSY, ASK, Some(&stale));
+    assert_eq!(written.map(|s| s.dropped_units), Some(19));
+    assert_eq!(slot.dropped_units, 0, "its own draw settled");
+}
+
+/// A lease whose owner has not taken its units out 2 s past its end is
+/// abandoned: the next lease or check in its slot overwrites it, and its
+/// units, when a window still counts them, are counted dropped.
+#[test]
+fn an_abandoned_lease_overwritten_counts_its_units_dropped() {
+    let slot = Slot::default().install(1, grant(8, 1_000), 10).unwrap();
+    let (slot, t) = take(slot, 1, 20);
+    let slot = slot.put_back(&drawn(t)).unwrap();
+    assert_eq!((slot.current.units, slot.current.lent), (7, 0));
+    // Before 2 s past its end, a grant sets it aside for its owner.
+    let newer = Grant {
+        lease_id: 8,
+        ..grant(5, 4_000)
+    };
+    let aside = slot.install(1, newer, 2_900).unwrap();
+    assert_eq!((aside.previous.lease_id, aside.dropped_units), (7, 0));
+    // After, the grant takes its place; so does another check.
+    let over = slot.install(1, newer, 3_000).unwrap();
+    assert_eq!((over.current.lease_id, over.dropped_units), (8, 7));
+    let other = slot.install(2, newer, 3_000).unwrap();
+    assert_eq!((other.fingerprint, other.dropped_units), (2, 7));
+    let owes_nothing = Slot::default()
+        .install(
+            1,
+            Grant {
+                outlives_expiry: false,
+                ..grant(8, 1_000)
+            },
+            10,
+        )
+        .unwrap();
+    assert_eq!(
+        owes_nothing.install(2, newer, 3_000).unwrap().dropped_units,
+        0
+    );
 }
 
 #[test]
@@ -320,6 +387,7 @@ fn test_draw(slot: u64) -> Draw {
         expires_ms: 1_000,
         reset_at_ms: 1_000,
         last_hit_ms: 10,
+        outlives_expiry: true,
     }
 }
 
@@ -332,6 +400,7 @@ fn a_check_whose_slot_another_holds_takes_its_alternate() {
         config: CONFIG,
         seed: (1, 2),
         store: &store,
+        dropped: &std::cell::Cell::new(0),
     };
     let a = leases.place(&"limits", "a");
     assert_ne!(a.slot, a.alternate);
@@ -613,8 +682,9 @@ fn the_lease_owed_longest_gives_way_when_both_places_hold_units() {
             .install(1, lease(id, expires_ms), expires_ms - 200)
             .unwrap();
     }
-    // 7, 8 and 9 were owed in turn; 7 gave way to 9.
+    // 7, 8 and 9 were owed in turn; 7 gave way to 9, its units counted.
     assert_eq!(slot.owed.map(|l| l.lease_id), [9, 8]);
+    assert_eq!(slot.dropped_units, 5);
     assert_eq!(slot.reclaim(7, 1_700, 1000).1, Reclaim::Gone);
     // 8's owner takes its units out: its place is the next one used,
     // though 9 ended later.
@@ -650,7 +720,8 @@ fn slots_round_trip_and_short_values_read_as_zero() {
         asking_until_ms: 77,
         ..slot
     };
-    // An owed lease keeps its id, units, lent units and expiry.
+    // An owed lease keeps its id, units, lent units, expiry and whether
+    // its units outlive it.
     let owed = Slot {
         owed: [
             Lease {
@@ -658,6 +729,7 @@ fn slots_round_trip_and_short_values_read_as_zero() {
                 units: 3,
                 lent: 1,
                 expires_ms: 700,
+                outlives_expiry: true,
                 ..Lease::default()
             },
             Lease::default(),
@@ -668,7 +740,7 @@ fn slots_round_trip_and_short_values_read_as_zero() {
     assert_eq!(Slot::decode(Some(&aside.encode())), aside);
     assert_eq!(aside.encode().len(), WORDS * 8);
     // The sizes README.md and docs/leases.md give for `leases.slots`.
-    assert_eq!(WORDS * 8, 272);
+    assert_eq!(WORDS * 8, 312);
     assert_eq!(Slot::decode(Some(&[1, 2, 3])), Slot::default());
 }
 
