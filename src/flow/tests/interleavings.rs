@@ -29,12 +29,17 @@
 //!   from its client;
 //! - whatever failed, every admission is a unit meshlimitd charged or a
 //!   decision the fallback made and counted (`fallback_allowed`).
+//! - whatever failed, the units admitted, given back and counted dropped
+//!   from the lease slots (`lease_units_dropped`) are never more than
+//!   meshlimitd charged and the fallback admitted: a unit is counted
+//!   lost only if nothing else became of it.
 //!
 //! Each was seen failing on a flow broken for it (a failed call left
 //! paused; a lease hit that spends half a unit; a fallback admission
 //! counted as a denial; a failed settlement that leaves its response
 //! paused; a lease return one unit short; a lost ask never named; and,
-//! on main, a lease on two windows dropped when the shorter ended).
+//! on main, a lease on two windows dropped when the shorter ended; and
+//! a slot counting a live lease's units as dropped).
 //! `PROPTEST_CASES=20000` runs more (about 2 minutes).
 
 use std::collections::{HashMap, HashSet};
@@ -649,6 +654,25 @@ impl Run {
                 );
             }
         }
+        // Units counted dropped were charged and neither admitted nor given
+        // back: never more than that (fallback admissions charged nothing).
+        let dropped = self.h.stat("lease_units_dropped")
+            + std::iter::once(&self.h.worker)
+                .chain(self.parked.iter().flatten())
+                .map(|w| w.lease_book.dropped.get())
+                .sum::<u64>();
+        let admitted: u64 = self.admitted.iter().sum();
+        let returned: u64 = CLIENTS
+            .iter()
+            .map(|c| self.of_client(&self.model.returned, c))
+            .sum();
+        let charged_all: u64 = CLIENTS.iter().map(|c| charged(c)).sum();
+        let fallback = self.h.stat("fallback_allowed");
+        assert!(
+            admitted + returned + dropped <= charged_all + fallback,
+            "{admitted} admitted, {returned} given back, {dropped} dropped, \
+             {charged_all} charged, {fallback} by the fallback"
+        );
         let within_the_window = self.h.host.now.get() / WINDOW_MS == self.window;
         // A worker names its lost asks in its next call that succeeds, or
         // on a tick once its breaker is closed: with no traffic after an
