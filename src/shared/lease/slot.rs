@@ -358,7 +358,12 @@ impl Slot {
             }
             self = self.fresh_for(place.fingerprint);
         }
-        let settled = previous.is_some_and(|d| self.settle(d) || self.drop_draw(d));
+        // The draw brought goes back to its lease, or is counted dropped
+        // when its lease is gone (the slot is then written for the count).
+        let settled = previous.is_some_and(|d| self.settle(d));
+        if let Some(draw) = previous.filter(|_| !settled) {
+            self.drop_draw(draw);
+        }
         let promoted = self.promote(cost, now);
         let lease = &mut self.current;
         if lease.usable(now) && lease.units >= cost {
