@@ -237,10 +237,14 @@ impl Worker {
         }
     }
 
-    /// Tells the breaker how a call went (once per call, not per check).
+    /// Tells the breaker how a call went (once per call, not per check),
+    /// and the lease asks that an answered one may grow back.
     fn report_call(&self, host: &impl Host, error: Option<&ServiceError>, now: u64) {
         match error {
-            None => self.guard.record_call(host, &self.metrics, true, now),
+            None => {
+                self.guard.record_call(host, &self.metrics, true, now);
+                self.lease_book.asks.call_answered();
+            }
             Some(e) if trips_breaker(e) => self.guard.record_call(host, &self.metrics, false, now),
             Some(_) => {}
         }

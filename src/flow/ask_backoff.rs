@@ -8,7 +8,11 @@
 //! left meshlimitd is given back by no one, and holds the units until
 //! their window ends. So after each such failure this worker halves what
 //! it asks for, and after [`MAX_HALVINGS`] in a row it asks for nothing
-//! (each request calls) until a call with an ask is answered again.
+//! (each request calls). Asks grow back as calls are answered again: one
+//! halving back for each answered call, all of them for an answered ask.
+//! Answered calls without an ask must count, since asks that fell to
+//! nothing are never sent, so never answered: leasing would end on the
+//! worker for good.
 
 use std::cell::Cell;
 
@@ -29,6 +33,12 @@ impl AskBackoff {
             h if h > MAX_HALVINGS => 0,
             h => want >> h,
         }
+    }
+
+    /// A call came back answered (with an ask or not): the way to
+    /// meshlimitd works again, and asks grow back by one halving.
+    pub(super) fn call_answered(&self) {
+        self.halvings.set(self.halvings.get().saturating_sub(1));
     }
 
     /// A call that carried an ask came back (or failed) with `outcome`.
@@ -66,5 +76,22 @@ mod tests {
         assert_eq!(b.size(1_000_000), 0, "no ask at all");
         b.answered(&Ok(()));
         assert_eq!(b.size(64), 64);
+    }
+
+    #[test]
+    fn asks_that_fell_to_nothing_grow_back_with_each_answered_call() {
+        let b = AskBackoff::default();
+        for _ in 0..10 {
+            b.answered::<()>(&Err(ServiceError::Timeout));
+        }
+        assert_eq!(b.size(1 << 20), 0);
+        b.call_answered();
+        assert_eq!(b.size(1 << 20), 1 << (20 - MAX_HALVINGS));
+        b.call_answered();
+        assert_eq!(b.size(1 << 20), 1 << (20 - MAX_HALVINGS + 1));
+        for _ in 0..10 {
+            b.call_answered();
+        }
+        assert_eq!(b.size(64), 64, "never beyond the whole ask");
     }
 }

@@ -591,6 +591,96 @@ fn lost_answers_cost_nothing_while_redis_stalls_around_the_timeout() {
     assert_no_vm_panics(&t);
 }
 
+/// Leasing comes back once answers stop being lost. Redis stalls its
+/// writes for longer than the filter's 20 ms timeout (`CLIENT PAUSE 45
+/// WRITE` every 50 ms, for 4 s) under a busy client, so nearly every
+/// call's answer is lost, lease asks' among them, and the worker's asks
+/// shrink to nothing (see `ask_backoff`). Then Redis answers again, and
+/// another busy client is served from leases once more, not by a call a
+/// request. Before, asks that had fallen to nothing were never sent, so
+/// never answered: the worker called for every later request of every
+/// client, for good.
+#[test]
+fn leasing_comes_back_once_answers_are_no_longer_lost() {
+    let t = meshlimit_testbed::Topology::start(meshlimit_testbed::TopologyOptions {
+        plugin_config: PluginConfig::new()
+            .set_in("service", "timeout", json!("20ms"))
+            // The breaker stays closed: every call in the stalls goes out
+            // and loses its answer, enough asks lost in a row on each
+            // worker for its asks to fall to nothing.
+            .set_in("breaker", "failures", json!(1000))
+            .limits(json!([{"name": "per-minute", "requests": 100000, "window": "60s"}]))
+            .build(),
+        ..meshlimit_testbed::TopologyOptions::default()
+    });
+    let redis = format!("{}:{}", t.host, meshlimit_testbed::topology::REDIS_PORT);
+    let stalling = AtomicBool::new(true);
+    let entry = t.entry();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            use std::io::{Read, Write};
+            let mut conn = std::net::TcpStream::connect(&redis).unwrap();
+            let started = std::time::Instant::now();
+            while started.elapsed() < Duration::from_secs(4) {
+                conn.write_all(b"CLIENT PAUSE 45 WRITE\r\n").unwrap();
+                let mut ok = [0u8; 5];
+                conn.read_exact(&mut ok).unwrap();
+                assert_eq!(&ok, b"+OK\r\n");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            stalling.store(false, Ordering::Relaxed);
+        });
+        for _ in 0..4 {
+            s.spawn(|| {
+                let mut conn = meshlimit_testbed::http::Conn::new(&entry);
+                // At most 4 s of 10 ms pauses: bounded.
+                for _ in 0..400 {
+                    if !stalling.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let r = conn
+                        .get("/api/items", &[("x-api-key", b"stalled")])
+                        .unwrap();
+                    assert_eq!(r.status, 200, "{}", r.body);
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            });
+        }
+    });
+    let asks_lost = t.stat_total("meshlimit.lease_asks_lost");
+    // The last stalls' calls are over, their answers lost or late.
+    std::thread::sleep(Duration::from_millis(2_500));
+    let counts = || {
+        [
+            "lease_hits",
+            "requests_allowed",
+            "fallback_allowed",
+            "lease_grants",
+        ]
+        .map(|s| t.stat_total(&format!("meshlimit.{s}")))
+    };
+    let before = counts();
+    let (admitted, _) = hammer(&t, "after", 4, 100);
+    // Hits are counted in bulk, on the worker's tick.
+    std::thread::sleep(Duration::from_millis(1_000));
+    let [hits, called, fallback, grants] = {
+        let after = counts();
+        [0, 1, 2, 3].map(|i| after[i].saturating_sub(before[i]))
+    };
+    eprintln!(
+        "{asks_lost} lease asks lost in the stalls; then {admitted} admitted: {hits} from leases, {called} by calls, {fallback} by the fallback; {grants} lease grants"
+    );
+    assert!(asks_lost > 0, "the stalls lost no lease ask");
+    assert_eq!(admitted, 400);
+    // A fresh client calls until each of the four workers (two replicas,
+    // two workers each) sees it busy and holds a lease; then hits.
+    assert!(
+        hits >= 200,
+        "after the stalls, {hits} of 400 from leases, {called} by calls: leasing did not come back"
+    );
+    assert_no_vm_panics(&t);
+}
+
 /// Everything a limit's counters hold in Redis, over every client: the
 /// fixed-window counters of `limit` (`rule/limit`) summed by one script.
 fn charged_to_all(t: &Topology, limit: &str) -> u64 {

@@ -1396,3 +1396,56 @@ fn returns_due_together_go_a_bounded_number_a_call() {
     assert_eq!(h.stat("lease_returns"), 800);
     assert_eq!(h.stat("lease_returns_unconfirmed"), 0);
 }
+
+/// Asks stopped by lost answers come back once meshlimitd answers again:
+/// a worker whose asks fell to nothing still calls for each request, and
+/// those answers say the way to meshlimitd is back. Without that, a few
+/// lost answers in a row would end leasing on the worker for good: every
+/// later request a call, the busy client at leases-off speed.
+#[test]
+fn asks_stopped_by_lost_answers_resume_once_calls_are_answered() {
+    let mut h = harness("");
+    let asked = |h: &Harness| {
+        h.last_call_body()["checks"][0]["lease"]["units"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    for token in 1..=8 {
+        h.request("a");
+        h.wake();
+        h.answer_batch(token, Some(200), &answer(&[result(true, 19)]));
+    }
+    // Each ask's answer is lost, until the worker asks for nothing.
+    let mut lost = 0;
+    loop {
+        h.advance(100);
+        h.request("a");
+        h.wake();
+        if asked(&h) == 0 {
+            break;
+        }
+        h.advance(20);
+        h.answer_batch(h.last_token(), None, "");
+        lost += 1;
+        assert!(lost <= 8, "asks never stopped");
+    }
+    assert!(lost >= 1);
+    // meshlimitd answers every call from now on.
+    let mut calls_until_asked = None;
+    for n in 1..=20 {
+        assert!(h.answer_batch(h.last_token(), Some(200), &answer(&[result(true, 18)])));
+        h.advance(100);
+        let calls = h.calls();
+        h.request("a");
+        h.wake();
+        assert_eq!(h.calls(), calls + 1, "each request calls");
+        if asked(&h) > 0 {
+            calls_until_asked = Some(n);
+            break;
+        }
+    }
+    assert!(
+        calls_until_asked.is_some(),
+        "{lost} lost answers, then 20 answered calls: the worker never asks for a lease again"
+    );
+}
