@@ -67,19 +67,19 @@ pub const FIELDS: &[Field] = &[
         path: "client_id.trusted_hops",
         default: "`0`",
         meaning: "entries of `x-forwarded-for` appended by proxies you trust, counted from the right; the client is the `n`-th from the right, and entries further left are client-controlled and never used. `0` uses the peer address (`source.address`). Count this Envoy's own entry when it appends one (`use_remote_address: true`, as on every Istio gateway): a gateway behind one L7 load balancer sees `client, balancer` and needs `2`; with `1` every client would share the balancer's bucket",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 0, "maximum": 16}"#,
     },
     Field {
         path: "client_id.reject_status",
         default: "`401`",
         meaning: "status for `when_missing: reject` (any 4xx)",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 400, "maximum": 499}"#,
     },
     Field {
         path: "client_id.ipv6_prefix",
         default: "`64`",
         meaning: "IPv6 clients are counted per network of this many bits (one client holds a /64 or more; per address it could rotate through 2^64 of them); IPv4 and IPv4-mapped addresses per address",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 1, "maximum": 128}"#,
     },
     Field {
         path: "rules[].name",
@@ -151,7 +151,7 @@ pub const FIELDS: &[Field] = &[
         path: "local.expected_replicas",
         default: "`1`",
         meaning: "Envoys sharing the global limits; sets the default `fallback_share`",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 1, "maximum": 10000}"#,
     },
     Field {
         path: "group_commit.enabled",
@@ -163,7 +163,7 @@ pub const FIELDS: &[Field] = &[
         path: "group_commit.max_batch",
         default: "`64`",
         meaning: "checks per call at most",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 1, "maximum": 1024}"#,
     },
     Field {
         path: "group_commit.max_queue_age",
@@ -175,13 +175,13 @@ pub const FIELDS: &[Field] = &[
         path: "group_commit.max_queued",
         default: "`1024`",
         meaning: "queued checks per worker at most; beyond it a check is decided by `failure_mode` (`batch_overflow` stat). Lease renewals waiting for the tick are bounded by it on their own (beyond it they are sent at once)",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 1, "maximum": 100000}"#,
     },
     Field {
         path: "group_commit.max_calls_in_flight",
         default: "`4`",
         meaning: "batch calls in flight per worker at most",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 1, "maximum": 64}"#,
     },
     Field {
         path: "leases.enabled",
@@ -199,13 +199,13 @@ pub const FIELDS: &[Field] = &[
         path: "leases.max_units",
         default: "`10000`",
         meaning: "most units one lease asks for",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 1, "maximum": 1000000}"#,
     },
     Field {
         path: "leases.slots",
         default: "`4096`",
         meaning: "shared-data slots for leases (312 bytes each), and entries of each worker's table of busy checks and draws (104 bytes each)",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 16, "maximum": 1048576}"#,
     },
     Field {
         path: "rules[].limits[].name",
@@ -295,7 +295,7 @@ pub const FIELDS: &[Field] = &[
         path: "response.status",
         default: "`429`",
         meaning: "status of a deny",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 400, "maximum": 599}"#,
     },
     Field {
         path: "response.body",
@@ -307,7 +307,7 @@ pub const FIELDS: &[Field] = &[
         path: "response.grpc_status",
         default: "`8`",
         meaning: "the gRPC status a denied gRPC request (`content-type: application/grpc`) gets instead of the HTTP status: `8` is RESOURCE_EXHAUSTED, which gRPC clients read as \"slow down\" (an HTTP 429 reaches them as UNAVAILABLE, which they retry); the body becomes `grpc-message`, the RateLimit headers metadata. Rejections get gRPC's own mapping (400: INVALID_ARGUMENT, 403: PERMISSION_DENIED)",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 1, "maximum": 16}"#,
     },
     Field {
         path: "response.headers",
@@ -319,13 +319,13 @@ pub const FIELDS: &[Field] = &[
         path: "local.slots",
         default: "`4096`",
         meaning: "shared-data slots for fallback counters (4 clients each, 160 bytes each)",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 16, "maximum": 1048576}"#,
     },
     Field {
         path: "deny_cache.slots",
         default: "`4096`",
         meaning: "shared-data slots of the deny cache (32 bytes each); `0` turns it off",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 0, "maximum": 1048576}"#,
     },
     Field {
         path: "decision_log.sample",
@@ -349,7 +349,7 @@ pub const FIELDS: &[Field] = &[
         path: "breaker.failures",
         default: "`5`",
         meaning: "consecutive failed calls that open the circuit breaker",
-        schema: r#"{"type": "integer", "minimum": 0}"#,
+        schema: r#"{"type": "integer", "minimum": 1, "maximum": 1000}"#,
     },
     Field {
         path: "breaker.open",
@@ -663,6 +663,66 @@ mod tests {
             });
             assert_eq!(expected(&message), fields, "{}: {message}", f.path);
         }
+    }
+
+    /// What the parser says of `value` at a reference path: `None` when
+    /// it names no error at that path (accepted, or refused for another
+    /// field that `value` needs beside it).
+    fn error_at(path: &str, value: Value) -> Option<String> {
+        let mut config = base();
+        let (parent, leaf) = path.rsplit_once('.').unwrap_or(("", path));
+        at(&mut config, parent)[leaf] = value;
+        if leaf == "burst" {
+            // Only a token bucket has one.
+            at(&mut config, parent)["algorithm"] = json!("token_bucket");
+        }
+        let named = path.replace("[]", "[0]");
+        match crate::config::parse(config.to_string().as_bytes()) {
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()).filter(|m| m.contains(&format!("`{named}`"))),
+        }
+    }
+
+    /// Every integer field's bounds in the schema are the parser's: its
+    /// minimum and maximum are accepted, one beyond either refused naming
+    /// the field, and a field with no maximum takes any `u32`. A schema
+    /// looser than the parser passes a configuration in an editor or a CI
+    /// check that Envoy then refuses.
+    #[test]
+    fn every_integer_fields_schema_bounds_are_the_parsers() {
+        let (mut checked, mut wrong) = (0, Vec::new());
+        for f in FIELDS {
+            let schema: Value = serde_json::from_str(f.schema).unwrap();
+            if schema["type"] != "integer" {
+                continue;
+            }
+            checked += 1;
+            let min = schema["minimum"].as_i64().unwrap_or(0);
+            let max = schema["maximum"].as_i64();
+            let mut expect = |value: i64, refused: bool| {
+                let said = error_at(f.path, json!(value));
+                if said.is_some() != refused {
+                    wrong.push(format!("{}: {value}: {said:?}", f.path));
+                }
+            };
+            expect(min, false);
+            if min > 0 {
+                expect(min - 1, true);
+            }
+            match max {
+                Some(max) => {
+                    expect(max, false);
+                    expect(max + 1, true);
+                }
+                None => expect(i64::from(u32::MAX), false),
+            }
+        }
+        assert!(checked >= 15, "{checked} integer fields");
+        assert!(
+            wrong.is_empty(),
+            "schema bounds unlike the parser's:\n{}",
+            wrong.join("\n")
+        );
     }
 
     #[test]
