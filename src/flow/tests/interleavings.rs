@@ -402,16 +402,16 @@ impl Run {
     /// answers had shrunk to nothing were never sent again, so never
     /// answered). The requests come 260 ms apart, within the `scope:
     /// local` rule's 4 a second.
-    fn heals(&mut self) {
+    fn heals(&mut self, client: usize, worker: usize) {
         const REQUESTS: usize = 48;
         for _ in 0..REQUESTS {
-            self.apply(&Op::Request(0, 0));
+            self.apply(&Op::Request(client, worker));
             let id = self.h.next_context;
             if self.streams[&id].stream.hit {
                 self.end(id);
                 return;
             }
-            self.switch(0);
+            self.switch(worker);
             self.h.wake();
             self.collect_acted();
             self.note_senders();
@@ -424,7 +424,8 @@ impl Run {
             self.pass(260);
         }
         panic!(
-            "{REQUESTS} requests of one client on one worker, every call answered: none from a lease"
+            "{REQUESTS} requests of client {} on worker {worker}, every call answered: none from a lease",
+            CLIENTS[client]
         );
     }
 
@@ -775,7 +776,9 @@ proptest! {
         run.drain();
         run.check();
         if limit == 1_000 && setup != Setup::Tokens {
-            run.heals();
+            for worker in 0..WORKERS {
+                run.heals(worker, worker);
+            }
         }
     }
 }
