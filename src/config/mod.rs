@@ -12,6 +12,7 @@ use meshlimit_protocol::{bounds, Algorithm};
 use serde::Deserialize;
 
 pub(crate) mod duration;
+mod ranges;
 mod raw;
 /// The reference of every field: docs/configuration.md and the JSON
 /// Schema are generated from it (native builds only).

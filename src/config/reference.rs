@@ -67,19 +67,19 @@ pub const FIELDS: &[Field] = &[
         path: "client_id.trusted_hops",
         default: "`0`",
         meaning: "entries of `x-forwarded-for` appended by proxies you trust, counted from the right; the client is the `n`-th from the right, and entries further left are client-controlled and never used. `0` uses the peer address (`source.address`). Count this Envoy's own entry when it appends one (`use_remote_address: true`, as on every Istio gateway): a gateway behind one L7 load balancer sees `client, balancer` and needs `2`; with `1` every client would share the balancer's bucket",
-        schema: r#"{"type": "integer", "minimum": 0, "maximum": 16}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "client_id.reject_status",
         default: "`401`",
         meaning: "status for `when_missing: reject` (any 4xx)",
-        schema: r#"{"type": "integer", "minimum": 400, "maximum": 499}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "client_id.ipv6_prefix",
         default: "`64`",
         meaning: "IPv6 clients are counted per network of this many bits (one client holds a /64 or more; per address it could rotate through 2^64 of them); IPv4 and IPv4-mapped addresses per address",
-        schema: r#"{"type": "integer", "minimum": 1, "maximum": 128}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "rules[].name",
@@ -151,7 +151,7 @@ pub const FIELDS: &[Field] = &[
         path: "local.expected_replicas",
         default: "`1`",
         meaning: "Envoys sharing the global limits; sets the default `fallback_share`",
-        schema: r#"{"type": "integer", "minimum": 1, "maximum": 10000}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "group_commit.enabled",
@@ -163,7 +163,7 @@ pub const FIELDS: &[Field] = &[
         path: "group_commit.max_batch",
         default: "`64`",
         meaning: "checks per call at most",
-        schema: r#"{"type": "integer", "minimum": 1, "maximum": 1024}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "group_commit.max_queue_age",
@@ -175,13 +175,13 @@ pub const FIELDS: &[Field] = &[
         path: "group_commit.max_queued",
         default: "`1024`",
         meaning: "queued checks per worker at most; beyond it a check is decided by `failure_mode` (`batch_overflow` stat). Lease renewals waiting for the tick are bounded by it on their own (beyond it they are sent at once)",
-        schema: r#"{"type": "integer", "minimum": 1, "maximum": 100000}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "group_commit.max_calls_in_flight",
         default: "`4`",
         meaning: "batch calls in flight per worker at most",
-        schema: r#"{"type": "integer", "minimum": 1, "maximum": 64}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "leases.enabled",
@@ -199,13 +199,13 @@ pub const FIELDS: &[Field] = &[
         path: "leases.max_units",
         default: "`10000`",
         meaning: "most units one lease asks for",
-        schema: r#"{"type": "integer", "minimum": 1, "maximum": 1000000}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "leases.slots",
         default: "`4096`",
         meaning: "shared-data slots for leases (312 bytes each), and entries of each worker's table of busy checks and draws (104 bytes each)",
-        schema: r#"{"type": "integer", "minimum": 16, "maximum": 1048576}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "rules[].limits[].name",
@@ -295,7 +295,7 @@ pub const FIELDS: &[Field] = &[
         path: "response.status",
         default: "`429`",
         meaning: "status of a deny",
-        schema: r#"{"type": "integer", "minimum": 400, "maximum": 599}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "response.body",
@@ -307,7 +307,7 @@ pub const FIELDS: &[Field] = &[
         path: "response.grpc_status",
         default: "`8`",
         meaning: "the gRPC status a denied gRPC request (`content-type: application/grpc`) gets instead of the HTTP status: `8` is RESOURCE_EXHAUSTED, which gRPC clients read as \"slow down\" (an HTTP 429 reaches them as UNAVAILABLE, which they retry); the body becomes `grpc-message`, the RateLimit headers metadata. Rejections get gRPC's own mapping (400: INVALID_ARGUMENT, 403: PERMISSION_DENIED)",
-        schema: r#"{"type": "integer", "minimum": 1, "maximum": 16}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "response.headers",
@@ -319,13 +319,13 @@ pub const FIELDS: &[Field] = &[
         path: "local.slots",
         default: "`4096`",
         meaning: "shared-data slots for fallback counters (4 clients each, 160 bytes each)",
-        schema: r#"{"type": "integer", "minimum": 16, "maximum": 1048576}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "deny_cache.slots",
         default: "`4096`",
         meaning: "shared-data slots of the deny cache (32 bytes each); `0` turns it off",
-        schema: r#"{"type": "integer", "minimum": 0, "maximum": 1048576}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "decision_log.sample",
@@ -349,7 +349,7 @@ pub const FIELDS: &[Field] = &[
         path: "breaker.failures",
         default: "`5`",
         meaning: "consecutive failed calls that open the circuit breaker",
-        schema: r#"{"type": "integer", "minimum": 1, "maximum": 1000}"#,
+        schema: r#"{"type": "integer"}"#,
     },
     Field {
         path: "breaker.open",
@@ -388,19 +388,27 @@ seconds or milliseconds?).
 pub fn markdown() -> String {
     let mut md = String::from(PREAMBLE);
     for f in FIELDS {
+        let range = range_of(f.path)
+            .map(|r| format!("; from `{}` to `{}`", r.min, r.max))
+            .unwrap_or_default();
         md.push_str(&format!(
-            "| `{}` | {} | {} |\n",
+            "| `{}` | {} | {}{range} |\n",
             f.path, f.default, f.meaning
         ));
     }
     md
 }
 
+/// The accepted values of a bounded integer field (see `ranges`).
+fn range_of(path: &str) -> Option<&'static super::ranges::Range> {
+    super::ranges::ALL.iter().copied().find(|r| r.path == path)
+}
+
 /// docs/plugin-config.schema.json: an object per path segment (`[]` an
 /// array of them), every object closed to unknown fields, the table's
 /// meaning as each field's description, its default when it is JSON.
 pub fn json_schema() -> serde_json::Value {
-    use serde_json::{json, Value};
+    use serde_json::json;
     let mut root = json!({
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://meshlimit.io/schemas/plugin-config.schema.json",
@@ -411,19 +419,32 @@ pub fn json_schema() -> serde_json::Value {
         "properties": {}
     });
     for f in FIELDS {
-        let mut schema = match serde_json::from_str::<Value>(f.schema) {
-            Ok(Value::Object(schema)) => schema,
-            _ => continue,
+        let Some(schema) = field_schema(f) else {
+            continue;
         };
-        if let Ok(value) = serde_json::from_str::<Value>(f.default.trim_matches('`')) {
-            schema.insert("default".into(), value);
-        }
-        let description = format!("{} (default: {})", f.meaning, f.default).replace('`', "");
-        schema.insert("description".into(), Value::String(description));
         let segments: Vec<&str> = f.path.split('.').collect();
         insert(&mut root, &segments, schema, f.default == "required");
     }
     root
+}
+
+/// One field's schema: its own, its bounds (see `ranges`), its default
+/// when it is JSON, and its meaning as the description.
+fn field_schema(f: &Field) -> Option<serde_json::Map<String, serde_json::Value>> {
+    use serde_json::Value;
+    let Ok(Value::Object(mut schema)) = serde_json::from_str::<Value>(f.schema) else {
+        return None;
+    };
+    if let Ok(value) = serde_json::from_str::<Value>(f.default.trim_matches('`')) {
+        schema.insert("default".into(), value);
+    }
+    if let Some(range) = range_of(f.path) {
+        schema.insert("minimum".into(), range.min.into());
+        schema.insert("maximum".into(), range.max.into());
+    }
+    let description = format!("{} (default: {})", f.meaning, f.default).replace('`', "");
+    schema.insert("description".into(), Value::String(description));
+    Some(schema)
 }
 
 /// Puts `schema` at `path` under `object`, making the objects on the way
@@ -692,7 +713,7 @@ mod tests {
     fn every_integer_fields_schema_bounds_are_the_parsers() {
         let (mut checked, mut wrong) = (0, Vec::new());
         for f in FIELDS {
-            let schema: Value = serde_json::from_str(f.schema).unwrap();
+            let schema = Value::Object(field_schema(f).unwrap());
             if schema["type"] != "integer" {
                 continue;
             }
@@ -723,6 +744,23 @@ mod tests {
             "schema bounds unlike the parser's:\n{}",
             wrong.join("\n")
         );
+    }
+
+    /// Every bounded field the validator knows (`ranges`) is an integer
+    /// field of the reference: a range under a wrong path would bound
+    /// nothing in the schema.
+    #[test]
+    fn every_range_bounds_an_integer_field_of_the_reference() {
+        for range in super::super::ranges::ALL {
+            let field = FIELDS.iter().find(|f| f.path == range.path);
+            let schema: Option<Value> = field.map(|f| serde_json::from_str(f.schema).unwrap());
+            assert_eq!(
+                schema.map(|s| s["type"].clone()),
+                Some(json!("integer")),
+                "{}",
+                range.path
+            );
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::rc::Rc;
 use meshlimit_protocol::bounds::{self, LimitField};
 
 use super::duration;
+use super::ranges::{self, Range};
 use super::raw::*;
 use super::{
     err, Attribute, BreakerConfig, ClientIdConfig, Config, ConfigError, Cost, DecisionLogConfig,
@@ -29,13 +30,19 @@ const PPM: f64 = 1_000_000.0;
 /// Bounds that keep a typo from becoming an outage.
 const MAX_TIMEOUT_MS: u64 = 60_000;
 
-const MIN_SLOTS: u32 = 16;
-
-const MAX_SLOTS: u32 = 1 << 20;
-
 const MAX_NAME_LEN: usize = bounds::MAX_NAME_LEN;
 
 const MAX_COST: u64 = bounds::MAX_COST;
+
+/// `value` of the field `range` bounds, or its refusal.
+fn within(range: &Range, value: impl TryInto<u64>) -> Result<(), ConfigError> {
+    // A value too large for a u64 is beyond every range.
+    if range.contains(value.try_into().unwrap_or(u64::MAX)) {
+        Ok(())
+    } else {
+        Err(err(range.path, range.problem()))
+    }
+}
 
 pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
     let service = validate_service(raw.service)?;
@@ -46,12 +53,7 @@ pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
     if raw_rules.is_empty() {
         return Err(err("rules", "must contain at least one rule"));
     }
-    if raw.local.expected_replicas == 0 || raw.local.expected_replicas > 10_000 {
-        return Err(err(
-            "local.expected_replicas",
-            "must be between 1 and 10000",
-        ));
-    }
+    within(&ranges::EXPECTED_REPLICAS, raw.local.expected_replicas)?;
     let default_share_ppm = (PPM / f64::from(raw.local.expected_replicas)).ceil() as u64;
     let mut rule_names = HashSet::new();
     let mut rules = Vec::with_capacity(raw_rules.len());
@@ -76,19 +78,9 @@ pub(super) fn config(raw: RawConfig) -> Result<Config, ConfigError> {
         }
     }
     let response = validate_response(raw.response)?;
-    if !(MIN_SLOTS..=MAX_SLOTS).contains(&raw.local.slots) {
-        return Err(err(
-            "local.slots",
-            format!("must be between {MIN_SLOTS} and {MAX_SLOTS}"),
-        ));
-    }
+    within(&ranges::LOCAL_SLOTS, raw.local.slots)?;
     let breaker = validate_breaker(raw.breaker)?;
-    if raw.deny_cache.slots > MAX_SLOTS {
-        return Err(err(
-            "deny_cache.slots",
-            format!("must be at most {MAX_SLOTS} (0 turns the cache off)"),
-        ));
-    }
+    within(&ranges::DENY_CACHE_SLOTS, raw.deny_cache.slots)?;
     Ok(Config {
         service,
         client_id,

@@ -25,23 +25,13 @@ pub(super) fn validate_leases(
     raw: RawLeases,
     expected_replicas: u32,
 ) -> Result<Option<LeaseConfig>, ConfigError> {
-    if !(1..=bounds::MAX_LEASE_UNITS).contains(&raw.max_units) {
-        return Err(err(
-            "leases.max_units",
-            format!("must be between 1 and {}", bounds::MAX_LEASE_UNITS),
-        ));
-    }
+    within(&ranges::LEASE_MAX_UNITS, raw.max_units)?;
     let interval_ms =
         duration::parse_millis(&raw.interval).map_err(|e| err("leases.interval", e.to_string()))?;
     if !(100..=60_000).contains(&interval_ms) {
         return Err(err("leases.interval", "must be between 100ms and 60s"));
     }
-    if !(MIN_SLOTS..=MAX_SLOTS).contains(&raw.slots) {
-        return Err(err(
-            "leases.slots",
-            format!("must be between {MIN_SLOTS} and {MAX_SLOTS}"),
-        ));
-    }
+    within(&ranges::LEASE_SLOTS, raw.slots)?;
     Ok(raw.enabled.then_some(LeaseConfig {
         slots: raw.slots,
         max_units: raw.max_units,
@@ -53,21 +43,9 @@ pub(super) fn validate_leases(
 pub(super) fn validate_group_commit(
     raw: RawGroupCommit,
 ) -> Result<Option<crate::batch::BatchConfig>, ConfigError> {
-    if !(1..=1024).contains(&raw.max_batch) {
-        return Err(err("group_commit.max_batch", "must be between 1 and 1024"));
-    }
-    if !(1..=100_000).contains(&raw.max_queued) {
-        return Err(err(
-            "group_commit.max_queued",
-            "must be between 1 and 100000",
-        ));
-    }
-    if !(1..=64).contains(&raw.max_calls_in_flight) {
-        return Err(err(
-            "group_commit.max_calls_in_flight",
-            "must be between 1 and 64",
-        ));
-    }
+    within(&ranges::MAX_BATCH, raw.max_batch)?;
+    within(&ranges::MAX_QUEUED, raw.max_queued)?;
+    within(&ranges::MAX_CALLS_IN_FLIGHT, raw.max_calls_in_flight)?;
     let max_age_ms = duration::parse_millis(&raw.max_queue_age)
         .map_err(|e| err("group_commit.max_queue_age", e.to_string()))?;
     if max_age_ms > 1_000 {
@@ -100,9 +78,7 @@ pub(super) fn validate_decision_log(
 }
 
 pub(super) fn validate_breaker(raw: RawBreaker) -> Result<BreakerConfig, ConfigError> {
-    if raw.failures == 0 || raw.failures > 1000 {
-        return Err(err("breaker.failures", "must be between 1 and 1000"));
-    }
+    within(&ranges::BREAKER_FAILURES, raw.failures)?;
     let open_ms =
         duration::parse_millis(&raw.open).map_err(|e| err("breaker.open", e.to_string()))?;
     let max_open_ms = duration::parse_millis(&raw.max_open)
@@ -185,21 +161,9 @@ pub(super) fn validate_client_id(raw: RawClientId) -> Result<ClientIdConfig, Con
             ));
         }
     }
-    if !(400..=499).contains(&raw.reject_status) {
-        return Err(err(
-            "client_id.reject_status",
-            "must be a 4xx status (e.g. 400 or 401)",
-        ));
-    }
-    if raw.trusted_hops > 16 {
-        return Err(err("client_id.trusted_hops", "must be at most 16"));
-    }
-    if !(1..=128).contains(&raw.ipv6_prefix) {
-        return Err(err(
-            "client_id.ipv6_prefix",
-            "must be between 1 and 128 (bits of an IPv6 address that name one client; 64 is one site)",
-        ));
-    }
+    within(&ranges::REJECT_STATUS, raw.reject_status)?;
+    within(&ranges::TRUSTED_HOPS, raw.trusted_hops)?;
+    within(&ranges::IPV6_PREFIX, raw.ipv6_prefix)?;
     Ok(ClientIdConfig {
         headers,
         query_params: raw.query_params,
@@ -211,21 +175,11 @@ pub(super) fn validate_client_id(raw: RawClientId) -> Result<ClientIdConfig, Con
 }
 
 pub(super) fn validate_response(raw: RawResponse) -> Result<ResponseConfig, ConfigError> {
-    if !(400..=599).contains(&raw.status) {
-        return Err(err(
-            "response.status",
-            "must be a 4xx or 5xx status (429 is the standard one)",
-        ));
-    }
+    within(&ranges::RESPONSE_STATUS, raw.status)?;
     if raw.body.len() > 64 * 1024 {
         return Err(err("response.body", "must be at most 64 KiB"));
     }
-    if !(1..=16).contains(&raw.grpc_status) {
-        return Err(err(
-            "response.grpc_status",
-            "must be a gRPC status code from 1 to 16 (8, RESOURCE_EXHAUSTED, is the standard one)",
-        ));
-    }
+    within(&ranges::GRPC_STATUS, raw.grpc_status)?;
     Ok(ResponseConfig {
         status: raw.status,
         body: raw.body,
