@@ -34,7 +34,8 @@ const MAX_NAME_LEN: usize = bounds::MAX_NAME_LEN;
 
 const MAX_COST: u64 = bounds::MAX_COST;
 
-/// `value` of the field `range` bounds, or its refusal.
+/// Nothing when `value` lies within `range`; else the refusal that names
+/// the field and its range.
 fn within(range: &Range, value: impl TryInto<u64>) -> Result<(), ConfigError> {
     // A value too large for a u64 is beyond every range.
     if range.contains(value.try_into().unwrap_or(u64::MAX)) {
