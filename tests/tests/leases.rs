@@ -502,19 +502,12 @@ fn lost_answers_cost_nothing_while_redis_stalls_around_the_timeout() {
     wait_for_fresh_window(Duration::from_secs(30));
     let redis = format!("{}:{}", t.host, meshlimit_testbed::topology::REDIS_PORT);
     let stalls = std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        let mut conn = std::net::TcpStream::connect(&redis).unwrap();
-        let started = std::time::Instant::now();
-        let mut paused = 0;
-        while started.elapsed() < Duration::from_secs(3) {
-            conn.write_all(b"CLIENT PAUSE 22 WRITE\r\n").unwrap();
-            let mut ok = [0u8; 5];
-            conn.read_exact(&mut ok).unwrap();
-            assert_eq!(&ok, b"+OK\r\n");
-            paused += 1;
-            std::thread::sleep(Duration::from_millis(60));
-        }
-        paused
+        stall_redis_writes(
+            &redis,
+            22,
+            Duration::from_millis(60),
+            Duration::from_secs(3),
+        )
     });
     // Through the stalls: 8 connections, at most 600 requests.
     let entry = t.entry();
@@ -618,16 +611,12 @@ fn leasing_comes_back_once_answers_are_no_longer_lost() {
     let entry = t.entry();
     std::thread::scope(|s| {
         s.spawn(|| {
-            use std::io::{Read, Write};
-            let mut conn = std::net::TcpStream::connect(&redis).unwrap();
-            let started = std::time::Instant::now();
-            while started.elapsed() < Duration::from_secs(4) {
-                conn.write_all(b"CLIENT PAUSE 45 WRITE\r\n").unwrap();
-                let mut ok = [0u8; 5];
-                conn.read_exact(&mut ok).unwrap();
-                assert_eq!(&ok, b"+OK\r\n");
-                std::thread::sleep(Duration::from_millis(50));
-            }
+            stall_redis_writes(
+                &redis,
+                45,
+                Duration::from_millis(50),
+                Duration::from_secs(4),
+            );
             stalling.store(false, Ordering::Relaxed);
         });
         for _ in 0..4 {
@@ -679,6 +668,25 @@ fn leasing_comes_back_once_answers_are_no_longer_lost() {
         "after the stalls, {hits} of 400 from leases, {called} by calls: leasing did not come back"
     );
     assert_no_vm_panics(&t);
+}
+
+/// Pauses Redis' writes at `redis` for `pause_ms` (`CLIENT PAUSE .. WRITE`)
+/// every `every`, for `over`; how many pauses.
+fn stall_redis_writes(redis: &str, pause_ms: u64, every: Duration, over: Duration) -> usize {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(redis).unwrap();
+    let started = std::time::Instant::now();
+    let mut paused = 0;
+    while started.elapsed() < over {
+        conn.write_all(format!("CLIENT PAUSE {pause_ms} WRITE\r\n").as_bytes())
+            .unwrap();
+        let mut ok = [0u8; 5];
+        conn.read_exact(&mut ok).unwrap();
+        assert_eq!(&ok, b"+OK\r\n");
+        paused += 1;
+        std::thread::sleep(every);
+    }
+    paused
 }
 
 /// Everything a limit's counters hold in Redis, over every client: the

@@ -411,10 +411,7 @@ impl Run {
                 self.end(id);
                 return;
             }
-            self.switch(worker);
-            self.h.wake();
-            self.collect_acted();
-            self.note_senders();
+            self.apply(&Op::Wake(worker));
             for token in self.unanswered() {
                 self.answer(token, Reply::Right);
             }
