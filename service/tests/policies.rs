@@ -407,6 +407,15 @@ fn a_check_across_cluster_slots_charges_nothing_when_denied() {
     assert_eq!(v["settled"][0]["remaining"], json!([90, 90]), "{v}");
 }
 
+/// Waits, when less than 20 s of the current minute is left, for the next
+/// one: a test reading fixed one-minute windows then reads them all in one.
+fn start_early_in_a_minute() {
+    let into_minute = now_ms().rem_euclid(60_000);
+    if into_minute > 40_000 {
+        std::thread::sleep(Duration::from_millis((60_000 - into_minute) as u64 + 100));
+    }
+}
+
 /// A reservation whose limits live in several Cluster slots (a route cap
 /// `*` and a per-client budget) is decided by one run per slot; each run
 /// records what it charged in its own slot, so a reservation whose answer
@@ -419,6 +428,9 @@ fn a_lost_reservation_across_cluster_slots_goes_back_exactly_once() {
     let on = OnCluster::start("xslot-lost", &[]);
     let addr = &on.service.addr;
     let client = clients_off_the_caps_slot("lost", 1).remove(0);
+    // Every read of the two counters must fall in one minute's window (a
+    // CI run read [50, 0] across a minute's end): the test takes seconds.
+    start_early_in_a_minute();
     let limits = |cap: u64, cost: u64| {
         json!([
             {"name": "lost/cap", "requests": cap, "window_ms": 60_000,
@@ -498,11 +510,8 @@ fn a_plain_check_across_cluster_slots_whose_caller_gave_up_goes_back() {
     let addr = &on.service.addr;
     let clients = clients_off_the_caps_slot("gave-up", 2);
     // The warm-up's unit and the final read must fall in one minute's
-    // window (the test takes about 7 s): start early in a minute.
-    let into_minute = now_ms().rem_euclid(60_000);
-    if into_minute > 40_000 {
-        std::thread::sleep(Duration::from_millis((60_000 - into_minute) as u64 + 100));
-    }
+    // window (the test takes about 7 s).
+    start_early_in_a_minute();
     let both = [
         limit("gave-up/cap", 1000, Some("*")),
         limit("gave-up/client", 1000, None),
