@@ -47,6 +47,14 @@ pub trait RequestView {
         same_values(have.iter().map(Vec::as_slice), values)
     }
 
+    /// Hands every value of header `name` to `each`, in order; without a
+    /// copy where the request holds its bytes.
+    fn each_value(&self, name: &str, each: &mut dyn FnMut(&[u8])) {
+        for value in self.header_values(name) {
+            each(&value);
+        }
+    }
+
     /// A header that must be sent once to mean anything.
     fn header(&self, name: &str) -> HeaderValue {
         let mut values = self.header_values(name);
@@ -127,6 +135,12 @@ impl<H: Host> RequestView for Request<'_, H> {
             (None, _) => HeaderValue::Absent,
             (Some(value), None) => HeaderValue::Once(value.to_vec()),
             (Some(_), Some(_)) => HeaderValue::Repeated,
+        }
+    }
+
+    fn each_value(&self, name: &str, each: &mut dyn FnMut(&[u8])) {
+        for value in self.headers.values(name) {
+            each(value);
         }
     }
 

@@ -284,7 +284,7 @@ fn flood(n: u64) {
     }
     let _ = writeln!(
         report,
-        "\nShared data is bounded by configuration, not by clients: fallback\ncounters use `local.slots` keys of 160 bytes (4 clients each; 4096 slots =\n640 KiB), the deny cache `deny_cache.slots` keys of 32 bytes (4096 = 128 KiB),\nplus one key each for the breaker and the seed. The wasm VM allocates per\nrequest and frees at the end of the stream. meshlimitd keeps no per-client\nstate (Redis does, with an expiry on every key)."
+        "\nShared data is bounded by configuration, not by clients: fallback\ncounters use `local.slots` keys of 160 bytes (4 clients each; 4096 slots =\n640 KiB), quota leases `leases.slots` keys of 312 bytes (4096 = 1,248 KiB),\nthe deny cache `deny_cache.slots` keys of 32 bytes (4096 = 128 KiB), plus a\nfew single keys (the seed, the breaker, recent denials, the fleet switch,\nlease ends). Each worker's VM keeps tables of its own, bounded too: the\nchecks it planned for up to 512 places (the plan memo: a few hundred bytes\neach, from at most 2 KiB of a request's inputs) and what it observes of\nbusy clients (`leases.slots` entries); what a request allocates beyond\nthem is freed at the end of its stream. meshlimitd keeps no per-client\nstate (Redis does, with an expiry on every key)."
     );
     write_report("docs/memory.md", &report);
 }
