@@ -141,8 +141,9 @@ impl<'a> Reader<'a> {
 
 /// Where a request's plan is kept: FNV-1a over its method, its path (a
 /// client id in the query is in it) and every value of the client-id
-/// headers, each ended by a byte no HTTP field holds unencoded, mixed and
-/// reduced to a place. Only a locator: reuse is decided by the inputs.
+/// headers, each ended by a 0xff byte, mixed and reduced to a place. Only
+/// a locator: reuse is decided by the inputs, so values that hash alike
+/// (a 0xff inside one included) share a place, never a plan.
 fn locate(config: &Config, request: &impl RequestView, method: &str, path: &str) -> usize {
     const PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
