@@ -209,25 +209,22 @@ impl PlanMemo {
         let plan = decision::plan(config, &recorder, method, path);
         let opaque = recorder.opaque.get();
         let inputs = recorder.inputs.into_inner();
-        let Plan::Check(check) = &plan else {
-            self.spare = inputs;
-            return plan;
+        let kept = match &plan {
+            Plan::Check(check) if !opaque && inputs.0.len() <= MAX_KEPT_INPUTS => check,
+            _ => {
+                // Not kept; nor is a buffer grown past the bound.
+                if inputs.0.capacity() <= MAX_KEPT_INPUTS {
+                    self.spare = inputs;
+                }
+                return plan;
+            }
         };
-        if opaque || inputs.0.len() > MAX_KEPT_INPUTS {
-            // Not kept; nor is a buffer grown past the bound.
-            self.spare = if inputs.0.capacity() > MAX_KEPT_INPUTS {
-                Inputs::default()
-            } else {
-                inputs
-            };
-            return plan;
-        }
         if self.slots.is_empty() {
             self.slots.resize_with(SLOTS, || None);
         }
         let entry = Entry {
             inputs,
-            check: Rc::clone(check),
+            check: Rc::clone(kept),
         };
         match self.slots.get_mut(place) {
             Some(slot) => {
