@@ -141,7 +141,7 @@ bench-perf: setup build bench-tools
 	@command -v perf >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-perf >/dev/null; }
 	MESHLIMIT_BENCH_PERF=$(CURDIR)/target/bench-perf MESHLIMIT_BENCH_AB=$(AB_WASM) MESHLIMIT_BENCH_AB_ROUNDS=$(PERF_ROUNDS) $(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-bench
 
-## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8); AB_RATE=<req/s> measures p50 at that fixed rate instead, beside Envoy alone.
+## bench-ab: this build against another one (AB_WASM=path/to/meshlimit.wasm), one hot client from leases, beside the do-nothing filter; prints medians of alternated rounds (AB_ROUNDS, default 8); AB_RATE=<req/s> measures p50 at that fixed rate instead, beside Envoy alone; MESHLIMIT_BENCH_AB_WARM=<s> runs each row's load unmeasured that long before each measured run; each row prints its calls to meshlimitd per request.
 AB_ROUNDS ?= 8
 bench-ab: setup build bench-tools
 	@test -n "$(AB_WASM)" || { echo "bench-ab: set AB_WASM to the build to compare with" >&2; exit 2; }

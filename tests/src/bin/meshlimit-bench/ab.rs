@@ -6,13 +6,13 @@ use meshlimit_testbed::{Topology, TopologyOptions};
 use serde_json::json;
 
 use crate::configs::allow_all;
-use crate::counted::Fallbacks;
+use crate::counted::{CallCount, Fallbacks};
 use crate::envoys::{baseline_envoy, meshlimit_answering_with, noop_filter};
 use crate::full::Runs;
 use crate::load::{median, median_of, median_rps, Sample, SECONDS};
 use crate::machine::{cpu_ticks, flag, pin_and_warm, with_cpu};
 use crate::perf::PerfRecording;
-use crate::rows::{direct_row, replica_row, run, zipf_urls, Target};
+use crate::rows::{direct_row, replica_row, run, run_for, zipf_urls, Target};
 use crate::timers::print_timers;
 
 /// `make bench-ab`: the project's build against others (`others`), one
@@ -116,24 +116,21 @@ fn ab_rounds(targets: &[Target], rounds: usize, rate: Option<u64>, key: &str) ->
     // All rows at once: the Envoys share their core, and whatever slows
     // the machine during a round slows every row alike.
     let together = flag("MESHLIMIT_BENCH_AB_TOGETHER");
+    let warm = warm_seconds();
     for round in 0..rounds {
         if together {
-            let before: Vec<u64> = targets.iter().map(|t| cpu_ticks(Some(t.pid))).collect();
-            let runs: Vec<Sample> = std::thread::scope(|sc| {
-                let handles: Vec<_> = targets
-                    .iter()
-                    .map(|t| sc.spawn(|| run(t, key, None)))
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_default())
-                    .collect()
+            let runs = all_at_once(targets, |t| {
+                if warm > 0 {
+                    let _ = run_for(warm, t, key, None);
+                }
+                let before = (cpu_ticks(Some(t.pid)), CallCount::read(&t.admin));
+                (before, run(t, key, None))
             });
-            for (i, (t, s)) in targets.iter().zip(runs).enumerate() {
-                let s = with_cpu(t, s, before.get(i).copied().unwrap_or(0));
+            for (i, (t, ((cpu, calls), s))) in targets.iter().zip(runs).enumerate() {
+                let s = measured(t, s, cpu, calls);
                 println!(
-                    "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs",
-                    t.name, s.rps, s.envoy_cpu_us
+                    "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs {:.4} calls/request",
+                    t.name, s.rps, s.envoy_cpu_us, s.calls_per_request
                 );
                 samples.entry(i).or_default().push(s);
             }
@@ -143,16 +140,50 @@ fn ab_rounds(targets: &[Target], rounds: usize, rate: Option<u64>, key: &str) ->
         for k in 0..targets.len() {
             let i = (round + k) % targets.len();
             let Some(t) = targets.get(i) else { continue };
-            let before = cpu_ticks(Some(t.pid));
-            let s = with_cpu(t, run(t, key, rate), before);
+            if warm > 0 {
+                let _ = run_for(warm, t, key, rate);
+            }
+            let (cpu, calls) = (cpu_ticks(Some(t.pid)), CallCount::read(&t.admin));
+            let s = measured(t, run(t, key, rate), cpu, calls);
             println!(
-                "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs p50 {:.3} ms",
-                t.name, s.rps, s.envoy_cpu_us, s.p50_ms
+                "  round {round} {:<48} {:>8.0} req/s {:>6.2} µs p50 {:.3} ms {:.4} calls/request",
+                t.name, s.rps, s.envoy_cpu_us, s.p50_ms, s.calls_per_request
             );
             samples.entry(i).or_default().push(s);
         }
     }
     samples
+}
+
+/// `MESHLIMIT_BENCH_AB_WARM=<s>`: each measured run follows that many
+/// seconds of the same load, unmeasured (default 0).
+fn warm_seconds() -> u64 {
+    std::env::var("MESHLIMIT_BENCH_AB_WARM")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(0)
+}
+
+/// `f` of every row, each in a thread of its own, at once, in the rows'
+/// order (a row whose thread failed gets the default).
+fn all_at_once<T: Send + Default>(targets: &[Target], f: impl Fn(&Target) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = targets.iter().map(|t| sc.spawn(|| f(t))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_default())
+            .collect()
+    })
+}
+
+/// A run's sample with the Envoy's CPU and calls per request since
+/// `cpu` and `calls`.
+fn measured(t: &Target, s: Sample, cpu: u64, calls: CallCount) -> Sample {
+    let calls_per_request = CallCount::read(&t.admin).per_request_since(calls);
+    Sample {
+        calls_per_request,
+        ..with_cpu(t, s, cpu)
+    }
 }
 
 /// The medians, and the ratios to the do-nothing filter (row 0) of the
@@ -176,18 +207,19 @@ fn ab_tables(targets: &[Target], samples: &Runs, rate: Option<u64>) {
     let round_cpu_ratio =
         |i: usize| median_ratio(i, |s, f| f.envoy_cpu_us / s.envoy_cpu_us.max(0.001));
     println!(
-        "\n| row | req/s | ratio to the do-nothing filter | median of the rounds' ratios | the same from CPU per request | Envoy CPU per request | minus this build |\n|---|---|---|---|---|---|---|"
+        "\n| row | req/s | ratio to the do-nothing filter | median of the rounds' ratios | the same from CPU per request | Envoy CPU per request | minus this build | calls per request |\n|---|---|---|---|---|---|---|---|"
     );
     for (i, t) in targets.iter().enumerate() {
         println!(
-            "| {} | {:.0} | {:.3} | {:.3} | {:.3} | {:.2} µs | {:+.2} µs |",
+            "| {} | {:.0} | {:.3} | {:.3} | {:.3} | {:.2} µs | {:+.2} µs | {:.4} |",
             t.name,
             rps(i),
             rps(i) / rps(0).max(1.0),
             round_ratio(i),
             round_cpu_ratio(i),
             cpu(i),
-            cpu(i) - cpu(1)
+            cpu(i) - cpu(1),
+            median_of(samples, i, |s| s.calls_per_request)
         );
     }
     if let (Some(rate), Some(bare)) = (rate, targets.len().checked_sub(1)) {

@@ -54,6 +54,28 @@ impl Fallbacks {
     }
 }
 
+/// Requests an Envoy answered and calls it made to meshlimitd, so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CallCount {
+    requests: u64,
+    calls: u64,
+}
+
+impl CallCount {
+    pub(crate) fn read(admin: &str) -> CallCount {
+        CallCount {
+            requests: stat(admin, "http.ingress.downstream_rq_total"),
+            calls: calls_to_meshlimitd(admin),
+        }
+    }
+
+    /// Calls per request since `before`.
+    pub(crate) fn per_request_since(self, before: CallCount) -> f64 {
+        let requests = self.requests.saturating_sub(before.requests);
+        self.calls.saturating_sub(before.calls) as f64 / requests.max(1) as f64
+    }
+}
+
 /// Calls an Envoy made to meshlimitd: the wasm filter's HTTP checks, or
 /// the native filter's gRPC ones.
 pub(crate) fn calls_to_meshlimitd(admin: &str) -> u64 {

@@ -311,7 +311,14 @@ fn service_runs(fleet: &Fleet) -> (f64, f64, f64) {
         .to_string();
     let (mut service, mut grpc, mut redis) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..REPEATS {
-        let s = crate::load::load(&service_url, &[], None, Some(check), crate::load::Url::One);
+        let s = crate::load::load(
+            crate::load::SECONDS,
+            &service_url,
+            &[],
+            None,
+            Some(check),
+            crate::load::Url::One,
+        );
         let g = grpc_load(&fleet.native.addr(GRPC_PORT));
         let r = redis_benchmark(&fleet.global.host, &sha);
         println!(

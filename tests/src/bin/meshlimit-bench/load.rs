@@ -24,6 +24,9 @@ pub(crate) struct Sample {
     pub(crate) non_2xx_4xx: u64,
     /// CPU the Envoy under test spent per request (saturation runs).
     pub(crate) envoy_cpu_us: f64,
+    /// Calls to meshlimitd per request the Envoy under test answered
+    /// (`make bench-ab`'s rounds).
+    pub(crate) calls_per_request: f64,
 }
 
 pub(crate) fn oha() -> String {
@@ -34,6 +37,7 @@ pub(crate) fn oha() -> String {
 /// regex or a file of URLs, as `how` says; each request then goes to a
 /// URL drawn from it.
 pub(crate) fn load(
+    seconds: u64,
     url: &str,
     headers: &[&str],
     rate: Option<u64>,
@@ -59,7 +63,7 @@ pub(crate) fn load(
         "--output-format",
         "json",
         "-z",
-        &format!("{SECONDS}s"),
+        &format!("{seconds}s"),
     ])
     .args(["-c", &connections.to_string()]);
     if let Some(r) = rate {
@@ -114,6 +118,7 @@ pub(crate) fn parse(out: std::io::Result<std::process::Output>) -> Sample {
         p999_ms: ms("p99.9"),
         non_2xx_4xx: bad,
         envoy_cpu_us: 0.0,
+        calls_per_request: 0.0,
     }
 }
 

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use meshlimit_testbed::procs::Proc;
 use meshlimit_testbed::Topology;
 
-use crate::load::{load, Sample, Url};
+use crate::load::{load, Sample, Url, SECONDS};
 
 pub(crate) struct Target {
     pub(crate) name: &'static str,
@@ -49,10 +49,15 @@ pub(crate) fn replica_target(
 
 /// One run against `t`, on the test core while runs are pinned.
 pub(crate) fn run(t: &Target, key: &str, rate: Option<u64>) -> Sample {
-    crate::machine::on_the_test_core(t.pid, || run_here(t, key, rate))
+    run_for(SECONDS, t, key, rate)
 }
 
-fn run_here(t: &Target, key: &str, rate: Option<u64>) -> Sample {
+/// As [`run`], for `seconds`.
+pub(crate) fn run_for(seconds: u64, t: &Target, key: &str, rate: Option<u64>) -> Sample {
+    crate::machine::on_the_test_core(t.pid, || run_here(seconds, t, key, rate))
+}
+
+fn run_here(seconds: u64, t: &Target, key: &str, rate: Option<u64>) -> Sample {
     // The many-clients runs send no id header: it would win over the
     // query parameter.
     let mut headers: Vec<&str> = t.headers.to_vec();
@@ -61,14 +66,15 @@ fn run_here(t: &Target, key: &str, rate: Option<u64>) -> Sample {
     }
     match &t.urls_file {
         Some(file) => load(
+            seconds,
             &file.display().to_string(),
             &headers,
             rate,
             t.post,
             Url::File,
         ),
-        None if t.many_clients => load(&t.url, &headers, rate, t.post, Url::Regex),
-        None => load(&t.url, &headers, rate, t.post, Url::One),
+        None if t.many_clients => load(seconds, &t.url, &headers, rate, t.post, Url::Regex),
+        None => load(seconds, &t.url, &headers, rate, t.post, Url::One),
     }
 }
 
