@@ -39,9 +39,10 @@
 //!
 //! Runs are interleaved (1..5, 1..5, ...) and repeated; medians are
 //! reported. The throughput targets against the do-nothing filter are
-//! read from pairs run side by side instead (the repeats, and
-//! [`TARGET_PAIRS`] more, run in the pairs' rows' forks: more Envoys of
-//! the same rows, see `fleet::FORKS`): the median of the pairs' ratios.
+//! read from pairs run side by side instead (`full::TARGET_PAIRS`, run in
+//! the pairs' rows' forks: more Envoys of the same rows, see
+//! `fleet::FORKS`), each row's run right after a few seconds of its own
+//! load (`full::WARM_SECONDS`): the median of the pairs' ratios.
 //! The load generator is oha.
 //!
 //! `MESHLIMIT_BENCH_AB=<builds, separated by :>` (`make bench-ab`) prices a change to

@@ -9,7 +9,7 @@ use meshlimit_testbed::tools;
 use crate::counted::Fallbacks;
 use crate::envoys::compare_wasm;
 use crate::fleet::FORKS;
-use crate::full::{Runs, BUSY_PAIR, LOCAL_PAIR, LOCAL_ZIPF_PAIR, ZIPF_PAIR};
+use crate::full::{Runs, BUSY_PAIR, LOCAL_PAIR, LOCAL_ZIPF_PAIR, WARM_SECONDS, ZIPF_PAIR};
 use crate::load::{
     median, median_of, median_rps, Sample, CONNECTIONS, REPEATS, SATURATION_CONNECTIONS, SECONDS,
 };
@@ -49,6 +49,14 @@ const DENY: usize = 3;
 const SPENT_BUDGET: usize = 19;
 const DENY_SAME_POST: usize = 20;
 
+/// Ratios from the lowest, two decimals each, for the reader to see their
+/// spread.
+fn in_order(mut ratios: Vec<f64>) -> String {
+    ratios.sort_by(f64::total_cmp);
+    let shown: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+    shown.join(", ")
+}
+
 fn check(ok: bool) -> &'static str {
     if ok {
         "met"
@@ -85,10 +93,23 @@ impl Report<'_> {
 
     /// A pair's ratios, in order, for the reader to see their spread.
     fn pairs_seen(&self, row: usize) -> String {
-        let mut ratios = self.paired.get(&row).cloned().unwrap_or_default();
-        ratios.sort_by(f64::total_cmp);
-        let shown: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
-        format!("{} pairs: {}", ratios.len(), shown.join(", "))
+        let ratios = self.paired.get(&row).cloned().unwrap_or_default();
+        format!("{} pairs: {}", ratios.len(), in_order(ratios))
+    }
+
+    /// The saturation repeats' ratios of `row` to `floor`, in order: each
+    /// run a minute or more after the row's last, so a leased row's
+    /// clients start without their leases.
+    fn cold_ratios(&self, floor: usize, row: usize) -> String {
+        let (Some(fs), Some(rs)) = (self.saturation.get(&floor), self.saturation.get(&row)) else {
+            return "none".to_string();
+        };
+        in_order(
+            fs.iter()
+                .zip(rs)
+                .map(|(f, r)| r.rps / f.rps.max(1.0))
+                .collect(),
+        )
     }
 
     /// Writes docs/benchmarks.md and .svg (target/bench-compare.* when a
@@ -147,7 +168,9 @@ impl Report<'_> {
              Runs of {SECONDS} s, interleaved across configurations and repeated {REPEATS} times; medians. \
              Ratios are to configuration 1 from the same run: absolute numbers move with the machine's load, \
              ratios much less. The targets against the do-nothing filter are read from pairs run side by \
-             side, in {} Envoys of each of their rows: the rows' own and {FORKS} forks (see the notes).\n\n",
+             side, in {} Envoys of each of their rows: the rows' own and {FORKS} forks (see the notes), each \
+             row's run right after {WARM_SECONDS} s of its own load, unmeasured: the steady state, not the \
+             restart of clients whose leases went back while the row waited.\n\n",
             cores(),
             FORKS + 1
         )
@@ -352,9 +375,10 @@ impl Report<'_> {
         );
         let _ = writeln!(
             md,
-            "| (17) 1000 clients, Zipf: >= 0.7 of the do-nothing wasm filter on the same mix (16), side by side | {:.2} of (16), the median of {}; the medians' ratio {:.2}; {:.4} calls per request (leases off (18): {:.2} of (16), {:.3} calls per request) | {} |",
+            "| (17) 1000 clients, Zipf: >= 0.7 of the do-nothing wasm filter on the same mix (16), side by side | {:.2} of (16), the median of {}; from cold (the repeats, each a minute or more after the row's last run: its clients' leases had gone back) {}, the medians' ratio {:.2}; {:.4} calls per request (leases off (18): {:.2} of (16), {:.3} calls per request) | {} |",
             self.pair_ratio(leased_zipf),
             self.pairs_seen(leased_zipf),
+            self.cold_ratios(noop_zipf, leased_zipf),
             self.sat(leased_zipf) / self.sat(noop_zipf).max(1.0),
             self.per_rq(leased_zipf),
             self.sat(UNLEASED_ZIPF) / self.sat(noop_zipf).max(1.0),
