@@ -41,12 +41,21 @@ pub(super) enum Lookup {
     NeedsClock,
 }
 
-/// The next lease a draw found due: its ticket, and how long the units
-/// left last at the check's pace (a renewal with time to spare waits for
-/// the next batch or the tick).
+/// The next lease a draw found due: its ticket, and how long until the
+/// check's request that would find no units ([`time_to_miss_ms`]; a
+/// renewal with time to spare waits for the next batch or the tick).
 pub(super) struct Renewal {
     ticket: LeaseTicket,
     runway_ms: u64,
+}
+
+/// How long, at a check's pace of `want` units an interval, until its
+/// request that would find no units: the `held` units serve the requests
+/// before it, and it comes one request (`cost`) after them. A renewal
+/// that arrives by then keeps every request from pausing; a tail client
+/// with the last of a small lease in hand still has a request's time.
+pub(super) fn time_to_miss_ms(held: u64, cost: u64, interval_ms: u64, want: u64) -> u64 {
+    held.saturating_add(cost).saturating_mul(interval_ms) / want.max(1)
 }
 
 /// A lease this worker installed: what giving its units back needs.
@@ -236,9 +245,8 @@ impl Worker {
             observer.keep_draw(place.fingerprint, draw);
             let renewal = match take {
                 Take::Renew { units, held, .. } => {
-                    // How long what is left lasts at the check's pace (a
-                    // renewal near its window's end asks for less).
-                    let runway_ms = held.saturating_mul(interval) / want.max(1);
+                    // A renewal near its window's end asks for less.
+                    let runway_ms = time_to_miss_ms(held, cost, interval, want);
                     let ticket = LeaseTicket {
                         renewal: true,
                         ..ticket(units)
@@ -271,8 +279,8 @@ impl Worker {
     /// cost 0 (no request rides on it) that only asks for units. Its grant
     /// replaces the lease (see `Slot::install`); if it fails, the ask
     /// expires and the next request that finds the lease spent asks again.
-    /// When what is left lasts `runway_ms`, half as long again as the wait
-    /// or more, it waits for the next batch or the tick, with other checks'
+    /// When the request that would miss is `runway_ms` away, half as long
+    /// again as the wait or more, it waits for the next batch or the tick, with other checks'
     /// renewals (a call for many instead of one each); else it goes in the
     /// next batch.
     #[cold]
