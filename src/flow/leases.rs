@@ -245,7 +245,8 @@ impl Worker {
             observer.keep_draw(place.fingerprint, draw);
             let renewal = match take {
                 Take::Renew { units, held, .. } => {
-                    // A renewal near its window's end asks for less.
+                    // Timed at the check's pace, not by the units asked
+                    // (a renewal near its window's end asks for less).
                     let runway_ms = time_to_miss_ms(held, cost, interval, want);
                     let ticket = LeaseTicket {
                         renewal: true,
@@ -280,9 +281,9 @@ impl Worker {
     /// replaces the lease (see `Slot::install`); if it fails, the ask
     /// expires and the next request that finds the lease spent asks again.
     /// When the request that would miss is `runway_ms` away, half as long
-    /// again as the wait or more, it waits for the next batch or the tick, with other checks'
-    /// renewals (a call for many instead of one each); else it goes in the
-    /// next batch.
+    /// again as the wait or more, it waits for the next batch or the tick,
+    /// with other checks' renewals (a call for many instead of one each);
+    /// else it goes in the next batch.
     #[cold]
     #[inline(never)]
     fn renew(

@@ -78,7 +78,7 @@ impl CallCount {
 
 /// Calls an Envoy made to meshlimitd: the wasm filter's HTTP checks, or
 /// the native filter's gRPC ones.
-pub(crate) fn calls_to_meshlimitd(admin: &str) -> u64 {
+fn calls_to_meshlimitd(admin: &str) -> u64 {
     stat(admin, "cluster.meshlimit.upstream_rq_total")
         + stat(admin, "cluster.meshlimit_rls.upstream_rq_total")
 }

@@ -7,7 +7,7 @@ use meshlimit_testbed::procs::rss_kib;
 use meshlimit_testbed::tools;
 use meshlimit_testbed::topology::GRPC_PORT;
 
-use crate::counted::{calls_to_meshlimitd, Fallbacks};
+use crate::counted::{CallCount, Fallbacks};
 use crate::fleet::Fleet;
 use crate::load::{median, median_rps, Sample, REPEATS, SECONDS};
 use crate::machine::{busy_ticks, cpu_ticks, pin_for_runs, stat, unpin_all, with_cpu, CpuShare};
@@ -102,18 +102,16 @@ pub(crate) fn bench() {
     for t in &measured {
         let _ = run(t, key(t), Some(2_000));
     }
-    let calls_before: Vec<(u64, u64, u64)> = targets.iter().map(call_counts).collect();
+    let calls_before: Vec<(CallCount, u64)> = targets.iter().map(call_counts).collect();
     let fallbacks_before: Vec<Fallbacks> =
         targets.iter().map(|t| Fallbacks::read(&t.admin)).collect();
     let (saturation, cpu) = saturation_runs(&fleet, &targets);
     let calls: Vec<(f64, u64)> = targets
         .iter()
         .zip(&calls_before)
-        .map(|(t, (rq0, call0, cx0))| {
-            let (rq, calls, cx) = call_counts(t);
-            let rq = rq.saturating_sub(*rq0);
-            let calls = calls.saturating_sub(*call0);
-            (calls as f64 / rq.max(1) as f64, cx.saturating_sub(*cx0))
+        .map(|(t, (calls0, cx0))| {
+            let (calls, cx) = call_counts(t);
+            (calls.per_request_since(*calls0), cx.saturating_sub(*cx0))
         })
         .collect();
     let paired = target_pairs(&targets, &forks);
@@ -159,11 +157,11 @@ pub(crate) fn bench() {
     drop(fleet);
 }
 
-/// A row's requests, calls to meshlimitd and new connections to it, so far.
-fn call_counts(t: &Target) -> (u64, u64, u64) {
+/// A row's requests and calls to meshlimitd, and its new connections to
+/// meshlimitd, so far.
+fn call_counts(t: &Target) -> (CallCount, u64) {
     (
-        stat(&t.admin, "http.ingress.downstream_rq_total"),
-        calls_to_meshlimitd(&t.admin),
+        CallCount::read(&t.admin),
         stat(&t.admin, "cluster.meshlimit.upstream_cx_total"),
     )
 }
