@@ -1,6 +1,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use clap::Parser;
 use meshlimitd::api;
 use meshlimitd::app::{self, AppState};
@@ -362,6 +363,16 @@ async fn serve(args: &Args, state: AppState) -> Result<(), String> {
     tokio::spawn(async move {
         shutdown_signal().await;
         let _ = stop.send(true);
+    });
+    // TCP_NODELAY: an answer goes out when it is written. Over HTTP/2 an
+    // answer and the frames around it (window updates, settings acks) are
+    // small writes on one connection, which Nagle's algorithm would hold
+    // back for the caller's delayed ACK: tens of milliseconds, past the
+    // filter's 20 ms timeout.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY on a connection: {e}");
+        }
     });
     let mut http_stopped = stopped.clone();
     axum::serve(listener, app)
