@@ -58,8 +58,34 @@ fn respond(stream: &mut TcpStream, status: u16, body: &str) -> bool {
     stream.write_all(head.as_bytes()).is_ok() && stream.write_all(body.as_bytes()).is_ok()
 }
 
-fn serve(mut stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
+/// The first bytes of an HTTP/2 connection with prior knowledge (h2c), as
+/// Envoy opens its meshlimit cluster's: no HTTP/1.1 method starts so.
+const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
+
+/// Serves a connection in the protocol it opens with: Envoy's calls come
+/// over HTTP/2, as its meshlimit cluster speaks (envoy/replica.yaml), and
+/// its health checks over HTTP/1.1.
+fn serve(stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
     let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut first = [0u8; HTTP2_PREFACE.len()];
+    let opened = loop {
+        match stream.peek(&mut first) {
+            Ok(n) if n < first.len() && n > 0 && HTTP2_PREFACE.starts_with(&first[..n]) => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(n) => break first.get(..n).unwrap_or_default(),
+            Err(_) if !stop.load(Ordering::Relaxed) => {}
+            Err(_) => return,
+        }
+    };
+    if opened == HTTP2_PREFACE {
+        serve_http2(stream, behavior, stop);
+    } else {
+        serve_http1(stream, behavior, stop);
+    }
+}
+
+fn serve_http1(mut stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         let Some(path) = crate::http::read_request(&mut stream).map(|r| r.path) else {
             // Timeouts just mean an idle keep-alive connection.
@@ -95,5 +121,86 @@ fn serve(mut stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
         if !ok {
             return;
         }
+    }
+}
+
+/// The same behaviours over HTTP/2: each call a stream of its own, so a
+/// hanging one holds only its stream.
+fn serve_http2(stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    runtime.block_on(async {
+        let Ok(tcp) = stream
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::TcpStream::from_std(stream))
+        else {
+            return;
+        };
+        let Ok(mut connection) = h2::server::handshake(tcp).await else {
+            return;
+        };
+        while !stop.load(Ordering::Relaxed) {
+            let accepted = tokio::time::timeout(Duration::from_millis(200), connection.accept());
+            match accepted.await {
+                Ok(Some(Ok((request, respond)))) => {
+                    let behavior = behavior.clone();
+                    tokio::spawn(answer_http2(request, respond, behavior));
+                }
+                Ok(_) => return,
+                Err(_) => {} // idle
+            }
+        }
+    });
+}
+
+/// Reads a call's body whole, as meshlimitd does, then answers as
+/// `behavior` says (a hanging call never is, until its stream is reset).
+async fn answer_http2(
+    request: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<bytes::Bytes>,
+    behavior: Behavior,
+) {
+    let healthz = request.uri().path() == "/healthz";
+    let mut body = request.into_body();
+    while let Some(Ok(chunk)) = body.data().await {
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    let slow = r#"{"results":[{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":1,"retry_after_ms":0}]}]}"#;
+    let (status, answer, delay) = match behavior {
+        Behavior::Unhealthy if healthz => (503, "{}".to_string(), None),
+        _ if healthz => (200, "ok".to_string(), None),
+        Behavior::Hang | Behavior::Unhealthy => {
+            // Until Envoy gives up on the call and resets its stream.
+            let _ = std::future::poll_fn(|cx| respond.poll_reset(cx)).await;
+            return;
+        }
+        Behavior::Answer(status, body) => (status, body, None),
+        Behavior::Huge(n) => (
+            200,
+            format!("{{\"results\":[\"{}\"]}}", "x".repeat(n)),
+            None,
+        ),
+        Behavior::SlowBody(delay) => (200, slow.to_string(), Some(delay)),
+    };
+    let Ok(head) = http::Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(())
+    else {
+        return;
+    };
+    let Ok(mut send) = respond.send_response(head, answer.is_empty()) else {
+        return;
+    };
+    if let Some(delay) = delay {
+        tokio::time::sleep(delay).await;
+    }
+    if !answer.is_empty() {
+        // Queued whole; the connection sends it as Envoy's window allows.
+        let _ = send.send_data(bytes::Bytes::from(answer), true);
     }
 }

@@ -65,6 +65,9 @@ pub struct TopologyOptions {
     /// [`LATE_PROXY_PORT`]) that can hold its answers back
     /// ([`Topology::late`]).
     pub late_answers: bool,
+    /// The replicas' meshlimit cluster speaks HTTP/1.1: replica.yaml's
+    /// `typed_extension_protocol_options` (HTTP/2) left out, to compare.
+    pub meshlimitd_http1: bool,
 }
 
 /// The shared token of topologies with [`TopologyOptions::shared_token`].
@@ -94,6 +97,7 @@ impl Default for TopologyOptions {
             rls_config_dir: None,
             shared_token: false,
             late_answers: false,
+            meshlimitd_http1: false,
         }
     }
 }
@@ -265,7 +269,10 @@ impl Topology {
             ("UPSTREAM_HOST", self.host.clone()),
             ("UPSTREAM_PORT", UPSTREAM_PORT.to_string()),
         ]);
-        let config = render(&render::template("replica.yaml"), &vars);
+        let mut config = render(&render::template("replica.yaml"), &vars);
+        if self.options.meshlimitd_http1 {
+            config = without_http2_options(&config);
+        }
         if self.options.hold_headers {
             return config.replacen(
                 "failure_policy: FAIL_RELOAD\n",
@@ -594,4 +601,25 @@ pub fn validate_envoy_config(config: &str, dir: &Path, name: &str) -> (bool, Str
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+/// `config` without the meshlimit cluster's HTTP/2 options (the lines from
+/// `typed_extension_protocol_options:` to `http2_protocol_options: {}`):
+/// the cluster as it was over HTTP/1.1.
+fn without_http2_options(config: &str) -> String {
+    let lines: Vec<&str> = config.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| l.trim() == "typed_extension_protocol_options:");
+    let end = lines
+        .iter()
+        .position(|l| l.trim() == "http2_protocol_options: {}");
+    match (start, end) {
+        (Some(start), Some(end)) if start < end => {
+            let mut kept: Vec<&str> = lines[..start].to_vec();
+            kept.extend_from_slice(&lines[end + 1..]);
+            kept.join("\n") + "\n"
+        }
+        _ => panic!("replica.yaml's meshlimit cluster has no HTTP/2 options to leave out"),
+    }
 }

@@ -170,3 +170,16 @@ pub fn assert_no_vm_panics(t: &Topology) {
         );
     }
 }
+
+/// The checks meshlimitd has decided, over every outcome
+/// (`meshlimitd_decisions_total`).
+pub fn meshlimitd_decisions(t: &Topology) -> u64 {
+    let metrics = meshlimit_testbed::http::get(&t.meshlimitd_addr(), "/metrics", &[])
+        .map(|r| r.body)
+        .unwrap_or_default();
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("meshlimitd_decisions_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
