@@ -143,3 +143,109 @@ fn a_repeated_id_header_spends_no_ones_quota() {
     // The victim's quota is whole.
     assert_eq!(burst(&t, &key("victim"), LIMIT).0, LIMIT);
 }
+
+/// Opens up to `max` checks on one HTTP/2 connection to `addr`, each reset
+/// as soon as its headers are out, for at most `within`; returns how many
+/// went out, and why the connection ended early, if it did.
+fn reset_flood(addr: &str, token: &str, max: usize, within: Duration) -> (usize, Option<String>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut send, connection) = h2::client::handshake(tcp).await.unwrap();
+        let driver = tokio::spawn(connection);
+        let started = Instant::now();
+        let (mut sent, mut ended) = (0, None);
+        while sent < max && started.elapsed() < within {
+            send = match send.ready().await {
+                Ok(ready) => ready,
+                Err(e) => {
+                    ended = Some(e.to_string());
+                    break;
+                }
+            };
+            let request =
+                http::Request::post(format!("http://{addr}{}", meshlimit_protocol::CHECK_PATH))
+                    .header("authorization", format!("Bearer {token}"))
+                    .header("content-type", "application/json")
+                    .body(())
+                    .unwrap();
+            match send.send_request(request, false) {
+                Ok((_answer, mut body)) => {
+                    body.send_reset(h2::Reason::CANCEL);
+                    sent += 1;
+                }
+                Err(e) => {
+                    ended = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        driver.abort();
+        (sent, ended)
+    })
+}
+
+/// meshlimitd speaks HTTP/2 (h2c) since the filter's cluster does, so a
+/// pod that reaches it can too: this one, holding the shared token, opens
+/// 20,000 checks on one connection and resets each as soon as its headers
+/// are out (the "rapid reset" of CVE-2023-44487). No check of them starts
+/// a script (a check is decided once its whole body is in), meshlimitd's
+/// memory stays flat, and it decides everyone else's checks exactly as
+/// before, meanwhile and after.
+#[test]
+fn a_pod_resetting_http2_checks_as_fast_as_it_can_starts_no_script() {
+    let t = Topology::start(TopologyOptions {
+        // Leases off: each new client's request is one check, decided once.
+        plugin_config: keyed("local")
+            .set("leases", json!({"enabled": false}))
+            .build(),
+        replicas: 1,
+        front: false,
+        shared_token: true,
+        ..TopologyOptions::default()
+    });
+    wait_for_global_decisions(&t, Duration::from_secs(10));
+    wait_for_fresh_window(Duration::from_secs(20));
+    let rss_before = meshlimit_testbed::procs::rss_kib(t.meshlimitd_pid());
+    let decided_before = meshlimitd_decisions(&t);
+    let addr = t.meshlimitd_addr();
+    let flood = std::thread::spawn(move || {
+        reset_flood(
+            &addr,
+            meshlimit_testbed::topology::SHARED_TOKEN,
+            20_000,
+            Duration::from_secs(10),
+        )
+    });
+    // Meanwhile, a client through Envoy: one request a check, decided by
+    // meshlimitd (a new client's first request is a call).
+    let mut meanwhile = 0;
+    while !flood.is_finished() && meanwhile < 200 {
+        let r = send(&t, &key(&format!("meanwhile-{meanwhile}")));
+        assert_eq!(r.status, 200, "{}", r.body);
+        meanwhile += 1;
+    }
+    let (sent, ended) = flood.join().unwrap();
+    eprintln!("{sent} checks opened and reset ({ended:?}); {meanwhile} requests meanwhile");
+    assert!(sent >= 1_000 || ended.is_some(), "{sent} sent, {ended:?}");
+    let decided = meshlimitd_decisions(&t) - decided_before;
+    let fallbacks =
+        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+    // Every check meshlimitd decided was one of those requests' (a call
+    // that timed out under the flood's load is decided by the fallback,
+    // and its script may still have run).
+    assert!(
+        decided <= meanwhile as u64 && decided + fallbacks >= meanwhile as u64,
+        "{decided} checks decided by meshlimitd and {fallbacks} by the fallback for {meanwhile} requests"
+    );
+    // Afterwards, a client's limit is exact, decided by meshlimitd.
+    assert_eq!(burst(&t, &key("after-the-flood"), LIMIT + 5), (LIMIT, 5));
+    let rss_after = meshlimit_testbed::procs::rss_kib(t.meshlimitd_pid());
+    assert!(
+        rss_after < rss_before + 32 * 1024,
+        "meshlimitd grew from {rss_before} to {rss_after} KiB"
+    );
+}
