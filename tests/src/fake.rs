@@ -87,6 +87,11 @@ fn serve(stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
 
 fn serve_http1(mut stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
+        // Closed by Envoy: done (a read at its end returns at once, and
+        // would spin here until the test stops).
+        if matches!(stream.peek(&mut [0u8; 1]), Ok(0)) {
+            return;
+        }
         let Some(path) = crate::http::read_request(&mut stream).map(|r| r.path) else {
             // Timeouts just mean an idle keep-alive connection.
             if stop.load(Ordering::Relaxed) {
