@@ -192,6 +192,14 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
     out
 }
 
+/// One of Envoy's stats by its full name (`cluster.meshlimit.upstream_rq_total`),
+/// 0 when Envoy has none.
+pub fn envoy_stat(admin: &str, name: &str) -> u64 {
+    envoy_stats(admin, &format!("^{}$", name.replace('.', "\\.")))
+        .first()
+        .map_or(0, |(_, v)| *v)
+}
+
 /// `name: value` lines of an Envoy admin `/stats` page, as numbers.
 pub fn envoy_stats(admin: &str, filter: &str) -> Vec<(String, u64)> {
     let path = format!("/stats?filter={filter}");

@@ -134,6 +134,19 @@ impl Drop for Proc {
     }
 }
 
+/// CPU time (user + system) a process used so far, in clock ticks (10 ms
+/// each on Linux), 0 if unknown.
+pub fn cpu_ticks(pid: Option<u32>) -> u64 {
+    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .and_then(|s| {
+            // Fields after the command name (which may contain spaces).
+            let rest = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0)
+}
+
 /// Resident memory of a process in KiB (VmRSS), 0 if unknown.
 pub fn rss_kib(pid: Option<u32>) -> u64 {
     pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())

@@ -430,11 +430,7 @@ fn a_plugin_pointing_at_a_missing_cluster_never_changes_anothers_decisions() {
 fn a_call_that_times_out_keeps_its_connection_to_meshlimitd() {
     let t = single_replica(config("50ms", "local", json!({"failures": 1000})), None);
     let admin = t.replica_admin(1);
-    let cluster = |name: &str| -> u64 {
-        http::envoy_stats(&admin, &format!("^cluster\\.meshlimit\\.{name}$"))
-            .first()
-            .map_or(0, |(_, v)| *v)
-    };
+    let cluster = |name: &str| http::envoy_stat(&admin, &format!("cluster.meshlimit.{name}"));
     let mut conn = Conn::new(&t.entry());
     let _warm = timed(&mut conn, "warm", 10);
     let opened = cluster("upstream_cx_total");
@@ -471,12 +467,7 @@ fn a_call_that_times_out_keeps_its_connection_to_meshlimitd() {
 #[test]
 #[ignore = "timing, by hand"]
 fn what_a_call_costs_over_http2_and_http1() {
-    fn cpu_ms(pid: u32) -> u64 {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
-        // utime and stime, in clock ticks of 10 ms.
-        (fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()) * 10
-    }
+    let cpu_ms = |pid: u32| meshlimit_testbed::procs::cpu_ticks(Some(pid)) * 10;
     for round in 0..2 {
         for http1 in [false, true] {
             let t = Topology::start(TopologyOptions {

@@ -3,7 +3,6 @@
 
 use std::process::Command;
 
-use meshlimit_testbed::http;
 use meshlimit_testbed::Topology;
 
 use crate::load::{Sample, SECONDS};
@@ -39,23 +38,9 @@ pub(crate) fn pin(pid: Option<u32>, cpus: &str) {
     assert!(ok, "taskset could not pin process {pid} to CPUs {cpus}");
 }
 
-pub(crate) fn stat(admin: &str, name: &str) -> u64 {
-    http::envoy_stats(admin, &format!("^{}$", name.replace('.', "\\.")))
-        .first()
-        .map_or(0, |(_, v)| *v)
-}
+pub(crate) use meshlimit_testbed::http::envoy_stat as stat;
 
-/// CPU time (user + system) a process used so far, in clock ticks.
-pub(crate) fn cpu_ticks(pid: Option<u32>) -> u64 {
-    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
-        .and_then(|s| {
-            // Fields after the command name (which may contain spaces).
-            let rest = s.rsplit_once(')')?.1;
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or(0)
-}
+pub(crate) use meshlimit_testbed::procs::cpu_ticks;
 
 /// CPU time of the whole machine so far (all cores, excluding idle), ticks.
 pub(crate) fn busy_ticks() -> u64 {
