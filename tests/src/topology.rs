@@ -519,6 +519,12 @@ impl Topology {
             .sum()
     }
 
+    /// Requests decided by the local fallback (allowed or denied) on every
+    /// replica: each one a decision meshlimitd did not make.
+    pub fn fallback_decisions(&self) -> u64 {
+        self.stat_total("meshlimit.fallback_allowed") + self.stat_total("meshlimit.fallback_denied")
+    }
+
     /// Requests admitted from quota leases, on every replica. The filter
     /// adds them to the stat on each tick (every 250 ms by default), so
     /// this first waits for one.

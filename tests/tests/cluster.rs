@@ -134,7 +134,7 @@ fn traffic(t: &Topology, id: &str, stop: &AtomicBool, ok: &AtomicUsize, bad: &At
 }
 
 fn fallbacks(t: &Topology) -> u64 {
-    t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied")
+    t.fallback_decisions()
 }
 
 #[test]

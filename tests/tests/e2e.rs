@@ -77,8 +77,7 @@ fn sixty_four_concurrent_connections_never_exceed_the_limit() {
         "statuses: {:?}",
         other.lock().unwrap()
     );
-    let fallbacks =
-        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+    let fallbacks = t.fallback_decisions();
     assert_eq!(
         fallbacks,
         0,

@@ -109,10 +109,7 @@ fn fifty_clients_at_once_each_get_exactly_their_limit() {
         batches < checks,
         "{checks} checks in {batches} calls: coalesced"
     );
-    assert_eq!(
-        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied"),
-        0
-    );
+    assert_eq!(t.fallback_decisions(), 0);
     assert_no_vm_panics(&t);
 }
 

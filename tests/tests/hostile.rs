@@ -232,8 +232,7 @@ fn a_pod_resetting_http2_checks_as_fast_as_it_can_starts_no_script() {
     eprintln!("{sent} checks opened and reset ({ended:?}); {meanwhile} requests meanwhile");
     assert!(sent >= 1_000 || ended.is_some(), "{sent} sent, {ended:?}");
     let decided = meshlimitd_decisions(&t) - decided_before;
-    let fallbacks =
-        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+    let fallbacks = t.fallback_decisions();
     // Every check meshlimitd decided was one of those requests' (a call
     // that timed out under the flood's load is decided by the fallback,
     // and its script may still have run).

@@ -230,7 +230,7 @@ fn print_token_stats(t: &Topology) {
 }
 
 fn fallback_total(t: &Topology) -> u64 {
-    t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied")
+    t.fallback_decisions()
 }
 
 fn main() {

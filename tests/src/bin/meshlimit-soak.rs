@@ -146,9 +146,7 @@ fn soak() {
     let stop = AtomicBool::new(false);
     let entry = t.entry();
     let mut restarts = 0;
-    let fallbacks = |t: &Topology| {
-        t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied")
-    };
+    let fallbacks = |t: &Topology| t.fallback_decisions();
     // Fallback decisions while Redis was up: from RECOVERY after each
     // restart (and after the start) to the next restart.
     let mut steady_fallbacks = 0;

@@ -96,8 +96,7 @@ pub fn eventually(within: Duration, what: impl Fn() -> bool) -> bool {
 /// Sends requests until several in a row (so every replica's breaker has
 /// closed) are decided by the service, for at most `within`.
 pub fn wait_for_global_decisions(t: &Topology, within: Duration) {
-    let fallbacks =
-        || t.stat_total("meshlimit.fallback_allowed") + t.stat_total("meshlimit.fallback_denied");
+    let fallbacks = || t.fallback_decisions();
     let deadline = Instant::now() + within;
     let mut in_a_row = 0;
     let mut n = 0;
