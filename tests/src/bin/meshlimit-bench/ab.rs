@@ -5,9 +5,9 @@ use meshlimit_testbed::procs::{Proc, TempDir};
 use meshlimit_testbed::{Topology, TopologyOptions};
 use serde_json::json;
 
-use crate::configs::allow_all;
+use crate::configs::{allow_all, leases_off, one_call_each};
 use crate::counted::{CallCount, Fallbacks};
-use crate::envoys::{baseline_envoy, meshlimit_answering_with, noop_filter};
+use crate::envoys::{baseline_envoy, meshlimit_answering_over, noop_filter};
 use crate::full::Runs;
 use crate::load::{median, median_of, median_rps, Sample, SECONDS};
 use crate::machine::{cpu_ticks, flag, pin_and_warm, with_cpu};
@@ -59,10 +59,10 @@ pub(crate) fn ab(others: Vec<std::path::PathBuf>) {
     let builds = ab_builds(&others, &config);
     let runs: Vec<(Topology, Proc)> = builds
         .iter()
-        .map(|(_, wasm, config)| meshlimit_answering_with(config, wasm.clone()))
+        .map(|b| meshlimit_answering_over(&b.config, b.wasm.clone(), b.cluster_http1))
         .collect();
     let names: Vec<&'static str> = std::iter::once("the do-nothing wasm filter")
-        .chain(builds.iter().map(|(n, _, _)| *n))
+        .chain(builds.iter().map(|b| b.name))
         .collect();
     let noop_row = direct_row(names[0], &noop_addr, base.addr(19_906), noop.pid());
     let mut targets = vec![mixed(noop_row, &noop_addr)];
@@ -104,9 +104,37 @@ pub(crate) fn ab(others: Vec<std::path::PathBuf>) {
         }
     }
     for t in &targets {
+        print_call_times(t);
         print_timers(t);
     }
     drop((runs, noop, bare, base));
+}
+
+/// How long a row's calls to meshlimitd took, as its Envoy timed them
+/// (the meshlimit cluster's `upstream_rq_time`, in ms, since it started;
+/// Envoy's percentiles): nothing for a row that made none.
+fn print_call_times(t: &Target) {
+    let path = "/stats?filter=^cluster\\.meshlimit\\.upstream_rq_time$";
+    let Ok(page) = meshlimit_testbed::http::get(&t.admin, path, &[]) else {
+        return;
+    };
+    for line in page.body.lines().filter(|l| l.contains("P50(")) {
+        // "name: P0(interval,cumulative) P25(..) ...": the cumulative ones.
+        let cumulative: Vec<String> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|p| {
+                let (name, values) = p.split_once('(')?;
+                let (_, all) = values.trim_end_matches(')').split_once(',')?;
+                Some(format!("{name} {all}"))
+            })
+            .collect();
+        println!(
+            "\n{}: its calls took (ms) {}",
+            t.name,
+            cumulative.join(", ")
+        );
+    }
 }
 
 /// The rounds: each row in turn (each round starting with another), or
@@ -247,13 +275,24 @@ fn ab_tables(targets: &[Target], samples: &Runs, rate: Option<u64>) {
 }
 /// The plugin config every build runs: one hot client from leases, or
 /// the Zipf mix; with `MESHLIMIT_BENCH_AB_LOCAL=1`, its rule `scope:
-/// local` (decided from the Envoy's shared data, no call).
+/// local` (decided from the Envoy's shared data, no call); with
+/// `MESHLIMIT_BENCH_AB_CALLS=each`, every request a call of its own (row
+/// 3's config: group commit and leases off), with `=batched`, leases off
+/// (rows 15 and 18: calls in group commit's batches).
 fn ab_config(zipf: bool) -> String {
     let config = if zipf {
         allow_all().client_id(json!({"headers": ["x-api-key"], "query_params": ["key"]}))
     } else {
         allow_all()
     };
+    match std::env::var("MESHLIMIT_BENCH_AB_CALLS").as_deref() {
+        Ok("each") if !zipf => return one_call_each(),
+        Ok("batched") => return leases_off(config),
+        Ok(other) => {
+            panic!("MESHLIMIT_BENCH_AB_CALLS={other}: `each` (one hot client only) or `batched`")
+        }
+        Err(_) => {}
+    }
     if flag("MESHLIMIT_BENCH_AB_LOCAL") {
         config.rule_field("scope", json!("local")).build()
     } else {
@@ -261,9 +300,29 @@ fn ab_config(zipf: bool) -> String {
     }
 }
 
-/// One build to run: the name its rows print, the wasm (`None`: this
-/// build), and its plugin config.
-type Build = (&'static str, Option<std::path::PathBuf>, String);
+/// One build to run.
+struct Build {
+    /// What its rows print.
+    name: &'static str,
+    /// The filter's wasm; `None`: this build.
+    wasm: Option<std::path::PathBuf>,
+    /// Its plugin config.
+    config: String,
+    /// Its meshlimit cluster speaks HTTP/1.1 instead of replica.yaml's
+    /// HTTP/2.
+    cluster_http1: bool,
+}
+
+impl Build {
+    fn this(name: &'static str, config: &str) -> Build {
+        Build {
+            name,
+            wasm: None,
+            config: config.to_string(),
+            cluster_http1: false,
+        }
+    }
+}
 
 /// This build, then `others`, each with the name its rows print; with
 /// `MESHLIMIT_BENCH_AB_RULES=<n>`, this build twice instead: with
@@ -271,8 +330,24 @@ type Build = (&'static str, Option<std::path::PathBuf>, String);
 /// cost of the per-rule stats a configuration defines, five a limit, and
 /// of the rules the request is matched against); with
 /// `MESHLIMIT_BENCH_AB_HEADERS=<style>`, twice: with `config` and with
-/// that `response.headers`.
+/// that `response.headers`; with `MESHLIMIT_BENCH_AB_CLUSTER=http1`,
+/// twice: its meshlimit cluster over HTTP/2, as shipped, and over HTTP/1.1
+/// (what a call costs each way; with `MESHLIMIT_BENCH_AB_CALLS`, so that
+/// there are calls to weigh).
 fn ab_builds(others: &[std::path::PathBuf], config: &str) -> Vec<Build> {
+    match std::env::var("MESHLIMIT_BENCH_AB_CLUSTER").as_deref() {
+        Ok("http1") => {
+            return vec![
+                Build::this("this build, cluster over HTTP/2", config),
+                Build {
+                    cluster_http1: true,
+                    ..Build::this("this build, cluster over HTTP/1.1", config)
+                },
+            ]
+        }
+        Ok(other) => panic!("MESHLIMIT_BENCH_AB_CLUSTER={other}: only `http1` is known"),
+        Err(_) => {}
+    }
     // MESHLIMIT_BENCH_AB_HEADERS=<style>: this build twice, with the
     // default `response.headers` and with `style` (what a header costs).
     if let Ok(style) = std::env::var("MESHLIMIT_BENCH_AB_HEADERS") {
@@ -303,10 +378,10 @@ fn ab_builds(others: &[std::path::PathBuf], config: &str) -> Vec<Build> {
             other.display()
         );
     }
-    std::iter::once(("this build", None, config.to_string()))
-        .chain(others.iter().map(|p| {
-            let name: &'static str = Box::leak(p.display().to_string().into_boxed_str());
-            (name, Some(p.clone()), config.to_string())
+    std::iter::once(Build::this("this build", config))
+        .chain(others.iter().map(|p| Build {
+            wasm: Some(p.clone()),
+            ..Build::this(Box::leak(p.display().to_string().into_boxed_str()), config)
         }))
         .collect()
 }
@@ -323,7 +398,7 @@ fn this_build_twice(
         serde_json::from_str(config).unwrap_or_else(|e| panic!("bench config: {e}"));
     edit(&mut edited);
     vec![
-        (first, None, config.to_string()),
-        (Box::leak(second.into_boxed_str()), None, edited.to_string()),
+        Build::this(first, config),
+        Build::this(Box::leak(second.into_boxed_str()), &edited.to_string()),
     ]
 }

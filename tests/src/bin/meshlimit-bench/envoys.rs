@@ -99,12 +99,23 @@ pub(crate) fn meshlimit_answering_with(
     config: &str,
     wasm: Option<std::path::PathBuf>,
 ) -> (Topology, Proc) {
+    meshlimit_answering_over(config, wasm, false)
+}
+
+/// As [`meshlimit_answering_with`], its meshlimit cluster over HTTP/1.1
+/// when `cluster_http1` (replica.yaml's is HTTP/2).
+pub(crate) fn meshlimit_answering_over(
+    config: &str,
+    wasm: Option<std::path::PathBuf>,
+    cluster_http1: bool,
+) -> (Topology, Proc) {
     let t = Topology::start(TopologyOptions {
         plugin_config: config.into(),
         replicas: 0,
         front: false,
         replica_workers: 1,
         wasm,
+        meshlimitd_http1: cluster_http1,
         ..TopologyOptions::default()
     });
     let replica = t.start_replica(1, &answering_itself(&t.replica_config(1)));
