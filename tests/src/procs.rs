@@ -112,7 +112,12 @@ impl Proc {
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let pid = child.id().to_string();
-            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            // A process that has already exited (a test stopped it on
+            // purpose) leaves nothing to signal: kill's complaint is noise.
+            let _ = Command::new("kill")
+                .args(["-TERM", &pid])
+                .stderr(Stdio::null())
+                .status();
             let deadline = Instant::now() + Duration::from_secs(5);
             while Instant::now() < deadline {
                 if let Ok(Some(_)) = child.try_wait() {
