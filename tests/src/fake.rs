@@ -58,6 +58,16 @@ fn respond(stream: &mut TcpStream, status: u16, body: &str) -> bool {
     stream.write_all(head.as_bytes()).is_ok() && stream.write_all(body.as_bytes()).is_ok()
 }
 
+/// What [`Behavior::SlowBody`] answers, once its delay is over: one
+/// check allowed.
+const SLOW_ANSWER: &str = r#"{"results":[{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":1,"retry_after_ms":0}]}]}"#;
+
+/// What [`Behavior::Huge`] answers: JSON whose one result is a string of
+/// `n` bytes (no check result the filter can use).
+fn huge_answer(n: usize) -> String {
+    format!("{{\"results\":[\"{}\"]}}", "x".repeat(n))
+}
+
 /// The first bytes of an HTTP/2 connection with prior knowledge (h2c), as
 /// Envoy opens its meshlimit cluster's: no HTTP/1.1 method starts so.
 const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
@@ -110,13 +120,9 @@ fn serve_http1(mut stream: TcpStream, behavior: &Behavior, stop: &AtomicBool) {
                 false
             }
             Behavior::Answer(status, body) => respond(&mut stream, *status, body),
-            Behavior::Huge(n) => respond(
-                &mut stream,
-                200,
-                &format!("{{\"results\":[\"{}\"]}}", "x".repeat(*n)),
-            ),
+            Behavior::Huge(n) => respond(&mut stream, 200, &huge_answer(*n)),
             Behavior::SlowBody(delay) => {
-                let body = r#"{"results":[{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":1,"retry_after_ms":0}]}]}"#;
+                let body = SLOW_ANSWER;
                 let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
                 let sent = stream.write_all(head.as_bytes()).is_ok();
                 std::thread::sleep(*delay);
@@ -174,7 +180,6 @@ async fn answer_http2(
     while let Some(Ok(chunk)) = body.data().await {
         let _ = body.flow_control().release_capacity(chunk.len());
     }
-    let slow = r#"{"results":[{"allowed":true,"limits":[{"allowed":true,"limit":20,"remaining":19,"reset_after_ms":1,"retry_after_ms":0}]}]}"#;
     let (status, answer, delay) = match behavior {
         Behavior::Unhealthy if healthz => (503, "{}".to_string(), None),
         _ if healthz => (200, "ok".to_string(), None),
@@ -184,12 +189,8 @@ async fn answer_http2(
             return;
         }
         Behavior::Answer(status, body) => (status, body, None),
-        Behavior::Huge(n) => (
-            200,
-            format!("{{\"results\":[\"{}\"]}}", "x".repeat(n)),
-            None,
-        ),
-        Behavior::SlowBody(delay) => (200, slow.to_string(), Some(delay)),
+        Behavior::Huge(n) => (200, huge_answer(n), None),
+        Behavior::SlowBody(delay) => (200, SLOW_ANSWER.to_string(), Some(delay)),
     };
     let Ok(head) = http::Response::builder()
         .status(status)
