@@ -71,15 +71,18 @@ soak: setup build
 memory: setup build
 	$(CARGO) run --release -q -p meshlimit-testbed --bin meshlimit-soak -- --flood $${FLOOD_IDS:-1000000}
 
-## fuzz: the plugin-config parser and the check-API decoders, FUZZ_SECONDS each (default 60; needs cargo-fuzz), then FLOW_CASES random interleavings of the request flow (default 20000).
+## fuzz: the plugin-config parser, the check-API decoders, the event-stream gate and the rate limit service's configuration, FUZZ_SECONDS each (default 60; needs cargo-fuzz), then FLOW_CASES random interleavings of the request flow (default 20000).
 FUZZ_SECONDS ?= 60
 FLOW_CASES ?= 20000
 fuzz: setup
 	PROPTEST_CASES=$(FLOW_CASES) $(CARGO) test -q -p meshlimit --lib flow::tests::interleavings
 	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz
 	# cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets the stable toolchain accept them.
-	for target in plugin_config check_api event_stream; do \
-	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --fuzz-dir fuzz $$target -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	# A target's committed seeds (fuzz/seeds/<target>) join its local corpus.
+	for target in plugin_config check_api event_stream rls_config; do \
+	  mkdir -p fuzz/corpus/$$target; \
+	  seeds=; [ -d fuzz/seeds/$$target ] && seeds=fuzz/seeds/$$target; \
+	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --fuzz-dir fuzz $$target fuzz/corpus/$$target $$seeds -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
 	done
 
 ## coverage: line and branch coverage of the filter's native tests (the request flow included); installs cargo-llvm-cov.
