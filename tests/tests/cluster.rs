@@ -133,10 +133,6 @@ fn traffic(t: &Topology, id: &str, stop: &AtomicBool, ok: &AtomicUsize, bad: &At
     }
 }
 
-fn fallbacks(t: &Topology) -> u64 {
-    t.fallback_decisions()
-}
-
 #[test]
 fn a_killed_master_is_replaced_and_limiting_turns_global_again() {
     // Leases off: every request checks, so checks cross the gap. A hot
@@ -162,10 +158,10 @@ fn a_killed_master_is_replaced_and_limiting_turns_global_again() {
         t.cluster.as_ref().unwrap().kill(port);
         // The gap: until the slot has a new master and checks are global again.
         let mut calm = 0;
-        let mut last = fallbacks(&t);
+        let mut last = t.fallback_decisions();
         while calm < 10 && killed.elapsed() < Duration::from_secs(30) {
             std::thread::sleep(Duration::from_millis(100));
-            let now = fallbacks(&t);
+            let now = t.fallback_decisions();
             calm = if now == last && last > 0 { calm + 1 } else { 0 };
             last = now;
         }
@@ -179,7 +175,7 @@ fn a_killed_master_is_replaced_and_limiting_turns_global_again() {
     let new_master = cluster.master_of(slot).map(|n| n.port);
     eprintln!(
         "master {port} of slot {slot} killed; new master {new_master:?}; fallback decisions {}; gap about {} ms",
-        fallbacks(&t),
+        t.fallback_decisions(),
         gap.as_millis()
     );
     assert_eq!(
@@ -191,7 +187,10 @@ fn a_killed_master_is_replaced_and_limiting_turns_global_again() {
         new_master.is_some_and(|p| p != port),
         "a replica took over the slot"
     );
-    assert!(fallbacks(&t) > 0, "the gap was bridged by local decisions");
+    assert!(
+        t.fallback_decisions() > 0,
+        "the gap was bridged by local decisions"
+    );
     assert!(gap < Duration::from_secs(20), "global again after {gap:?}");
     // Global again: a fresh client on the same slot's new master is exact.
     wait_for_global_decisions(&t, Duration::from_secs(10));
@@ -234,9 +233,9 @@ fn a_leased_client_rides_a_killed_master_and_is_leased_again() {
             && eventually(Duration::from_secs(20), || {
                 grants(1) > granted_before[0] && grants(2) > granted_before[1]
             });
-        let (hits, fell_back) = (t.lease_hits(), fallbacks(&t));
+        let (hits, fell_back) = (t.lease_hits(), t.fallback_decisions());
         std::thread::sleep(Duration::from_secs(1));
-        let (hits_after, fell_back_after) = (t.lease_hits(), fallbacks(&t));
+        let (hits_after, fell_back_after) = (t.lease_hits(), t.fallback_decisions());
         stop.store(true, Ordering::Relaxed);
         eprintln!(
             "master {port} of slot {slot} killed; replaced {replaced}, leased again {leased_again} \
@@ -397,7 +396,7 @@ fn a_dead_node_moves_no_other_nodes_clients_into_fallback() {
     for id in &survivors {
         assert_eq!(send(&t, &key(id)).status, 200);
     }
-    assert_eq!(fallbacks(&t), 0);
+    assert_eq!(t.fallback_decisions(), 0);
     let (stop, ok, bad) = (
         AtomicBool::new(false),
         AtomicUsize::new(0),
@@ -428,7 +427,7 @@ fn a_dead_node_moves_no_other_nodes_clients_into_fallback() {
     eprintln!(
         "master {victim} killed; {} requests from clients on the other masters, {} fallback decisions; failed calls by kind: {}",
         ok.load(Ordering::Relaxed),
-        fallbacks(&t),
+        t.fallback_decisions(),
         ["timeout", "connection", "unavailable", "bad_status", "bad_body"]
             .map(|kind| format!(
                 "{kind} {}",
@@ -446,7 +445,11 @@ fn a_dead_node_moves_no_other_nodes_clients_into_fallback() {
     }
     assert_eq!(bad.load(Ordering::Relaxed), 0, "no errors, no 429");
     assert!(ok.load(Ordering::Relaxed) > 1_000, "traffic flowed");
-    assert_eq!(fallbacks(&t), 0, "no check of a live node fell back");
+    assert_eq!(
+        t.fallback_decisions(),
+        0,
+        "no check of a live node fell back"
+    );
     assert_no_vm_panics(&t);
 }
 

@@ -229,10 +229,6 @@ fn print_token_stats(t: &Topology) {
     println!("  expected: 150 + 700 + 150 streamed = {TOKENS} exactly, never more; the last two requests refused, unseen by the model");
 }
 
-fn fallback_total(t: &Topology) -> u64 {
-    t.fallback_decisions()
-}
-
 fn main() {
     meshlimit_testbed::procs::stop_all_on_panic();
     let mut t = start();
@@ -364,9 +360,9 @@ fn act_redis_back(t: &mut Topology) -> Tally {
     // Several global decisions in a row: every replica's breaker has closed.
     let mut in_a_row = 0;
     while in_a_row < 6 && started.elapsed() < Duration::from_secs(15) {
-        let before = fallback_total(t);
+        let before = t.fallback_decisions();
         t.get("/api/orders", &[("x-api-key", b"probe")]);
-        if fallback_total(t) == before {
+        if t.fallback_decisions() == before {
             in_a_row += 1;
         } else {
             in_a_row = 0;

@@ -146,7 +146,6 @@ fn soak() {
     let stop = AtomicBool::new(false);
     let entry = t.entry();
     let mut restarts = 0;
-    let fallbacks = |t: &Topology| t.fallback_decisions();
     // Fallback decisions while Redis was up: from RECOVERY after each
     // restart (and after the start) to the next restart.
     let mut steady_fallbacks = 0;
@@ -166,11 +165,11 @@ fn soak() {
         while start.elapsed() < Duration::from_secs(seconds) {
             std::thread::sleep(Duration::from_millis(200));
             if steady_since.is_none() && start.elapsed() >= last_restart + RECOVERY {
-                steady_since = Some(fallbacks(&t));
+                steady_since = Some(t.fallback_decisions());
             }
             if start.elapsed() >= next_restart {
                 if let Some(from) = steady_since.take() {
-                    steady_fallbacks += fallbacks(&t) - from;
+                    steady_fallbacks += t.fallback_decisions() - from;
                 }
                 println!("  {:>4}s: restarting Redis", start.elapsed().as_secs());
                 last_restart = start.elapsed();
@@ -182,7 +181,7 @@ fn soak() {
             }
         }
         if let Some(from) = steady_since.take() {
-            steady_fallbacks += fallbacks(&t) - from;
+            steady_fallbacks += t.fallback_decisions() - from;
         }
         stop.store(true, Ordering::Relaxed);
     });

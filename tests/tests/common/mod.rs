@@ -96,16 +96,15 @@ pub fn eventually(within: Duration, what: impl Fn() -> bool) -> bool {
 /// Sends requests until several in a row (so every replica's breaker has
 /// closed) are decided by the service, for at most `within`.
 pub fn wait_for_global_decisions(t: &Topology, within: Duration) {
-    let fallbacks = || t.fallback_decisions();
     let deadline = Instant::now() + within;
     let mut in_a_row = 0;
     let mut n = 0;
     while in_a_row < 6 {
-        let before = fallbacks();
+        let before = t.fallback_decisions();
         n += 1;
         let probe = send(t, &key(&format!("probe-{n}")));
         assert_eq!(probe.status, 200);
-        if fallbacks() == before {
+        if t.fallback_decisions() == before {
             in_a_row += 1;
         } else {
             in_a_row = 0;
